@@ -1,0 +1,48 @@
+"""Small pieces of Mamba-2 math shared by the SSM ops (PyTorch, any device)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from replayssm.ops.rounding import round_states
+
+# Above this, softplus(v) == v in fp32; every Mamba-2 kernel skips the softplus there.
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def softplus_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_softplus: bool = True) -> torch.Tensor:
+    """Δ = softplus(dt + dt_bias) in fp32 (identity above 20); plain dt + dt_bias if not dt_softplus.
+
+    dt (..., H) any float dtype; dt_bias (H,). Returns (..., H) fp32.
+    """
+    v = dt.float() + dt_bias.float()
+    if not dt_softplus:
+        return v
+    return torch.where(v > SOFTPLUS_THRESHOLD, v, F.softplus(v))
+
+
+def group_of_head(num_heads: int, num_groups: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(H,) int64: the B/C group used by each head (head h uses group h // (H // G))."""
+    assert num_heads % num_groups == 0, (num_heads, num_groups)
+    return torch.arange(num_heads, device=device) // (num_heads // num_groups)
+
+
+def heads_from_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Expand a per-group tensor (..., G, N) to per-head (..., H, N) (no copy of the math, just a gather)."""
+    num_groups = t.shape[-2]
+    return t.repeat_interleave(num_heads // num_groups, dim=-2)
+
+
+def store_states(state: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, rand_seed: int) -> None:
+    """state[slots] = values, with stochastic rounding when the pool is fp16/bf16.
+
+    state (S, H, P, N); slots (n,) int64, distinct, all valid; values (n, H, P, N) fp32.
+    """
+    if slots.numel() == 0:
+        return
+    if state.dtype == torch.float32:
+        state[slots] = values
+    else:
+        # Random bits depend on (seed, destination element) only: see ops/rounding.py.
+        state[slots] = round_states(values, slots, state.dtype, rand_seed)
