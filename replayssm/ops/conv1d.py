@@ -1,0 +1,192 @@
+"""Causal depthwise conv1d of the Mamba-2 block: varlen prefill, speculative update, commit.
+
+The window conv_state[s] (D_conv, K-1) holds the last K-1 *committed* conv inputs, oldest
+first. Prefill reads it (or zeros), convolves a packed sequence and writes the new window.
+A decode/verify step (`causal_conv1d_update`) convolves q new tokens against the window
+without touching it; after sampling, `causal_conv1d_commit` moves the window to end at the
+last accepted token:
+
+    window  w0 w1 w2 | new x0 x1 x2 x3      (K = 4, q = 4, a = 2 accepted)
+    commit  ->  w2 x0 x1                    (last K-1 of [window, x[:a]])
+
+Each public op validates its arguments and runs the Triton kernel
+(`replayssm/ops/triton/conv1d.py`) for CUDA tensors when it imports, else the `_ref` twin.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from replayssm.ops._checks import FLOAT_DTYPES, check_indices, check_tensor
+
+_ACTIVATIONS = ("silu", None)
+
+
+def _dispatch(name: str, x: torch.Tensor, ref: Callable) -> Callable:
+    """`<name>_triton` from ops/triton/conv1d.py for CUDA tensors when it imports, else `ref`."""
+    if not x.is_cuda:
+        return ref
+    try:
+        module = importlib.import_module("replayssm.ops.triton.conv1d")
+    except ImportError:
+        return ref
+    return getattr(module, f"{name}_triton", ref)
+
+
+def _conv_taps(ext: torch.Tensor, starts: torch.Tensor, weight: torch.Tensor, bias, activation):
+    """y[t] = act(sum_k weight[:, k] * ext[starts[t] + k] + bias) in fp32.
+
+    ext (L, D) fp32 inputs with their windows laid out in front; starts (T,) int64.
+    """
+    w = weight.float()
+    y = torch.zeros(starts.shape[0], ext.shape[1], dtype=torch.float32, device=ext.device)
+    for k in range(w.shape[1]):  # K is 2..4: one vectorized gather per tap
+        y += ext[starts + k] * w[:, k]
+    if bias is not None:
+        y += bias.float()
+    return F.silu(y) if activation == "silu" else y
+
+
+def _check_conv(x: torch.Tensor, ndim: int, weight, bias, conv_state, activation) -> None:
+    check_tensor("x", x, (None,) * ndim, FLOAT_DTYPES)
+    D = x.shape[-1]
+    check_tensor("weight", weight, (D, None), FLOAT_DTYPES, x.device)
+    if bias is not None:
+        check_tensor("bias", bias, (D,), FLOAT_DTYPES, x.device)
+    K = weight.shape[1]
+    if K < 1:
+        raise ValueError(f"weight: kernel width must be >= 1, got {K}")
+    check_tensor("conv_state", conv_state, (None, D, K - 1), FLOAT_DTYPES, x.device)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+def causal_conv1d_varlen_ref(
+    x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state, activation="silu"
+) -> torch.Tensor:
+    """Reference of `causal_conv1d_varlen` (same signature), vectorized over all tokens."""
+    T, D = x.shape
+    K = weight.shape[1]
+    n = state_indices.shape[0]
+    dev = x.device
+    slots = state_indices.long()
+    valid = slots >= 0
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq_of_token = torch.repeat_interleave(torch.arange(n, device=dev), lengths, output_size=T)
+    # Extended layout: sequence i occupies [cu[i] + i*(K-1), cu[i+1] + (i+1)*(K-1)), its
+    # initial window first, so every token's K taps are contiguous and never cross sequences.
+    ext = torch.zeros(T + n * (K - 1), D, dtype=torch.float32, device=dev)
+    tok_pos = torch.arange(T, device=dev) + (seq_of_token + 1) * (K - 1)
+    ext[tok_pos] = x.float()
+    win_pos = (cu_seqlens[:-1].long() + torch.arange(n, device=dev) * (K - 1))[:, None] + torch.arange(
+        K - 1, device=dev
+    )
+    init = conv_state[slots.clamp(min=0)].float().transpose(1, 2)  # (n, K-1, D)
+    init = torch.where((valid & has_initial_state)[:, None, None], init, 0.0)
+    ext[win_pos.reshape(-1)] = init.reshape(-1, D)
+    y = _conv_taps(ext, tok_pos - (K - 1), weight, bias, activation)
+    y = torch.where(valid[seq_of_token][:, None], y, 0.0)
+    # Final window: the last K-1 rows of each extended sequence (history when it is short).
+    final = ext[(win_pos + lengths[:, None]).reshape(-1)].view(n, K - 1, D).transpose(1, 2)
+    conv_state[slots[valid]] = final[valid].to(conv_state.dtype)
+    return y.to(x.dtype)
+
+
+def causal_conv1d_varlen(
+    x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state, activation="silu"
+) -> torch.Tensor:
+    """Causal conv over packed sequences, reading and writing each sequence's window.
+
+    x (T, D_conv); weight (D_conv, K); bias (D_conv,) or None; conv_state (S, D_conv, K-1);
+    cu_seqlens (n+1,) int32; state_indices (n,) int32 (-1 = padding sequence: no read, no
+    write, zero output); has_initial_state (n,) bool (False: the window starts as zeros).
+    Writes the last K-1 inputs (window included when the sequence is shorter) to
+    conv_state[s]. Returns y (T, D_conv) in x.dtype.
+    """
+    _check_conv(x, 2, weight, bias, conv_state, activation)
+    check_tensor("cu_seqlens", cu_seqlens, (None,), (torch.int32,), x.device)
+    n = cu_seqlens.shape[0] - 1
+    if n < 0:
+        raise ValueError("cu_seqlens: needs at least one entry")
+    check_indices("state_indices", state_indices, (n,), conv_state.shape[0], x.device, unique=True)
+    check_tensor("has_initial_state", has_initial_state, (n,), (torch.bool,), x.device)
+    if cu_seqlens.device.type == "cpu":
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != x.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens: must rise from 0 to T={x.shape[0]}, got {cu}")
+    fn = _dispatch("causal_conv1d_varlen", x, causal_conv1d_varlen_ref)
+    return fn(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state, activation)
+
+
+def _windows_then_new(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """(b, K-1+q, D) fp32: each row's window (zeros for padding rows) followed by its q inputs."""
+    win = conv_state[slots.clamp(min=0)].float().transpose(1, 2)
+    win = torch.where((slots >= 0)[:, None, None], win, 0.0)
+    return torch.cat([win, x.float()], dim=1)
+
+
+def causal_conv1d_update_ref(x, weight, bias, conv_state, state_indices, activation="silu") -> torch.Tensor:
+    """Reference of `causal_conv1d_update` (same signature), vectorized over rows and tokens."""
+    b, q, D = x.shape
+    K = weight.shape[1]
+    slots = state_indices.long()
+    ext = _windows_then_new(x, conv_state, slots).reshape(b * (K - 1 + q), D)
+    starts = (torch.arange(b, device=x.device) * (K - 1 + q))[:, None] + torch.arange(q, device=x.device)
+    y = _conv_taps(ext, starts.reshape(-1), weight, bias, activation).view(b, q, D)
+    return torch.where((slots >= 0)[:, None, None], y, 0.0).to(x.dtype)
+
+
+def causal_conv1d_update(x, weight, bias, conv_state, state_indices, activation="silu") -> torch.Tensor:
+    """Conv outputs of q new tokens per row from the committed window; the window is NOT changed.
+
+    x (b, q, D_conv); weight (D_conv, K); bias (D_conv,) or None; conv_state (S, D_conv, K-1);
+    state_indices (b,) int32, -1 = padding row (zero output). Returns y (b, q, D_conv) x.dtype.
+    """
+    _check_conv(x, 3, weight, bias, conv_state, activation)
+    check_indices("state_indices", state_indices, (x.shape[0],), conv_state.shape[0], x.device)
+    fn = _dispatch("causal_conv1d_update", x, causal_conv1d_update_ref)
+    return fn(x, weight, bias, conv_state, state_indices, activation)
+
+
+def causal_conv1d_commit_ref(conv_state, x, num_accepted, state_indices, dst_indices=None) -> None:
+    """Reference of `causal_conv1d_commit` (same signature)."""
+    b, q, D = x.shape
+    K1 = conv_state.shape[2]
+    src = state_indices.long()
+    dst = src if dst_indices is None else dst_indices.long()
+    ext = _windows_then_new(x, conv_state, src)  # every read happens before any write
+    # Padding rows may carry any count: clamp so their (discarded) gather stays in range.
+    pos = num_accepted.long().clamp(0, q)[:, None] + torch.arange(K1, device=x.device)  # (b, K-1)
+    new = torch.gather(ext, 1, pos[:, :, None].expand(b, K1, D)).transpose(1, 2)
+    keep = (src >= 0) & (dst >= 0)
+    conv_state[dst[keep]] = new[keep].to(conv_state.dtype)
+
+
+def causal_conv1d_commit(conv_state, x, num_accepted, state_indices, dst_indices=None) -> None:
+    """Move each row's window to end at its last accepted token.
+
+    conv_state (S, D_conv, K-1); x (b, q, D_conv) the conv inputs of the step; num_accepted
+    (b,) int32 in [0, q] (0 keeps the window); state_indices (b,) int32, -1 = padding row
+    (untouched); dst_indices (b,) int32 or None (= state_indices), -1 = skip. Writes
+    window <- last K-1 of [window, x[:a]] to conv_state[dst]; all reads precede all writes.
+    """
+    check_tensor("x", x, (None, None, None), FLOAT_DTYPES)
+    b, q, D = x.shape
+    check_tensor("conv_state", conv_state, (None, D, None), FLOAT_DTYPES, x.device)
+    S = conv_state.shape[0]
+    check_indices("state_indices", state_indices, (b,), S, x.device)
+    if dst_indices is not None:
+        check_indices("dst_indices", dst_indices, (b,), S, x.device, unique=True)
+    else:
+        check_indices("state_indices", state_indices, (b,), S, x.device, unique=True)
+    check_tensor("num_accepted", num_accepted, (b,), (torch.int32,), x.device)
+    if num_accepted.device.type == "cpu":
+        live = num_accepted[state_indices >= 0]
+        if live.numel() and (int(live.min()) < 0 or int(live.max()) > q):
+            raise ValueError(f"num_accepted: values must lie in [0, {q}], got {num_accepted.tolist()}")
+    fn = _dispatch("causal_conv1d_commit", x, causal_conv1d_commit_ref)
+    fn(conv_state, x, num_accepted, state_indices, dst_indices)
