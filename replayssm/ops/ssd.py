@@ -1,0 +1,215 @@
+"""Chunked SSD prefill scan (Mamba-2 "state space duality") over packed variable-length sequences.
+
+Every sequence is cut into chunks of `chunk_size` tokens that never cross a sequence boundary
+(the last chunk of a sequence is padded with Δ = 0 tokens, which leave the state unchanged).
+Per chunk, with a_k = Δ_k A and the segment sum seg(i, j) = a_{j+1} + ... + a_i (i >= j):
+
+    y_i      = Σ_{j<=i} (C_i·B_j) exp(seg(i, j)) Δ_j x_j         quadratic, attention-like
+             + exp(a_1 + ... + a_i) S_in C_i + D x_i              carried state
+    S_chunk  = Σ_j exp(seg(last, j)) Δ_j x_j B_jᵀ                 state of the chunk from zero
+    S_in'    = exp(a_1 + ... + a_last) S_in + S_chunk             passed to the next chunk
+
+The chunk-to-chunk pass is a short loop over chunk positions, vectorized over sequences.
+All math is fp32; the final states are written with stochastic rounding for fp16/bf16 pools.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replayssm.ops._checks import (
+    FLOAT_DTYPES,
+    check_group_count,
+    check_indices,
+    check_int,
+    check_params,
+    check_tensor,
+)
+from replayssm.ops.common import heads_from_groups, softplus_dt, store_states
+
+
+def _segsum_exp(a: torch.Tensor) -> torch.Tensor:
+    """exp(seg(i, j)) for i >= j, 0 above the diagonal. a (..., L) -> (..., L, L).
+
+    Built as a masked cumsum rather than a difference of prefix sums, so decays close to 1
+    keep full fp32 precision however negative the prefix sums get.
+    """
+    L = a.shape[-1]
+    below = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
+    seg = torch.cumsum(a[..., :, None].expand(*a.shape, L).masked_fill(~below, 0.0), dim=-2)
+    keep = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device))
+    return torch.exp(seg.masked_fill(~keep, float("-inf")))
+
+
+def _chunk_layout(cu: list[int], L: int, T: int, device: torch.device):
+    """Token indices of every chunk (T marks a padding position) and each sequence's chunks.
+
+    Returns idx (nc, L) int64, first_chunk (n,) int64, table (n, max_chunks) int64 with nc
+    (a dummy identity chunk) where a sequence has no chunk at that position.
+    """
+    n = len(cu) - 1
+    counts = [-(-(cu[i + 1] - cu[i]) // L) for i in range(n)]
+    first, starts, ends = [], [], []
+    for i in range(n):
+        first.append(len(starts))
+        starts += range(cu[i], cu[i + 1], L)
+        ends += [cu[i + 1]] * counts[i]
+    nc = len(starts)
+    pos = torch.tensor(starts, dtype=torch.int64, device=device)[:, None] + torch.arange(L, device=device)
+    idx = torch.where(pos < torch.tensor(ends, dtype=torch.int64, device=device)[:, None], pos, T)
+    first_chunk = torch.tensor(first, dtype=torch.int64, device=device)
+    width = max(counts, default=0)
+    k = torch.arange(width, device=device)
+    count_t = torch.tensor(counts, dtype=torch.int64, device=device)
+    table = torch.where(k < count_t[:, None], first_chunk[:, None] + k, nc)
+    return idx.reshape(nc, L), first_chunk, table
+
+
+def ssd_chunked_scan_ref(
+    x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state, *,
+    chunk_size=64, dt_softplus=True, rand_seed=0, boundary_seq=None, boundary_len=None,
+):  # fmt: skip
+    """Reference of `ssd_chunked_scan` (same signature): chunked, vectorized, fp32.
+
+    Reads cu_seqlens on the host once (the chunk layout depends on the lengths).
+    """
+    T, H, P = x.shape
+    N = B.shape[2]
+    L = chunk_size
+    dev = x.device
+    slots = state_indices.long()
+    valid = slots >= 0
+    idx, first_chunk, table = _chunk_layout(cu_seqlens.tolist(), L, T, dev)
+    nc = idx.shape[0]
+
+    # One zero token at index T fills chunk tails: Δ = 0 there, so it neither decays nor adds.
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.float(), t.new_zeros((1, *t.shape[1:]), dtype=torch.float32)])[idx]
+
+    delta = padded(softplus_dt(dt, dt_bias, dt_softplus))  # (nc, L, H)
+    xc = padded(x)  # (nc, L, H, P)
+    Bh = heads_from_groups(padded(B), H)  # (nc, L, H, N)
+    Ch = heads_from_groups(padded(C), H)
+    a = (delta * A.float()).transpose(1, 2)  # (nc, H, L)
+    decay = _segsum_exp(a)  # (nc, H, L, L)
+    a_cum = torch.cumsum(a, dim=-1)  # (nc, H, L): from chunk start, inclusive
+    dx = delta[..., None] * xc  # Δ_j x_j (nc, L, H, P)
+
+    # Intra-chunk (quadratic) outputs and the chunk states from zero.
+    scores = torch.einsum("cihn,cjhn->chij", Ch, Bh) * decay
+    y = torch.einsum("chij,cjhp->cihp", scores, dx)
+    to_end = decay[:, :, -1, :]  # exp(seg(last, j)) (nc, H, L)
+    s_chunk = torch.einsum("chj,cjhp,cjhn->chpn", to_end, dx, Bh)
+
+    # Chunk-to-chunk pass; index nc is an identity chunk for sequences with fewer chunks.
+    init = state[slots.clamp(min=0)].float()
+    init = torch.where((valid & has_initial_state)[:, None, None, None], init, 0.0)
+    chunk_decay = torch.cat([torch.exp(a_cum[:, :, -1]), a.new_ones(1, H)])
+    s_chunk = torch.cat([s_chunk, s_chunk.new_zeros(1, H, P, N)])
+    s_in = s_chunk.new_zeros(nc + 1, H, P, N)
+    cur = init
+    for k in range(table.shape[1]):
+        ids = table[:, k]
+        s_in[ids] = cur
+        cur = chunk_decay[ids][:, :, None, None] * cur + s_chunk[ids]
+
+    y = y + torch.exp(a_cum).transpose(1, 2)[..., None] * torch.einsum("chpn,cihn->cihp", s_in[:nc], Ch)
+    y = y + D.float()[:, None] * xc
+    out = x.new_zeros((T + 1, H, P), dtype=torch.float32)
+    out[idx.reshape(-1)] = y.reshape(-1, H, P)  # padding positions all land on the dummy row T
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(len(slots), device=dev), (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=T
+    )
+    out = torch.where(valid[seq_of_token][:, None, None], out[:T], 0.0).to(x.dtype)
+
+    store_states(state, slots[valid], cur[valid], rand_seed)
+    if boundary_seq is None:
+        return out, None
+    return out, _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bh)
+
+
+def _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bh):
+    """Exact fp32 state of sequence boundary_seq[j] after its first boundary_len[j] tokens: (m, H, P, N)."""
+    seq = boundary_seq.long()
+    length = boundary_len.long()
+    last = (length - 1).clamp(min=0)  # the last included token, relative to the sequence start
+    if dx.shape[0] == 0:  # no tokens at all: every boundary is an initial state
+        return init[seq].clone()
+    # Zero-length boundaries point at some valid chunk; their result is replaced by init below.
+    c = (first_chunk[seq] + last // L).clamp(max=dx.shape[0] - 1)
+    t = last % L
+    weights = decay[c, :, t, :]  # (m, H, L): exp(seg(t, r)), zero for r > t
+    inner = torch.einsum("mhr,mrhp,mrhn->mhpn", weights, dx[c], Bh[c])
+    carried = torch.exp(a_cum[c, :, t])[:, :, None, None] * s_in[c]
+    return torch.where((length > 0)[:, None, None, None], carried + inner, init[seq])
+
+
+def _check_args(
+    x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state,
+    chunk_size, rand_seed, boundary_seq, boundary_len,
+) -> None:  # fmt: skip
+    check_tensor("x", x, (None, None, None), FLOAT_DTYPES)
+    T, H, P = x.shape
+    dev = x.device
+    check_tensor("dt", dt, (T, H), FLOAT_DTYPES, dev)
+    check_tensor("B", B, (T, None, None), (x.dtype,), dev)
+    check_group_count("B", H, B.shape[1])
+    check_tensor("C", C, tuple(B.shape), (x.dtype,), dev)
+    check_params(A, D, dt_bias, H, dev)
+    check_tensor("state", state, (None, H, P, B.shape[2]), FLOAT_DTYPES, dev)
+    check_tensor("cu_seqlens", cu_seqlens, (None,), (torch.int32,), dev)
+    n = cu_seqlens.shape[0] - 1
+    if n < 0:
+        raise ValueError("cu_seqlens: needs at least one entry")
+    check_indices("state_indices", state_indices, (n,), state.shape[0], dev, unique=True)
+    check_tensor("has_initial_state", has_initial_state, (n,), (torch.bool,), dev)
+    check_int("chunk_size", chunk_size, 1)
+    check_int("rand_seed", rand_seed, 0)
+    if cu_seqlens.device.type == "cpu":
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens: must rise from 0 to T={T}, got {cu}")
+    if (boundary_seq is None) != (boundary_len is None):
+        raise ValueError("boundary_seq and boundary_len must be given together")
+    if boundary_seq is None:
+        return
+    check_indices("boundary_seq", boundary_seq, (None,), n, dev, allow_padding=False)
+    check_tensor("boundary_len", boundary_len, tuple(boundary_seq.shape), (torch.int32,), dev)
+    if boundary_len.device.type == "cpu" and cu_seqlens.device.type == "cpu" and boundary_len.numel():
+        seq_len = (cu_seqlens[1:] - cu_seqlens[:-1])[boundary_seq.long()]
+        if bool((boundary_len < 0).any()) or bool((boundary_len > seq_len).any()):
+            raise ValueError(f"boundary_len: must lie in [0, sequence length], got {boundary_len.tolist()}")
+
+
+def ssd_chunked_scan(
+    x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state, *,
+    chunk_size=64, dt_softplus=True, rand_seed=0, boundary_seq=None, boundary_len=None,
+):  # fmt: skip
+    """Mamba-2 prefill over packed sequences, from and into pooled states; returns (y, boundary_states).
+
+    x (T, H, P); dt (T, H) raw; B, C (T, G, N) in x.dtype; A, D, dt_bias (H,) fp32;
+    state (S, H, P, N) fp32/fp16/bf16; cu_seqlens (n+1,) int32; state_indices (n,) int32
+    (-1 = padding sequence: zero outputs, no slot read or written); has_initial_state (n,)
+    bool (False: start from zeros). The final state of each sequence is written to its slot
+    (stochastic rounding with rand_seed for fp16/bf16 pools). boundary_seq, boundary_len (m,)
+    int32: also return the exact fp32 state of sequence boundary_seq[j] after its first
+    boundary_len[j] tokens of this call, (m, H, P, N); None when not asked.
+    y (T, H, P) in x.dtype. Dispatches to Triton for CUDA tensors when it imports.
+    """
+    _check_args(
+        x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state,
+        chunk_size, rand_seed, boundary_seq, boundary_len,
+    )  # fmt: skip
+    args = (x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state)
+    kwargs = dict(
+        chunk_size=chunk_size, dt_softplus=dt_softplus, rand_seed=rand_seed,
+        boundary_seq=boundary_seq, boundary_len=boundary_len,
+    )  # fmt: skip
+    if x.is_cuda:
+        try:
+            from replayssm.ops.triton.ssd import ssd_chunked_scan_triton
+        except ImportError:
+            pass
+        else:
+            return ssd_chunked_scan_triton(*args, **kwargs)
+    return ssd_chunked_scan_ref(*args, **kwargs)
