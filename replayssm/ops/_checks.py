@@ -14,7 +14,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _fmt_shape(shape: Sequence[int | None]) -> str:
-    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+    inner = ", ".join("*" if s is None else str(s) for s in shape)
+    return f"({inner},)" if len(shape) == 1 else f"({inner})"
 
 
 def check_tensor(
