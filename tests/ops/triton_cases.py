@@ -1,0 +1,231 @@
+"""Triton-vs-reference checks shared by the GPU tests and the interpreter run.
+
+Each `check_*` builds random inputs (never zeros) on `device`, runs the Triton twin on a
+copy with a NaN-poisoned output and the `*_ref` on another copy, and asserts: outputs close,
+written state close, every untouched slot bit-exact, and a second Triton run bit-identical
+(no races). Run as a script under TRITON_INTERPRET=1 it checks tiny CPU shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from replayssm.ops.conv1d import causal_conv1d_commit_ref, causal_conv1d_update_ref
+from replayssm.ops.replay import replay_commit_ref, replay_forward_ref, replay_materialize_ref
+from replayssm.ops.ssu import selective_state_update_ref
+
+TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not got.isnan().any(), f"{name}: NaN (unwritten output)"
+    tol = TOL[dtype]
+    err = (got.double() - want.double()).abs()
+    bound = tol * (1.0 + want.double().abs())
+    assert bool((err <= bound).all()), f"{name}: max err {err.max().item():.3e} (tol {tol})"
+
+
+def _slots(b: int, S: int, device, pad: int = 1) -> torch.Tensor:
+    """b distinct permuted slots from a pool of S, with `pad` padding rows (-1) at random places."""
+    idx = torch.randperm(S)[:b].to(torch.int32)
+    idx[torch.randperm(b)[:pad]] = -1
+    return idx.to(device)
+
+
+def _params(H: int, device):
+    A = -torch.exp(torch.rand(H) * 1.5 - 1.0)
+    D = torch.randn(H)
+    dt_bias = torch.randn(H) * 0.5
+    return A.to(device), D.to(device), dt_bias.to(device)
+
+
+def _tokens(b, q, H, P, G, N, act, device):
+    x = torch.randn(b, q, H, P).to(act).to(device)
+    dt = torch.randn(b, q, H).to(device)
+    B = torch.randn(b, q, G, N).to(act).to(device)
+    C = torch.randn(b, q, G, N).to(act).to(device)
+    return x, dt, B, C
+
+
+def _untouched(name, got, orig, touched: torch.Tensor) -> None:
+    keep = torch.ones(orig.shape[0], dtype=torch.bool, device=orig.device)
+    keep[touched[touched >= 0].long()] = False
+    assert torch.equal(got[keep], orig[keep]), f"{name}: an untouched slot changed"
+
+
+def check_ssu(device, *, H=4, P=12, N=12, G=2, b=5, q=1, S=11, state_dtype=torch.float32, act=torch.float32,
+              verify=False, config=None, seed=0) -> None:
+    """Baseline SSU (plain or per-draft verify) vs reference."""
+    from replayssm.ops.triton import ssu
+
+    torch.manual_seed(seed)
+    state0 = (torch.randn(S, H, P, N) * 2).to(state_dtype).to(device)
+    x, dt, B, C = _tokens(b, q, H, P, G, N, act, device)
+    A, D, dt_bias = _params(H, device)
+    idx = _slots(b, S, device)
+    dst = None
+    if verify:
+        # Destinations distinct from every source; one skipped (-1) entry.
+        free = torch.tensor([s for s in torch.randperm(S).tolist() if s not in idx.tolist()])
+        dst = torch.full((b, q), -1, dtype=torch.int32)
+        flat = free[: b * q - 1]
+        dst.view(-1)[: flat.numel()] = flat.to(torch.int32)
+        dst = dst.to(device)
+    args = (x, dt, A, B, C, D, dt_bias, idx)
+    cfg = config or ssu.CONFIG
+    runs = []
+    for _ in range(2):
+        st = state0.clone()
+        y = ssu.launch_ssu(st, *args, dst, True, 7, torch.full_like(x, float("nan")), cfg)
+        runs.append((y, st))
+    st_ref = state0.clone()
+    y_ref = selective_state_update_ref(st_ref, *args, dst_indices=dst, rand_seed=7)
+    y, st = runs[0]
+    assert torch.equal(runs[1][0], y) and torch.equal(runs[1][1], st), "two runs differ"
+    _close("y", y, y_ref, act)
+    _close("state", st.float(), st_ref.float(), state_dtype)
+    touched = idx if dst is None else dst.flatten()
+    _untouched("state", st, state0, touched)
+
+
+def _ring(S, H, G, R, P, N, act, device):
+    ring_x = torch.randn(S, H, R, P).to(act).to(device)
+    ring_B = torch.randn(S, G, R, N).to(act).to(device)
+    ring_dt = (torch.rand(S, H, R) * 0.5 + 0.01).to(device)
+    return ring_x, ring_B, ring_dt
+
+
+def check_replay_cycle(device, *, H=4, P=12, N=12, G=2, b=5, q=2, S=11, W=5, steps=9,
+                       state_dtype=torch.float32, act=torch.float32, config=None, split=None, seed=0) -> None:
+    """Forward + commit over several steps (random accepts, flushes, ring wrap) vs reference."""
+    from replayssm.ops.triton import replay
+
+    torch.manual_seed(seed)
+    R = W + q + 1
+    cfg = config or replay.CONFIG
+    sp = replay.SPLIT if split is None else split
+    A, D, dt_bias = _params(H, device)
+    state = (torch.randn(S, H, P, N) * 2).to(state_dtype).to(device)
+    rings = _ring(S, H, G, R, P, N, act, device)
+    start = torch.randint(0, R, (S,), dtype=torch.int32).to(device)
+    comm = torch.randint(0, W + 1, (S,), dtype=torch.int32).to(device)
+    tri = [state.clone(), *[r.clone() for r in rings], start.clone(), comm.clone()]
+    ref = [state.clone(), *[r.clone() for r in rings], start.clone(), comm.clone()]
+    idx = _slots(b, S, device)
+    for step in range(steps):
+        x, dt, B, C = _tokens(b, q, H, P, G, N, act, device)
+        acc = torch.randint(1, q + 1, (b,), dtype=torch.int32).to(device)
+        before = [t.clone() for t in tri]
+        outs = []
+        for _ in range(2):
+            cur = [t.clone() for t in before]
+            y = replay.launch_replay_forward(x, dt, A, B, C, D, dt_bias, *cur[:6], idx, W, True, step,
+                                             torch.full_like(x, float("nan")), cfg, sp)
+            outs.append((y, cur))
+        y, tri = outs[0]
+        assert torch.equal(outs[1][0], y), "two runs differ (y)"
+        assert all(torch.equal(u, v) for u, v in zip(outs[1][1], tri)), "two runs differ (cache)"
+        y_ref = replay_forward_ref(x, dt, A, B, C, D, dt_bias, *ref[:6], idx, W, rand_seed=step)
+        _close(f"y step {step}", y, y_ref, act)
+        _close(f"state step {step}", tri[0].float(), ref[0].float(), state_dtype)
+        _untouched("state", tri[0], before[0], idx)
+        assert torch.equal(tri[1], ref[1]) and torch.equal(tri[2], ref[2]), "ring x/B differ"
+        _close("ring_dt", tri[3], ref[3], torch.float32)
+        _untouched("ring_dt", tri[3], before[3], idx)
+        # Non-flushed slots keep their state bit-exact.
+        valid = idx >= 0
+        slots = idx[valid].long()
+        keep = before[5][slots] + q <= W
+        assert torch.equal(tri[0][slots[keep]], before[0][slots[keep]]), "non-flush row wrote its state"
+        replay.replay_commit_triton(tri[4], tri[5], idx, acc, q, W, ring_rows=R)
+        replay_commit_ref(ref[4], ref[5], idx, acc, q, W, ring_rows=R)
+        assert torch.equal(tri[4], ref[4]) and torch.equal(tri[5], ref[5]), "cursors differ"
+        # Keep the two caches on the same inputs: the reference's rounding is the oracle here.
+        tri = [r.clone() for r in ref]
+
+
+def check_materialize(device, *, H=4, P=12, N=12, G=2, m=4, S=13, W=5, state_dtype=torch.float32,
+                      act=torch.float32, seed=0) -> None:
+    """Materialize (state of src advanced by n ring entries into dst) vs reference."""
+    from replayssm.ops.triton import replay
+
+    torch.manual_seed(seed)
+    R = W + 3
+    A, _, _ = _params(H, device)
+    state = (torch.randn(S, H, P, N) * 2).to(state_dtype).to(device)
+    rings = _ring(S, H, G, R, P, N, act, device)
+    start = torch.randint(0, R, (S,), dtype=torch.int32).to(device)
+    comm = torch.randint(0, W + 1, (S,), dtype=torch.int32).to(device)
+    perm = torch.randperm(S)
+    src = perm[:m].to(torch.int32)
+    dst = perm[m : 2 * m].to(torch.int32)
+    dst[0] = -1
+    n = (torch.rand(m) * (comm[src.long()].cpu().float() + 1)).floor().to(torch.int32)
+    n[1] = 0
+    src, dst, n = src.to(device), dst.to(device), n.to(device)
+    args = (A, state, *rings, start, comm, src, n, dst)
+    got = []
+    for _ in range(2):
+        st = state.clone()
+        replay.replay_materialize_triton(A, st, *args[2:], rand_seed=3)
+        got.append(st)
+    assert torch.equal(got[0], got[1]), "two runs differ"
+    st_ref = state.clone()
+    replay_materialize_ref(A, st_ref, *args[2:], rand_seed=3)
+    _close("state", got[0].float(), st_ref.float(), state_dtype)
+    _untouched("state", got[0], state, dst)
+    zero = (n == 0) & (dst >= 0)
+    assert torch.equal(got[0][dst[zero].long()], state[src[zero].long()]), "n = 0 is not an exact copy"
+
+
+def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=True, seed=0) -> None:
+    """Conv update (window unchanged) and commit (every a in 0..q, src == dst and moved) vs reference."""
+    from replayssm.ops.triton import conv1d
+
+    torch.manual_seed(seed)
+    cs = torch.randn(S, Dc, K - 1).to(act).to(device)
+    x = torch.randn(b, q, Dc).to(act).to(device)
+    w = torch.randn(Dc, K).to(device)
+    bb = torch.randn(Dc).to(device) if bias else None
+    idx = _slots(b, S, device)
+    for activation in ("silu", None):
+        c1 = cs.clone()
+        y = conv1d.causal_conv1d_update_triton(x, w, bb, c1, idx, activation)
+        _close("conv y", y, causal_conv1d_update_ref(x, w, bb, cs, idx, activation), act)
+        assert torch.equal(c1, cs), "update changed the window"
+    for moved in (False, True):
+        acc = (torch.arange(b) % (q + 1)).to(torch.int32).to(device)
+        dst = None
+        if moved:
+            free = [s for s in torch.randperm(S).tolist() if s not in idx.tolist()]
+            dst = torch.tensor(free[:b], dtype=torch.int32).to(device)
+        c1, c2 = cs.clone(), cs.clone()
+        conv1d.causal_conv1d_commit_triton(c1, x, acc, idx, dst)
+        causal_conv1d_commit_ref(c2, x, acc, idx, dst)
+        assert torch.equal(c1, c2), "commit differs from reference"
+
+
+def run_interpreter() -> None:
+    """Tiny CPU shapes under TRITON_INTERPRET=1 (tiles smaller than P to exercise masks)."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    small = LaunchConfig(block_p=8, num_warps=1)
+    for sd in (torch.float32, torch.float16, torch.bfloat16):
+        check_ssu("cpu", q=1, state_dtype=sd, config=small)
+    check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
+    check_ssu("cpu", q=2, act=torch.float16, config=small)
+    for q, split in ((1, False), (2, True), (3, False)):
+        check_replay_cycle("cpu", q=q, config=small, split=split, steps=6 if q > 1 else 8)
+    check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=5)
+    check_materialize("cpu", state_dtype=torch.float16)
+    check_materialize("cpu")
+    check_conv("cpu")
+    check_conv("cpu", K=2, q=1, act=torch.bfloat16, bias=False)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.exit(run_interpreter())
