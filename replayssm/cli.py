@@ -1,0 +1,182 @@
+"""Command line: ``replayssm generate`` (``serve`` and ``bench`` plug in the same way).
+
+Engine flags and their defaults come from the config dataclasses' fields (help text in
+``metadata["help"]``), so the CLI and the Python API cannot drift apart. Each subcommand is
+one ``add_<name>_args(parser)`` + ``run_<name>(args)`` pair registered in ``SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from replayssm.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+
+_SIZE_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
+
+# Engine fields exposed as flags (model is a flag of its own; tokenizer/seed are set explicitly).
+ENGINE_FLAGS = {
+    EngineConfig: ("device", "dtype", "replayssm", "replay_window"),
+    CacheConfig: (
+        "memory_budget",
+        "kv_block_size",
+        "state_dtype",
+        "gpu_memory_utilization",
+        "num_kv_blocks",
+        "num_slots",
+    ),
+    SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "max_model_len"),
+    SpecConfig: ("num_speculative_tokens",),
+}
+
+
+def parse_size(text: str) -> int:
+    """'1073741824', '512MiB', '2GB', '1.5G' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 512MiB, 2GB, 1073741824)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+
+
+def _add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    help_text = f.metadata.get("help", "")
+    if f.type in ("bool", bool):
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        return
+    if f.name == "memory_budget":
+        kind: Callable[[str], Any] = parse_size
+    elif isinstance(f.default, float) or "float" in str(f.type):
+        kind = float
+    elif isinstance(f.default, int) or "int" in str(f.type):
+        kind = int
+    else:
+        kind = str
+    suffix = "" if f.default is None else f" (default: {f.default})"
+    parser.add_argument(flag, type=kind, default=f.default, help=help_text + suffix)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for every engine field in ENGINE_FLAGS, defaults from the dataclasses."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory (Hugging Face layout), or 'demo' for "
+        "the built-in random-weight Nemotron-H-shaped model",
+    )
+    for cls, names in ENGINE_FLAGS.items():
+        by_name = {f.name: f for f in dataclasses.fields(cls)}
+        for name in names:
+            _add_field_flag(group, by_name[name])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine keyword arguments (LLM(model, **kw)) held in parsed flags."""
+    return {name: getattr(args, name) for names in ENGINE_FLAGS.values() for name in names}
+
+
+# ---- generate --------------------------------------------------------------------------------
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    s = parser.add_argument_group("sampling")
+    s.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0.0)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: 1.0)")
+    s.add_argument(
+        "--top-k", type=int, default=-1, help="keep the k most likely tokens, -1 = off (default: -1)"
+    )
+    s.add_argument(
+        "--seed", type=int, default=None, help="sampling seed, for reproducible samples (default: none)"
+    )
+    s.add_argument("--stop", action="append", default=None, help="stop string; repeat for several")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from replayssm.engine.llm import LLM
+    from replayssm.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, seed=args.seed or 0, **engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt, params, use_tqdm=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(args.prompt, outputs):
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                    }
+                )
+            )
+        else:
+            print(f"--- prompt: {prompt!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+            print(out.text)
+    m = llm.get_metrics()
+    print(
+        f"generated {m['generation_tokens']} tokens in {elapsed:.2f} s "
+        f"({m['generation_tokens'] / max(elapsed, 1e-9):.1f} tok/s), preemptions: {m['num_preemptions']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+SUBCOMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {
+    "generate": ("generate text for one or more prompts", add_generate_args, run_generate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="replayssm", description="Serve hybrid SSM language models with ReplaySSM."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_args, _) in SUBCOMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return SUBCOMMANDS[args.command][2](args)
+    except ValueError as e:
+        print(f"replayssm {args.command}: error: {e}", file=sys.stderr)
+        return 2

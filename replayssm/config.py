@@ -1,0 +1,165 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+Every field carries its help text in ``metadata["help"]``; the CLI builds its flags and
+defaults from these fields, so the two never drift apart. ``ModelConfig`` (the normalized
+Hugging Face config) lives in ``replayssm.models.config`` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _doc(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes of the paged attention KV cache and of the Mamba slot pool."""
+
+    kv_block_size: int = _doc(16, "tokens per paged-attention KV block")
+    memory_budget: int | None = _doc(
+        None,
+        "bytes for KV blocks + Mamba slots together (default: gpu_memory_utilization of free CUDA "
+        "memory, or 1 GiB on CPU, capped at what max_num_seqs max-length requests need)",
+    )
+    gpu_memory_utilization: float = _doc(0.9, "share of free CUDA memory used when memory_budget is unset")
+    num_kv_blocks: int | None = _doc(None, "force the number of KV blocks (overrides the memory planner)")
+    num_slots: int | None = _doc(None, "force the number of Mamba slots (overrides the memory planner)")
+    state_dtype: str = _doc("float32", "dtype of the Mamba checkpoint state: float32, float16 or bfloat16")
+    enable_prefix_caching: bool = _doc(False, "reuse cached prompt prefixes (not implemented yet)")
+
+    def __post_init__(self) -> None:
+        _check_int("kv_block_size", self.kv_block_size, 1)
+        _check_int("memory_budget", self.memory_budget, 1, allow_none=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
+        _check_int("num_slots", self.num_slots, 1, allow_none=True)
+        if self.state_dtype not in DTYPES:
+            raise ValueError(f"state_dtype must be one of {DTYPES}, got {self.state_dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = _doc(64, "most requests running at once")
+    max_num_batched_tokens: int = _doc(
+        512, "token budget of one engine step (prefill chunks + decode tokens)"
+    )
+    max_model_len: int | None = _doc(
+        None, "longest prompt + output (default: the model's max_position_embeddings)"
+    )
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 2, allow_none=True)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding. Only memory planning uses it so far (1 + k slots per request
+    with ReplaySSM off); no drafter runs yet, so every step is a plain decode."""
+
+    num_speculative_tokens: int = _doc(0, "draft tokens per verify step (k); needs 1 + k <= replay_window")
+
+    def __post_init__(self) -> None:
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything ``LLMEngine`` needs; build it with ``EngineConfig.from_kwargs(model, **kw)``."""
+
+    model: str = _doc("", "checkpoint directory (Hugging Face layout) or 'demo'")
+    device: str = _doc("auto", "torch device: auto (cuda if available), cpu, cuda, cuda:N")
+    dtype: str = _doc("auto", "activation/weight dtype: auto (bfloat16 on CUDA, float32 on CPU), or a name")
+    replayssm: bool = _doc(True, "decode Mamba layers with ReplaySSM (off: baseline state update)")
+    replay_window: int = _doc(16, "ReplaySSM window W: ring entries kept before a state write")
+    seed: int = _doc(
+        0, "engine seed: draws the seeds of requests that set none (and the runner's rounding seed)"
+    )
+    tokenizer: str | None = _doc(None, "tokenizer directory (default: the model directory)")
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
+        _check_int("replay_window", self.replay_window, 1)
+        _check_int("seed", self.seed, 0)
+        q_max = 1 + self.spec.num_speculative_tokens
+        if q_max > self.replay_window:
+            raise ValueError(
+                f"num_speculative_tokens={self.spec.num_speculative_tokens} needs 1 + k <= replay_window "
+                f"({self.replay_window})"
+            )
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Route flat keyword arguments (``LLM(path, max_num_seqs=8, ...)``) to the sub-configs;
+        an unknown name raises ValueError."""
+        groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "spec": {}, "": {}}
+        owners = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
+        top = {f.name for f in dataclasses.fields(cls)} - set(owners)
+        for name, value in kwargs.items():
+            owner = next(
+                (g for g, c in owners.items() if name in {f.name for f in dataclasses.fields(c)}), None
+            )
+            if owner is not None:
+                groups[owner][name] = value
+            elif name in top:
+                groups[""][name] = value
+            else:
+                raise ValueError(f"unknown engine argument {name!r}")
+        return cls(
+            model=model,
+            cache=CacheConfig(**groups["cache"]),
+            scheduler=SchedulerConfig(**groups["scheduler"]),
+            spec=SpecConfig(**groups["spec"]),
+            **groups[""],
+        )
+
+    def resolved_device(self) -> str:
+        """The device string with 'auto' resolved."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        """The dtype name with 'auto' resolved (bfloat16 on CUDA, float32 on CPU)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy re-export: the model package imports torch and its layers, which config users may not need.
+    if name == "ModelConfig":
+        from replayssm.models.config import ModelConfig
+
+        return ModelConfig
+    raise AttributeError(name)

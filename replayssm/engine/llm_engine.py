@@ -1,0 +1,296 @@
+"""LLMEngine: requests in, one engine step at a time, outputs out (shared by LLM and the server)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replayssm.config import EngineConfig
+from replayssm.engine.metrics import EngineMetrics
+from replayssm.engine.request import Request, RequestStatus
+from replayssm.engine.runner_setup import RunnerSetup, build_runner
+from replayssm.engine.scheduler import ScheduledChunk, Scheduler
+from replayssm.engine.tokenizer import IncrementalDetokenizer
+from replayssm.ops.sampling import SamplingTensors, sample
+from replayssm.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step; token_ids and text hold everything generated so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs is set
+    prompt_logprobs: list[float | None] | None = None  # per prompt token (first is None)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one ModelRunner.
+
+    ``step()``: process aborts -> schedule -> runner.execute -> sample -> runner.commit ->
+    append tokens, detokenize, check stops -> release finished requests. Sampling is keyed
+    by (request seed, position), so outputs do not depend on batching or preemption.
+    """
+
+    def __init__(self, config: EngineConfig, runner_cls: Any = None) -> None:
+        if config.cache.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching=True is not implemented yet; leave it False")
+        setup: RunnerSetup = build_runner(config, runner_cls)
+        self.config = config
+        self.runner = setup.runner
+        self.model_config = setup.model_config
+        self.plan = setup.plan
+        self.tokenizer = setup.tokenizer
+        self.max_model_len = setup.max_model_len
+        self.model_name = setup.model_name
+        self.eos_token_ids = set(setup.eos_token_ids)
+        self.scheduler = Scheduler(
+            setup.block_pool,
+            setup.slot_pool,
+            kv_block_size=config.cache.kv_block_size,
+            max_num_seqs=min(config.scheduler.max_num_seqs, self.plan.num_requests_fit),
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        )
+        self.metrics = EngineMetrics()
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending_aborts: list[str] = []
+        self._seed_rng = random.Random(config.seed)
+        self._arrivals = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Validate a prompt and its params; return the prompt token ids (raises ValueError)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_name} has no tokenizer.json: pass prompts as token-id lists")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError (and adds nothing) for bad input."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.prepare_prompt(prompt, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        request = Request(request_id, ids, params, seed=seed, arrival=self._arrivals)
+        self._arrivals += 1
+        self._requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens
+            )
+        self.scheduler.add(request)
+        self.metrics.num_requests += 1
+        self.metrics.prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request with reason "abort" at the next step boundary (unknown ids are ignored)."""
+        if request_id in self._requests:
+            self._pending_aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return outputs of requests that got a token or finished."""
+        outputs = [
+            self._finish(self._requests[rid], "abort")
+            for rid in dict.fromkeys(self._pending_aborts)
+            if rid in self._requests
+        ]
+        self._pending_aborts.clear()
+        sched = self.scheduler.schedule()
+        self.metrics.num_preemptions += len(sched.preempted)
+        if not sched.chunks:
+            return outputs
+        self.metrics.num_steps += 1
+        rows = [self._row(c) for c in sched.chunks]
+        logits = self.runner.execute(rows)
+        offsets, sample_rows = [], []
+        offset = 0
+        for chunk, row in zip(sched.chunks, rows):
+            offsets.append(offset)
+            if chunk.samples:
+                sample_rows.append(offset + row.num_logits - 1)
+            offset += row.num_logits
+        assert logits.shape[0] == offset, (logits.shape, offset)
+        sampled = [c for c in sched.chunks if c.samples]
+        tokens_list: list[int] = []
+        logprobs_list: list[float] | None = None
+        if sampled:
+            tokens, logprobs = self._sample(logits[sample_rows], sampled)
+            tokens_list = tokens.tolist()  # the step's one device-to-host sync
+            logprobs_list = logprobs.tolist() if logprobs is not None else None
+        for chunk, row, off in zip(sched.chunks, rows, offsets):
+            if row.num_logits and chunk.request.wants_prompt_logprobs():
+                self._record_prompt_logprobs(chunk, logits[off : off + row.num_logits])
+        self.runner.commit(rows, [1] * len(rows))
+        for chunk in sched.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            if chunk.num_tokens == 1 and chunk.start > 0:
+                self.metrics.num_decode_tokens_computed += 1
+            else:
+                self.metrics.num_prefill_tokens_computed += chunk.num_tokens
+        for i, chunk in enumerate(sampled):
+            lp = logprobs_list[i] if logprobs_list is not None else None
+            outputs.append(self._append_token(chunk.request, tokens_list[i], lp))
+        self.metrics.peak_running_requests = max(
+            self.metrics.peak_running_requests, len(self.scheduler.running)
+        )
+        self.metrics.peak_kv_blocks_used = max(
+            self.metrics.peak_kv_blocks_used, self.scheduler.block_pool.num_used
+        )
+        return outputs
+
+    def _row(self, chunk: ScheduledChunk) -> Any:
+        from replayssm.engine.model_runner import ScheduledRow
+
+        r = chunk.request
+        # A one-token chunk on top of existing state is a decode row (ReplaySSM path + commit).
+        is_prefill = not (chunk.num_tokens == 1 and chunk.start > 0)
+        if not is_prefill:
+            num_logits = 1
+        elif r.wants_prompt_logprobs() and chunk.start < r.num_prompt_tokens - 1:
+            num_logits = chunk.num_tokens
+        else:
+            num_logits = 1 if chunk.samples else 0
+        return ScheduledRow(
+            token_ids=r.token_slice(chunk.start, chunk.start + chunk.num_tokens),
+            start_pos=chunk.start,
+            block_table=list(r.block_table),
+            slot=r.slots[0],
+            is_prefill=is_prefill,
+            num_logits=num_logits,
+        )
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Any]:
+        reqs = [c.request for c in chunks]
+        params = SamplingTensors.build(
+            temperature=[r.params.temperature for r in reqs],
+            top_k=[r.params.top_k for r in reqs],
+            top_p=[r.params.top_p for r in reqs],
+            seeds=[r.seed for r in reqs],
+            positions=[r.num_tokens for r in reqs],
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+        )
+        return sample(logits, params, need_logprobs=any(r.params.logprobs is not None for r in reqs))
+
+    def _record_prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Logits at positions p predict token p + 1; keep those that land inside the prompt."""
+        r = chunk.request
+        first = chunk.start + chunk.num_tokens - logits.shape[0]
+        stop = min(chunk.start + chunk.num_tokens, r.num_prompt_tokens - 1)
+        if stop <= first:
+            return
+        targets = torch.tensor(r.prompt_token_ids[first + 1 : stop + 1], device=logits.device)
+        lp = logits[: stop - first].log_softmax(dim=-1).gather(-1, targets[:, None]).squeeze(-1).tolist()
+        # Chunks arrive in order; a recompute after preemption starts over and overwrites.
+        r.prompt_logprobs = (r.prompt_logprobs or [None])[: first + 1]
+        assert len(r.prompt_logprobs) == first + 1, "prompt logprobs must arrive in order"
+        r.prompt_logprobs.extend(lp)
+
+    def _append_token(self, r: Request, token: int, logprob: float | None) -> RequestOutput:
+        p = r.params
+        r.output_token_ids.append(token)
+        if p.logprobs is not None:
+            r.output_logprobs.append(logprob)
+        self.metrics.generation_tokens += 1
+        reason = None
+        detok = self._detokenizers.get(r.request_id)
+        if detok is not None:
+            new_text = detok.add(token)
+            r.text += new_text
+            if p.stop and new_text:
+                reason = self._check_stop_strings(r, len(new_text))
+        if reason is None:
+            if (not p.ignore_eos and token in self.eos_token_ids) or (
+                p.stop_token_ids and token in p.stop_token_ids
+            ):
+                reason = "stop"
+            elif len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            if detok is not None and reason != "stop":
+                r.text += detok.flush()
+            return self._finish(r, reason)
+        return self._output(r)
+
+    @staticmethod
+    def _check_stop_strings(r: Request, new_len: int) -> str | None:
+        """Cut the text before the first stop string that the new text completes."""
+        longest = max(len(s) for s in r.params.stop)
+        window_start = max(0, len(r.text) - new_len - longest + 1)
+        hits = [i for s in r.params.stop if (i := r.text.find(s, window_start)) >= 0]
+        if not hits:
+            return None
+        r.text = r.text[: min(hits)]
+        return "stop"
+
+    def _finish(self, r: Request, reason: str) -> RequestOutput:
+        self.scheduler.finish(r, reason)
+        del self._requests[r.request_id]
+        self._detokenizers.pop(r.request_id, None)
+        self.metrics.num_requests_finished += 1
+        if reason == "abort":
+            self.metrics.num_requests_aborted += 1
+        return self._output(r)
+
+    @staticmethod
+    def _output(r: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            token_ids=list(r.output_token_ids),
+            text=r.text,
+            finished=r.status is RequestStatus.FINISHED,
+            finish_reason=r.finish_reason,
+            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+            prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
+        )
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Counters since start plus current occupancy and the cache plan."""
+        m: dict[str, Any] = self.metrics.as_dict()
+        m.update(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.scheduler.block_pool.num_used,
+            num_kv_blocks=self.plan.num_kv_blocks,
+            num_slots=self.plan.num_slots,
+            slots_per_request=self.plan.slots_per_request,
+            num_requests_fit=self.plan.num_requests_fit,
+            cache_bytes=self.plan.total_bytes,
+        )
+        return m

@@ -1,0 +1,75 @@
+"""One generation request and its bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from replayssm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted (nothing computed, no memory held)
+    RUNNING = "running"  # holds a Mamba slot group and the KV blocks of its computed tokens
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A request's tokens and the memory it holds.
+
+    Token bookkeeping (n = num_tokens = prompt + output):
+
+        | computed: KV + Mamba state cover [0, num_computed_tokens) | to compute  |
+        0                                                     num_computed        n
+
+    A step computes a chunk of ``[num_computed_tokens, n)``; when the chunk reaches n the
+    last position's logits sample token n. In steady decode exactly one token (the last
+    sampled one) is uncomputed. Preemption drops everything computed (num_computed_tokens = 0,
+    blocks and slots freed); on resume the prompt *and* the output so far are prefilled again.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or one the engine drew at add time so recompute replays the same draws
+    arrival: int  # admission order key: lower is older
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # [live] + per-draft slots (baseline spec)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    def wants_prompt_logprobs(self) -> bool:
+        """True until the prompt's logprobs have been collected once (not again on recompute)."""
+        return self.params.prompt_logprobs is not None and (
+            self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens
+        )

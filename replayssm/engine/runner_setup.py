@@ -1,0 +1,120 @@
+"""Engine start-up: checkpoint -> model config, tokenizer, cache plan, pools and model runner."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from replayssm.cache.block_pool import BlockPool
+from replayssm.cache.planner import CachePlan, plan_cache, slots_per_request
+from replayssm.cache.slot_pool import SlotPool
+from replayssm.config import EngineConfig
+from replayssm.engine.tokenizer import Tokenizer, load_tokenizer, read_eos_token_ids
+
+CPU_DEFAULT_BUDGET = 1 << 30  # 1 GiB; the planner still caps it at what max_num_seqs requests need
+
+
+@dataclass
+class RunnerSetup:
+    runner: Any
+    model_config: Any
+    plan: CachePlan
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    model_name: str
+    eos_token_ids: list[int]
+    block_pool: BlockPool
+    slot_pool: SlotPool
+
+
+def resolve_model_dir(model: str) -> str:
+    """A checkpoint directory, or the built-in demo checkpoint for ``"demo"``."""
+    if model == "demo":
+        from replayssm.demo import demo_checkpoint
+
+        return demo_checkpoint()
+    if not os.path.isdir(model):
+        raise ValueError(f"model {model!r} is not a directory (pass a checkpoint directory or 'demo')")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model {model!r} has no config.json")
+    if not glob.glob(os.path.join(model, "*.safetensors")):
+        raise ValueError(f"model {model!r} has no *.safetensors weights")
+    return model
+
+
+def default_memory_budget(device: str, gpu_memory_utilization: float, model_dir: str) -> int:
+    """CPU: 1 GiB. CUDA: the utilization share of free memory, minus the weights' file size."""
+    if not device.startswith("cuda"):
+        return CPU_DEFAULT_BUDGET
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    return max(1, int(free * gpu_memory_utilization) - weights)
+
+
+def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
+    """Load the config and tokenizer, plan the cache from the memory budget, build the runner."""
+    from replayssm.models.config import ModelConfig
+
+    if runner_cls is None:
+        from replayssm.engine.model_runner import ModelRunner as runner_cls
+    model_dir = resolve_model_dir(config.model)
+    model_config = ModelConfig.from_hf(model_dir)
+    tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    device, dtype = config.resolved_device(), config.resolved_dtype()
+    max_model_len = config.scheduler.max_model_len or model_config.max_model_len
+    cache, spec = config.cache, config.spec
+    sizes = dict(
+        dtype=dtype,
+        state_dtype=cache.state_dtype,
+        replayssm=config.replayssm,
+        replay_window=config.replay_window,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        kv_block_size=cache.kv_block_size,
+    )
+    budget = cache.memory_budget or default_memory_budget(device, cache.gpu_memory_utilization, model_dir)
+    plan = plan_cache(
+        budget,
+        bytes_per_slot=runner_cls.slot_bytes(model_config, **sizes),
+        bytes_per_kv_block=runner_cls.kv_block_bytes(model_config, **sizes),
+        kv_block_size=cache.kv_block_size,
+        max_model_len=max_model_len,
+        slots_per_request=slots_per_request(config.replayssm, spec.num_speculative_tokens),
+        max_num_seqs=config.scheduler.max_num_seqs,
+        num_kv_blocks=cache.num_kv_blocks,
+        num_slots=cache.num_slots,
+    )
+    runner = runner_cls(
+        model_dir,
+        device=device,
+        dtype=dtype,
+        replayssm=config.replayssm,
+        replay_window=config.replay_window,
+        state_dtype=cache.state_dtype,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        num_kv_blocks=plan.num_kv_blocks,
+        kv_block_size=cache.kv_block_size,
+        num_slots=plan.num_slots,
+        max_num_seqs=min(config.scheduler.max_num_seqs, plan.num_requests_fit),
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        seed=config.seed,
+    )
+    # Stop at the tokenizer's eos and at every eos the generation config names.
+    eos = set(read_eos_token_ids(model_dir) or model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    name = "demo" if config.model == "demo" else os.path.basename(os.path.normpath(model_dir))
+    return RunnerSetup(
+        runner=runner,
+        model_config=model_config,
+        plan=plan,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        model_name=name,
+        eos_token_ids=sorted(eos),
+        block_pool=BlockPool(plan.num_kv_blocks),
+        slot_pool=SlotPool(plan.num_slots, plan.slots_per_request),
+    )

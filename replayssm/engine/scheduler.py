@@ -1,0 +1,157 @@
+"""Continuous batching with chunked prefill, memory-bounded admission and preemption."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from replayssm.cache.block_pool import BlockPool
+from replayssm.cache.slot_pool import SlotPool
+from replayssm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``request`` run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last known token, so its logits sample the next one."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in the next step.
+
+    Policy, per step, under a budget of ``max_num_batched_tokens`` tokens:
+    1. Running requests, oldest first, each get their uncomputed tokens (1 in decode, a
+       chunk in prefill), clipped to the remaining budget. When KV blocks run out, the
+       newest running request is preempted by recompute (memory freed, back to the front
+       of the waiting queue) until the blocks fit; the oldest request is never preempted
+       for a younger one, so it always progresses.
+    2. If nothing was preempted, waiting requests are admitted in arrival order while the
+       budget, ``max_num_seqs``, a free slot group and KV blocks for their first chunk allow.
+    Running requests stay sorted by arrival, so "newest" means latest arrival.
+    """
+
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        slot_pool: SlotPool,
+        *,
+        kv_block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.block_pool = block_pool
+        self.slot_pool = slot_pool
+        self.kv_block_size = kv_block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
+        total = -(-(request.num_computed_tokens + num_tokens) // self.kv_block_size)
+        return max(0, total - len(request.block_table))
+
+    def _release(self, request: Request) -> None:
+        self.block_pool.free(request.block_table)
+        self.slot_pool.free(request.slots)
+        request.block_table = []
+        request.slots = []
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks; allocates their KV blocks (and slots for new requests)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_uncomputed_tokens, budget)
+            need = self._blocks_needed(request, n)
+            while not self.block_pool.can_allocate(need) and self.running[-1] is not request:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+            if not self.block_pool.can_allocate(need):
+                # Only `request` itself is left to give memory back: it waits for recompute.
+                assert self.running[-1] is request
+                self.running.pop()
+                self._preempt(request)
+                out.preempted.append(request)
+                break
+            request.block_table.extend(self.block_pool.allocate(need))
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        while (
+            self.waiting
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and self.slot_pool.can_allocate()
+        ):
+            request = self.waiting[0]
+            n = min(request.num_uncomputed_tokens, budget)
+            need = self._blocks_needed(request, n)
+            if not self.block_pool.can_allocate(need):
+                break
+            self.waiting.popleft()
+            request.slots = self.slot_pool.allocate()
+            request.block_table = self.block_pool.allocate(need)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival)
+            out.chunks.append(ScheduledChunk(request, 0, n))
+            budget -= n
+        return out
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark finished and free its memory (it may be running or waiting)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def check_integrity(self) -> None:
+        """Assert that pool usage equals what running requests hold."""
+        self.block_pool.check_integrity()
+        self.slot_pool.check_integrity()
+        held_blocks = sum(len(r.block_table) for r in self.running)
+        held_slots = sum(len(r.slots) for r in self.running)
+        assert held_blocks == self.block_pool.num_used, (held_blocks, self.block_pool.num_used)
+        assert held_slots == self.slot_pool.num_slots - self.slot_pool.num_free
+        assert all(not r.block_table and not r.slots for r in self.waiting)
+        for r in self.running:
+            assert len(r.block_table) * self.kv_block_size >= r.num_computed_tokens

@@ -1,0 +1,134 @@
+"""Batched token sampling with per-row parameters and counter-based randomness.
+
+Random rows use the Gumbel-max trick with noise that is a pure function of
+(seed, position, token id): a row's draw never depends on which other rows share the batch,
+on chunking, or on preemption and recompute, so a seeded request is reproducible anywhere.
+Nothing here reads a device value back; callers sync once when they read the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(v: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on int64 tensors holding values in [0, 2^32)."""
+    v = v ^ (v >> 16)
+    v = (v * 0x7FEB352D) & _MASK32  # int64 products wrap, but their low 32 bits are exact
+    v = v ^ (v >> 15)
+    v = (v * 0x846CA68B) & _MASK32
+    return v ^ (v >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1), shape (b, vocab_size): element (i, t) depends only on
+    (seeds[i], positions[i], t). seeds, positions: (b,) int64."""
+    key = _mix32(seeds & _MASK32)
+    key = _mix32(key ^ ((seeds >> 32) & _MASK32))
+    key = _mix32(key ^ (positions & _MASK32))
+    idx = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + 0x632BE5AB)
+    v = _mix32(key[:, None] ^ idx[None, :])
+    return ((v >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the logits' device.
+
+    temperature (b,) fp32, 0 = greedy; top_k (b,) int64, vocab size = off; top_p (b,) fp32;
+    seeds, positions (b,) int64 (position = index of the token being sampled).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    positions: torch.Tensor
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def build(
+        cls,
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        seeds: list[int],
+        positions: list[int],
+        vocab_size: int,
+        device: torch.device | str,
+        greedy_eps: float = 1e-5,
+    ) -> SamplingTensors:
+        """From host lists (one host-to-device copy each). top_k <= 0 or >= vocab means off."""
+        temps = [0.0 if t < greedy_eps else float(t) for t in temperature]
+        ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_k]
+        # Seeds are reduced into int64 range; the hash only uses their 64 bits.
+        seeds64 = [((s + (1 << 63)) % (1 << 64)) - (1 << 63) for s in seeds]
+
+        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            temperature=dev(temps, torch.float32),
+            top_k=dev(ks, torch.int64),
+            top_p=dev([float(p) for p in top_p], torch.float32),
+            seeds=dev(seeds64, torch.int64),
+            positions=dev(positions, torch.int64),
+            all_greedy=all(t == 0.0 for t in temps),
+            any_top_k=any(k < vocab_size and t > 0 for k, t in zip(ks, temps)),
+            any_top_p=any(p < 1.0 and t > 0 for p, t in zip(top_p, temps)),
+        )
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p set to -inf. logits (b, V); top_k (b,) int64
+    (V = off); top_p (b,) fp32 (1 = off). The most likely token always survives."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= rank >= top_k[:, None]
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Drop a token once the tokens ranked above it already reach top_p.
+        drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter(-1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingTensors, need_logprobs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample one token per row. logits (b, V) fp32.
+
+    Returns (token_ids (b,) int64, logprobs (b,) fp32 or None): the logprob is of the chosen
+    token under the unmodified model distribution (log_softmax of the raw logits).
+    """
+    greedy_tokens = logits.argmax(dim=-1)
+    if params.all_greedy:
+        tokens = greedy_tokens
+    else:
+        is_greedy = params.temperature == 0.0
+        temp = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)
+        scaled = logits / temp[:, None]
+        if params.any_top_k or params.any_top_p:
+            scaled = apply_top_k_top_p(
+                scaled, params.top_k if params.any_top_k else None, params.top_p if params.any_top_p else None
+            )
+        u = uniform_noise(params.seeds, params.positions, logits.shape[-1])
+        gumbel = -torch.log(-torch.log(u))
+        sampled = (scaled + gumbel).argmax(dim=-1)
+        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+    logprobs = None
+    if need_logprobs:
+        logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs
