@@ -1,0 +1,20 @@
+"""Model registry: Hugging Face architecture name -> (module, class), imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from replayssm.models.config import ModelConfig
+
+MODEL_REGISTRY = {
+    "NemotronHForCausalLM": ("replayssm.models.hybrid", "HybridForCausalLM"),
+    "Mamba2ForCausalLM": ("replayssm.models.hybrid", "HybridForCausalLM"),
+}
+
+
+def model_class(config: ModelConfig) -> type:
+    """The nn.Module class that implements `config.architecture`."""
+    if config.architecture not in MODEL_REGISTRY:
+        raise ValueError(f"architecture {config.architecture!r} is not registered: {sorted(MODEL_REGISTRY)}")
+    module, name = MODEL_REGISTRY[config.architecture]
+    return getattr(importlib.import_module(module), name)

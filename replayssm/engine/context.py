@@ -1,0 +1,58 @@
+"""ForwardContext: everything one forward pass needs besides the token ids.
+
+Tokens are packed with prefill rows first, then decode rows (the runner reorders the engine's
+rows and maps the logits back). Attention treats all rows alike (a query chunk on top of cached
+context); the Mamba mixers split the packed tokens at `num_prefill_tokens`:
+
+    packed tokens:  [ prefill row 0 | prefill row 1 | ... | decode row 0 | decode row 1 | ... ]
+    attention:      one query chunk per row, causal over the row's cached context + itself
+    mamba prefill:  varlen conv + chunked scan over the prefill rows (prefill_cu_seqlens)
+    mamba decode:   rows padded to a (num_decode_rows, decode_q) grid; decode_token_index maps
+                    packed decode tokens into that grid (None when every row has decode_q tokens)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Paged-attention addressing for the packed tokens (all rows, in packed order)."""
+
+    slot_mapping: torch.Tensor  # (T,) int64: block * block_size + offset of each token's K/V
+    cu_seqlens_q: torch.Tensor  # (n+1,) int32: query chunk boundaries
+    block_tables: torch.Tensor  # (n, max_blocks) int32, -1 past each row's blocks
+    context_lens: torch.Tensor  # (n,) int32: cached tokens per row after this step
+    max_query_len: int
+    max_context_len: int
+
+
+@dataclass
+class MambaMetadata:
+    """Which packed tokens take the prefill path and which the decode path, and their slots."""
+
+    num_prefill_tokens: int
+    prefill_cu_seqlens: torch.Tensor  # (n_p+1,) int32, offsets inside the prefill tokens
+    prefill_slots: torch.Tensor  # (n_p,) int32
+    has_initial_state: torch.Tensor  # (n_p,) bool: continue from the slot (chunked prefill)
+    num_decode_rows: int
+    decode_q: int  # grid width: the longest decode row
+    decode_slots: torch.Tensor  # (b,) int32: live slot of each decode row (source state)
+    decode_token_index: torch.Tensor | None  # (T_d,) int64 positions in the flattened (b, q) grid
+    decode_dst_slots: torch.Tensor | None  # (b, q) int32: baseline verify per-token state slots, -1 = skip
+
+
+@dataclass
+class ForwardContext:
+    """One step's metadata plus the cache tensors the layers read and write."""
+
+    attn: AttentionMetadata
+    mamba: MambaMetadata
+    kv_cache: object  # replayssm.cache.mamba_cache.KVCache
+    mamba_cache: object  # replayssm.cache.mamba_cache.MambaCache
+    replayssm: bool
+    window: int
+    rand_seed: int  # base seed of this step's stochastic rounding; layer l uses rand_seed + l

@@ -1,0 +1,280 @@
+"""ModelRunner: owns the model and its caches; runs one engine step (execute) and its commit.
+
+Per step the engine calls `execute(rows)`, samples from the returned logits, then
+`commit(rows, num_accepted)` with the same rows, before the next execute:
+
+    execute: prefill rows  -> chunked scan writes a clean S_0; their cursors reset to 0 first
+             decode rows   -> ReplaySSM (or the baseline state update); conv inputs parked
+    commit:  decode rows   -> cursors move by a = num_accepted (one replay_commit for all
+                              layers), conv windows advance by the a accepted inputs
+
+Baseline speculative verify (replayssm=False, row.spec_slots = 1 + k slots): the state after
+token t is written to spec_slots[t]; nothing is copied afterwards. `commit` returns each row's
+live slot, which is spec_slots[a - 1] for such rows (row.slot otherwise); the engine must adopt
+it as the request's slot. The conv window is committed into that slot too. `row.slot` may be
+one of the spec_slots (the source is read before any write), so a request can own exactly
+1 + k slots.
+
+The host mirrors the cursors exactly (it knows q and a), so nothing here syncs with the device
+except the MoE routing counts inside the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from replayssm.cache.mamba_cache import KVCache, MambaCache, as_dtype
+from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs
+from replayssm.engine.context import ForwardContext
+from replayssm.models.config import MAMBA, ModelConfig
+from replayssm.models.loader import load_model
+from replayssm.ops.conv1d import causal_conv1d_commit
+from replayssm.ops.replay import replay_commit, replay_materialize
+
+
+@dataclass
+class ScheduledRow:
+    token_ids: list[int]  # prefill chunk, [last] for decode, [last] + drafts for verify
+    start_pos: int  # tokens already computed (KV + Mamba state cover [0, start_pos))
+    block_table: list[int]  # KV block ids covering [0, start_pos + len(token_ids))
+    slot: int  # Mamba slot holding the request's live state
+    is_prefill: bool
+    num_logits: int = 1  # trailing positions that need logits
+    spec_slots: list[int] | None = None  # baseline verify: 1 + k destination slots
+
+
+class ModelRunner:
+    """Loads a checkpoint, allocates the caches, runs steps. See the module docstring for the protocol."""
+
+    def __init__(self, model_path: str | Path, *, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype | None = None, replayssm: bool = True, replay_window: int = 16,
+                 state_dtype: str | torch.dtype = "float32", num_speculative_tokens: int = 0,
+                 num_kv_blocks: int = 64, kv_block_size: int = 16, num_slots: int = 8, max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 2048, seed: int = 0) -> None:
+        for name, value, low in (("replay_window", replay_window, 1), ("num_speculative_tokens",
+                                 num_speculative_tokens, 0), ("num_kv_blocks", num_kv_blocks, 1),
+                                 ("kv_block_size", kv_block_size, 1), ("num_slots", num_slots, 1),
+                                 ("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens",
+                                 max_num_batched_tokens, 1), ("seed", seed, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.q_max = 1 + num_speculative_tokens
+        if replayssm and self.q_max > replay_window:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs 1 + k <= replay_window "
+                             f"({replay_window})")
+        self.device = torch.device(device)
+        self.model, self.model_config = load_model(model_path, device=self.device,
+                                                   dtype=None if dtype is None else as_dtype(dtype, "dtype"))
+        cfg = self.model_config
+        self.dtype = self.model.dtype
+        self.state_dtype = as_dtype(state_dtype, "state_dtype")
+        self.replayssm, self.window = replayssm, replay_window
+        self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
+        self.num_kv_blocks, self.kv_block_size = num_kv_blocks, kv_block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.mamba_cache = MambaCache(cfg, num_slots=num_slots, act_dtype=self.dtype,
+                                      state_dtype=self.state_dtype, replayssm=replayssm, window=replay_window,
+                                      q_max=self.q_max, max_num_seqs=max_num_seqs, device=self.device)
+        self.kv_cache = KVCache(cfg, num_blocks=num_kv_blocks, block_size=kv_block_size, dtype=self.dtype,
+                                device=self.device)
+        self.mixers = [b.mixer for b, kind in zip(self.model.layers, cfg.layer_types) if kind == MAMBA]
+        # Exact host mirror of ring_start / committed (index num_slots is the private scratch slot).
+        self._ring_start = [0] * (num_slots + 1)
+        self._committed = [0] * (num_slots + 1)
+        self._seed, self._step = seed, 0
+        self._pending: BatchInputs | None = None
+
+    # ---- sizes (static: usable by the planner before allocation) ---------------------------------
+
+    @staticmethod
+    def slot_bytes(model_config: ModelConfig, *, dtype: str | torch.dtype, state_dtype: str | torch.dtype,
+                   replayssm: bool, replay_window: int, num_speculative_tokens: int, **_: object) -> int:
+        """Bytes of one Mamba slot (all layers; ring only with ReplaySSM)."""
+        return MambaCache.bytes_per_slot(model_config, act_dtype=as_dtype(dtype, "dtype"),
+                                         state_dtype=as_dtype(state_dtype, "state_dtype"),
+                                         replayssm=replayssm, window=replay_window,
+                                         q_max=1 + num_speculative_tokens)
+
+    @staticmethod
+    def kv_block_bytes(model_config: ModelConfig, *, dtype: str | torch.dtype, kv_block_size: int,
+                       **_: object) -> int:
+        """Bytes of one KV block (K and V of every attention layer)."""
+        return KVCache.bytes_per_block(model_config, block_size=kv_block_size, dtype=as_dtype(dtype, "dtype"))
+
+    def bytes_per_slot(self) -> int:
+        return MambaCache.bytes_per_slot(self.model_config, act_dtype=self.dtype,
+                                         state_dtype=self.state_dtype, replayssm=self.replayssm,
+                                         window=self.window, q_max=self.q_max)
+
+    def bytes_per_kv_block(self) -> int:
+        return KVCache.bytes_per_block(self.model_config, block_size=self.kv_block_size, dtype=self.dtype)
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def execute(self, rows: list[ScheduledRow]) -> torch.Tensor:
+        """Forward one engine step; returns fp32 logits (sum of num_logits, vocab), rows in order."""
+        if self._pending is not None:
+            raise ValueError("commit() the previous step's rows before the next execute()")
+        views = [self._view(i, r) for i, r in enumerate(rows)]
+        self._check_batch(views)
+        batch = build_inputs(views, block_size=self.kv_block_size, device=self.device,
+                             baseline=not self.replayssm)
+        if self.replayssm and batch.prefill:
+            self._prepare_prefill_slots(batch.prefill)
+        ctx = ForwardContext(attn=batch.attn, mamba=batch.mamba, kv_cache=self.kv_cache,
+                             mamba_cache=self.mamba_cache, replayssm=self.replayssm, window=self.window,
+                             rand_seed=self._next_seed())
+        hidden = self.model(batch.input_ids, ctx)
+        logits = self.model.compute_logits(hidden[batch.logit_index])
+        forced = [r for r in batch.decode if r.forced]
+        if forced:
+            self._commit_decode(batch, forced, [1] * len(forced))
+        self._pending = batch if any(not r.forced for r in batch.decode) else None
+        return logits
+
+    @torch.no_grad()
+    def commit(self, rows: list[ScheduledRow], num_accepted: list[int]) -> list[int]:
+        """Commit the last execute's decode rows with a = num_accepted[i] in [1, q_i] (others ignored).
+
+        Returns the live slot of every row after the commit (row.slot, or spec_slots[a-1] for a
+        baseline verify row: the engine must adopt it).
+        """
+        if len(num_accepted) != len(rows):
+            raise ValueError(f"num_accepted has {len(num_accepted)} entries for {len(rows)} rows")
+        live = [r.slot for r in rows]
+        batch, self._pending = self._pending, None
+        if batch is None:
+            return live
+        decode = [r for r in batch.decode if not r.forced]
+        if any(r.index >= len(rows) or rows[r.index].slot != r.slot for r in decode):
+            raise ValueError("commit() rows differ from the rows of the last execute()")
+        accepted = []
+        for r in decode:
+            a = num_accepted[r.index]
+            if not isinstance(a, int) or not 1 <= a <= len(r.token_ids):
+                raise ValueError(f"num_accepted[{r.index}] must be in [1, {len(r.token_ids)}], got {a!r}")
+            accepted.append(a)
+            if r.spec_slots is not None:
+                live[r.index] = r.spec_slots[a - 1]
+        self._commit_decode(batch, decode, accepted)
+        return live
+
+    def _commit_decode(self, batch: BatchInputs, rows: list[RowView], accepted: list[int]) -> None:
+        """Cursor commit (once) and conv-window commit (per layer) for `rows`, a slice of batch.decode."""
+        first = batch.decode.index(rows[0])
+        q = batch.mamba.decode_q
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.int32, device=self.device)
+        acc = torch.tensor(accepted, dtype=torch.int32, device=self.device)
+        cache = self.mamba_cache
+        if self.replayssm:
+            replay_commit(cache.ring_start, cache.committed, slots, acc, q, self.window)
+            for r, a in zip(rows, accepted):
+                h, o = self._committed[r.slot], self._ring_start[r.slot]
+                if h + q > self.window:
+                    self._ring_start[r.slot], self._committed[r.slot] = (o + h) % cache.ring_rows, a
+                else:
+                    self._committed[r.slot] = h + a
+        dst = None
+        if any(r.spec_slots is not None for r in rows):
+            dst = torch.tensor([r.spec_slots[a - 1] if r.spec_slots is not None else r.slot
+                                for r, a in zip(rows, accepted)], dtype=torch.int32, device=self.device)
+        for conv, scratch in zip(cache.conv, cache.conv_scratch):
+            causal_conv1d_commit(conv, scratch[first:first + len(rows), :q], acc, slots, dst_indices=dst)
+
+    def _prepare_prefill_slots(self, prefill: list[RowView]) -> None:
+        """Prefill rows start from a bare S_0: fold committed ring entries first, then zero the cursors."""
+        cache = self.mamba_cache
+        for r in prefill:
+            h = self._committed[r.slot]
+            if r.start_pos > 0 and h > 0:
+                # Not produced by the scheduler; kept exact anyway via the private scratch slot.
+                src = torch.tensor([r.slot], dtype=torch.int32, device=self.device)
+                tmp = torch.tensor([cache.scratch_slot], dtype=torch.int32, device=self.device)
+                n = torch.tensor([h], dtype=torch.int32, device=self.device)
+                for mixer, state, rx, rB, rdt in zip(self.mixers, cache.state, cache.ring_x, cache.ring_B,
+                                                     cache.ring_dt):
+                    A = -torch.exp(mixer.A_log.float())
+                    replay_materialize(A, state, rx, rB, rdt, cache.ring_start, cache.committed, src, n, tmp,
+                                       rand_seed=self._next_seed())
+                    state[r.slot] = state[cache.scratch_slot]
+        slots = torch.tensor([r.slot for r in prefill], dtype=torch.int64, device=self.device)
+        cache.reset_cursors(slots)
+        for r in prefill:
+            self._ring_start[r.slot] = self._committed[r.slot] = 0
+
+    def _next_seed(self) -> int:
+        """A fresh stochastic-rounding seed per call (host counter: no device sync)."""
+        self._step += 1
+        stride = len(self.mixers) + 1
+        return (self._seed * 1_000_003 + self._step * stride) % (1 << 31)
+
+    # ---- slot moves ---------------------------------------------------------------------------------
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """slot dst <- slot src: state, conv, ring and cursors together."""
+        self.copy_slots([src], [dst])
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Batched copy_slot; dst entries distinct and not in src."""
+        if len(src) != len(dst) or len(set(dst)) != len(dst) or set(src) & set(dst):
+            raise ValueError(f"copy_slots needs equal-length src/dst, distinct dst not in src: {src}, {dst}")
+        for s in (*src, *dst):
+            self._check_slot(s, "slot")
+        if not src:
+            return
+        idx = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        self.mamba_cache.copy_slots(idx(src), idx(dst))
+        for s, d in zip(src, dst):
+            self._ring_start[d], self._committed[d] = self._ring_start[s], self._committed[s]
+
+    # ---- validation ---------------------------------------------------------------------------------
+
+    def _check_slot(self, slot: object, name: str) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"{name} must be in [0, {self.num_slots}), got {slot!r}")
+
+    def _view(self, i: int, r: ScheduledRow) -> RowView:
+        q = len(r.token_ids)
+        if q == 0:
+            raise ValueError(f"rows[{i}].token_ids is empty")
+        if not isinstance(r.start_pos, int) or r.start_pos < 0:
+            raise ValueError(f"rows[{i}].start_pos must be >= 0, got {r.start_pos!r}")
+        self._check_slot(r.slot, f"rows[{i}].slot")
+        if len(r.block_table) * self.kv_block_size < r.start_pos + q:
+            raise ValueError(f"rows[{i}].block_table covers {len(r.block_table) * self.kv_block_size} "
+                             f"tokens, needs {r.start_pos + q}")
+        if any(not 0 <= b < self.num_kv_blocks for b in r.block_table):
+            raise ValueError(f"rows[{i}].block_table has ids outside [0, {self.num_kv_blocks})")
+        if not 0 <= r.num_logits <= q:
+            raise ValueError(f"rows[{i}].num_logits must be in [0, {q}], got {r.num_logits}")
+        forced = r.is_prefill and q == 1 and r.start_pos > 0
+        decode = not r.is_prefill or forced
+        if decode and r.start_pos == 0:
+            raise ValueError(f"rows[{i}] is a decode row without prior state (start_pos=0)")
+        if decode and q > self.q_max:
+            raise ValueError(f"rows[{i}] has {q} decode tokens, more than 1 + num_speculative_tokens "
+                             f"= {self.q_max}")
+        if r.spec_slots is not None:
+            if self.replayssm or not decode or len(r.spec_slots) != q:
+                raise ValueError(f"rows[{i}].spec_slots is only for baseline verify rows, one slot per token")
+            for s in r.spec_slots:
+                self._check_slot(s, f"rows[{i}].spec_slots entry")
+        elif decode and q > 1 and not self.replayssm:
+            raise ValueError(f"rows[{i}] verifies {q} tokens without spec_slots (baseline needs them)")
+        return RowView(i, list(r.token_ids), r.start_pos, list(r.block_table), r.slot, r.num_logits,
+                       None if r.spec_slots is None else list(r.spec_slots), decode, forced)
+
+    def _check_batch(self, views: list[RowView]) -> None:
+        if not views:
+            raise ValueError("rows is empty")
+        slots = [v.slot for v in views]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"two rows share a slot: {slots}")
+        if sum(len(v.token_ids) for v in views) > self.max_num_batched_tokens:
+            raise ValueError(f"rows hold more than max_num_batched_tokens={self.max_num_batched_tokens}")
+        if sum(v.decode for v in views) > self.max_num_seqs:
+            raise ValueError(f"more than max_num_seqs={self.max_num_seqs} decode rows")

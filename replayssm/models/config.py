@@ -1,0 +1,268 @@
+"""ModelConfig: the Hugging Face config.json of a supported checkpoint, normalized once.
+
+Every model, cache and planner reads these plain fields, never the raw HF dict. Supported
+architectures: `NemotronHForCausalLM` (Mamba-2 + attention + MLP + MoE layers, any
+transformers version: `layers_block_type` or `hybrid_override_pattern`, legacy and current
+layer names) and `Mamba2ForCausalLM` (pure Mamba-2).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
+LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE)
+
+# Every spelling of a Nemotron-H layer kind across transformers versions and remote code.
+_LAYER_NAMES = {
+    "M": MAMBA, "mamba": MAMBA, "linear_attention": MAMBA,
+    "*": ATTENTION, "attention": ATTENTION, "full_attention": ATTENTION,
+    "-": MLP, "mlp": MLP,
+    "E": MOE, "moe": MOE,
+}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM")
+MLP_ACTIVATIONS = ("relu2", "silu", "gelu")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Plain model description. Mamba letters follow the op API: H heads, P head dim, N state, G groups."""
+
+    architecture: str
+    layer_types: tuple[str, ...]
+    hidden_size: int
+    vocab_size: int
+    norm_eps: float
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+    max_model_len: int
+    # Mamba-2 mixer
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    mamba_n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_conv_bias: bool
+    mamba_proj_bias: bool
+    # Not applied: transformers clamps Δ at this floor in its prefill scan only (never in decode);
+    # our ops, like the fused Mamba kernels, use plain softplus. Kept for the record.
+    time_step_min: float = 0.0
+    residual_in_fp32: bool = False
+    # Attention (no positional encoding in Nemotron-H)
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = False
+    # Dense MLP (relu2 for Nemotron-H)
+    intermediate_size: int = 0
+    mlp_bias: bool = False
+    mlp_act: str = "relu2"
+    # MoE routing (sigmoid scores + e_score_correction_bias, grouped top-k)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_intermediate_size: int = 0
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    # Tokens
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    # Multi-token prediction (loaded later; recorded now)
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not one of {ARCHITECTURES}")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if not self.layer_types or bad:
+            raise ValueError(f"layer_types must be a non-empty list of {LAYER_TYPES}, got {bad or 'empty'}")
+        if self.num_mamba_layers:
+            if self.mamba_num_heads % self.mamba_n_groups:
+                raise ValueError(f"mamba_num_heads={self.mamba_num_heads} is not a multiple of "
+                                 f"n_groups={self.mamba_n_groups}")
+            if self.conv_kernel < 2:
+                raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+        if self.num_attention_layers and self.num_attention_heads % max(self.num_key_value_heads, 1):
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_hidden_act {self.mlp_act!r} is not one of {MLP_ACTIVATIONS}")
+        if MOE in self.layer_types and self.num_experts % self.n_group:
+            raise ValueError(f"n_routed_experts={self.num_experts} is not a multiple of "
+                             f"n_group={self.n_group}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return self.layer_types.count(MAMBA)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.layer_types.count(ATTENTION)
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        """H * P: width of x, z and the gated norm."""
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Conv channels: x, B and C side by side."""
+        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.ssm_state_size
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> ModelConfig:
+        """Read a checkpoint directory, a config.json path, or an already-parsed dict."""
+        if isinstance(path_or_dict, dict):
+            return _parse(path_or_dict, "<config dict>")
+        path = Path(path_or_dict)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"{file}: config.json not found")
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{file}: unreadable config.json ({e})") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"{file}: config.json is not a JSON object")
+        return _parse(raw, str(file))
+
+
+def _field(raw: dict, source: str, *names: str, default: Any = ..., kind: type = int) -> Any:
+    """The first present field among `names` (aliases across versions), type-checked."""
+    for name in names:
+        if raw.get(name) is not None:
+            value = raw[name]
+            if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if kind is int and isinstance(value, bool):
+                raise ValueError(f"{source}: field {name!r} must be an integer, got {value!r}")
+            if not isinstance(value, kind):
+                raise ValueError(f"{source}: field {name!r} must be {kind.__name__}, got {value!r}")
+            return value
+    if default is ...:
+        raise ValueError(f"{source}: missing field {names[0]!r}")
+    return default
+
+
+def _layer_list(value: Any, source: str, name: str) -> tuple[str, ...]:
+    items = list(value) if isinstance(value, (list, str)) else None
+    if not items:
+        raise ValueError(f"{source}: field {name!r} must be a non-empty list or pattern, got {value!r}")
+    unknown = [t for t in items if t not in _LAYER_NAMES]
+    if unknown:
+        raise ValueError(f"{source}: field {name!r} has unknown layer types {sorted(set(unknown))}")
+    return tuple(_LAYER_NAMES[t] for t in items)
+
+
+def _dtype(raw: dict, source: str) -> torch.dtype:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"{source}: field 'dtype' must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def _eos(raw: dict, source: str) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{source}: field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
+    return tuple(ids)
+
+
+def _parse(raw: dict, source: str) -> ModelConfig:
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise ValueError(f"{source}: missing field 'architectures'")
+    arch = archs[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{source}: field 'architectures' names {arch!r}; supported: {ARCHITECTURES}")
+    f = lambda *names, **kw: _field(raw, source, *names, **kw)  # noqa: E731
+    if f("mamba_hidden_act", "hidden_act", default="silu", kind=str) != "silu":
+        raise ValueError(f"{source}: field 'mamba_hidden_act' must be 'silu'")
+    common = dict(
+        architecture=arch,
+        hidden_size=f("hidden_size"),
+        vocab_size=f("vocab_size"),
+        norm_eps=f("layer_norm_epsilon", "rms_norm_eps", default=1e-5, kind=float),
+        tie_word_embeddings=f("tie_word_embeddings", default=False, kind=bool),
+        dtype=_dtype(raw, source),
+        chunk_size=f("chunk_size", "mamba_chunk_size", default=256),
+        conv_kernel=f("conv_kernel", "mamba_d_conv", default=4),
+        use_conv_bias=f("use_conv_bias", "mamba_conv_bias", default=True, kind=bool),
+        time_step_min=f("time_step_min", "mamba_dt_min", default=0.0, kind=float),
+        eos_token_ids=_eos(raw, source),
+        bos_token_id=f("bos_token_id", default=None),
+    )
+    if arch == "Mamba2ForCausalLM":
+        hidden, heads, head_dim = common["hidden_size"], f("num_heads"), f("head_dim", default=64)
+        if heads * head_dim != f("expand", default=2) * hidden:
+            raise ValueError(f"{source}: field 'num_heads' * 'head_dim' ({heads * head_dim}) must equal "
+                             f"'expand' * 'hidden_size'")
+        return ModelConfig(
+            **common,
+            layer_types=(MAMBA,) * f("num_hidden_layers"),
+            max_model_len=f("max_position_embeddings", default=1 << 20),
+            mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=f("state_size"),
+            mamba_n_groups=f("n_groups", default=1), mamba_proj_bias=f("use_bias", default=False, kind=bool),
+            residual_in_fp32=f("residual_in_fp32", default=True, kind=bool),
+        )
+    if raw.get("layers_block_type") is not None:
+        layers = _layer_list(raw["layers_block_type"], source, "layers_block_type")
+    elif raw.get("hybrid_override_pattern") is not None:
+        layers = _layer_list(raw["hybrid_override_pattern"], source, "hybrid_override_pattern")
+    else:
+        raise ValueError(f"{source}: missing field 'layers_block_type' (or 'hybrid_override_pattern')")
+    mtp = raw.get("mtp_layers_block_type") or raw.get("mtp_hybrid_override_pattern") or ()
+    num_mtp = f("num_nextn_predict_layers", default=0)
+    heads = f("num_attention_heads", default=0) if ATTENTION in layers else 0
+    head_dim = f("head_dim", "attention_head_dim", default=None) if heads else 0
+    if heads and head_dim is None:
+        head_dim = common["hidden_size"] // heads
+    moe = MOE in layers
+    return ModelConfig(
+        **common,
+        layer_types=layers,
+        max_model_len=f("max_position_embeddings", default=4096),
+        mamba_num_heads=f("mamba_num_heads") if MAMBA in layers else 0,
+        mamba_head_dim=f("mamba_head_dim") if MAMBA in layers else 0,
+        ssm_state_size=f("ssm_state_size") if MAMBA in layers else 0,
+        mamba_n_groups=f("n_groups", "mamba_n_groups", default=1),
+        mamba_proj_bias=f("use_bias", "mamba_proj_bias", default=False, kind=bool),
+        residual_in_fp32=f("residual_in_fp32", default=False, kind=bool),
+        num_attention_heads=heads,
+        num_key_value_heads=f("num_key_value_heads", default=heads) if heads else 0,
+        head_dim=head_dim,
+        attention_bias=f("attention_bias", default=False, kind=bool),
+        intermediate_size=f("intermediate_size") if MLP in layers else 0,
+        mlp_bias=f("mlp_bias", default=False, kind=bool),
+        mlp_act=f("mlp_hidden_act", default="relu2", kind=str),
+        num_experts=f("n_routed_experts", "num_local_experts") if moe else 0,
+        num_experts_per_tok=f("num_experts_per_tok") if moe else 0,
+        moe_intermediate_size=f("moe_intermediate_size") if moe else 0,
+        moe_shared_intermediate_size=f("moe_shared_expert_intermediate_size", default=0) if moe else 0,
+        moe_latent_size=f("moe_latent_size", default=None),
+        n_group=f("n_group", default=1),
+        topk_group=f("topk_group", default=1),
+        norm_topk_prob=f("norm_topk_prob", default=True, kind=bool),
+        routed_scaling_factor=f("routed_scaling_factor", default=1.0, kind=float),
+        num_nextn_predict_layers=num_mtp,
+        mtp_layer_types=_layer_list(mtp, source, "mtp_layers_block_type") if num_mtp and mtp else (),
+    )
+

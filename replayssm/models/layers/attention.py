@@ -1,0 +1,42 @@
+"""Nemotron-H attention: GQA projections over the paged KV cache, no positional encoding.
+
+Nemotron-H attention layers carry no rotary embedding (the Mamba layers supply position), so
+positions never enter this layer; only the cache addressing does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replayssm.models.config import ModelConfig
+from replayssm.ops.attention import paged_attention, store_kv
+
+
+class Attention(nn.Module):
+    """x (T, hidden) -> (T, hidden); stores this step's K/V, then attends causally over the cache."""
+
+    def __init__(self, cfg: ModelConfig, attn_index: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.attn_index = attn_index  # which KV cache pair of the model this layer owns
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        kw = dict(bias=cfg.attention_bias, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, **kw)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_cache.layer(self.attn_index)
+        md = ctx.attn
+        store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.block_tables, md.context_lens,
+                            scale=self.head_dim ** -0.5, max_query_len=md.max_query_len,
+                            max_context_len=md.max_context_len)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

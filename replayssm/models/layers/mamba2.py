@@ -1,0 +1,118 @@
+"""Mamba-2 mixer over pooled per-slot state (Nemotron-H and pure Mamba-2 share it).
+
+Tokens arrive packed, prefill rows first, then decode rows (see engine/context.py):
+
+    in_proj -> [z (H*P) | xBC (conv_dim = H*P + 2*G*N) | dt (H)]
+    prefill tokens: causal_conv1d_varlen -> ssd_chunked_scan   (writes clean S_0 and conv window)
+    decode rows:    causal_conv1d_update (window unchanged; inputs parked in the conv scratch
+                    for the commit) -> replay_forward (ReplaySSM) | selective_state_update (off)
+    -> rms_norm_gated(y, z) -> out_proj
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replayssm.models.config import ModelConfig
+from replayssm.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from replayssm.ops.norm import rms_norm_gated
+from replayssm.ops.replay import replay_forward
+from replayssm.ops.ssd import ssd_chunked_scan
+from replayssm.ops.ssu import selective_state_update
+
+
+class GatedNormWeight(nn.Module):
+    """Holds the gated RMSNorm weight under the checkpoint's name (`mixer.norm.weight`)."""
+
+    def __init__(self, size: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype))
+
+
+class Mamba2Mixer(nn.Module):
+    """x (T, hidden) -> (T, hidden); reads and writes the layer's slots in ctx.mamba_cache."""
+
+    def __init__(self, cfg: ModelConfig, mamba_index: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.mamba_index = mamba_index  # which per-layer Mamba cache tensors this layer owns
+        self.H, self.P = cfg.mamba_num_heads, cfg.mamba_head_dim
+        self.G, self.N = cfg.mamba_n_groups, cfg.ssm_state_size
+        self.I, self.conv_dim = cfg.mamba_intermediate_size, cfg.conv_dim
+        self.chunk_size = cfg.chunk_size
+        self.eps = cfg.norm_eps
+        self.in_proj = nn.Linear(cfg.hidden_size, self.I + self.conv_dim + self.H, bias=cfg.mamba_proj_bias,
+                                 device=device, dtype=dtype)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
+                                bias=cfg.use_conv_bias, device=device, dtype=dtype)
+        # SSM parameters stay fp32 whatever the model dtype (the op API takes them fp32).
+        self.A_log = nn.Parameter(torch.empty(self.H, device=device, dtype=torch.float32))
+        self.D = nn.Parameter(torch.empty(self.H, device=device, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.H, device=device, dtype=torch.float32))
+        self.norm = GatedNormWeight(self.I, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(self.I, cfg.hidden_size, bias=cfg.mamba_proj_bias,
+                                  device=device, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        z, xBC, dt = self.in_proj(hidden).split([self.I, self.conv_dim, self.H], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        weight = self.conv1d.weight[:, 0, :]
+        md = ctx.mamba
+        Tp = md.num_prefill_tokens
+        seed = ctx.rand_seed + self.mamba_index
+        parts = []
+        if Tp:
+            parts.append(self._prefill(xBC[:Tp], dt[:Tp], A, weight, ctx, seed))
+        if md.num_decode_rows:
+            parts.append(self._decode(xBC[Tp:], dt[Tp:], A, weight, ctx, seed))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        y = rms_norm_gated(y, z, self.norm.weight, self.eps, self.I // self.G)
+        return self.out_proj(y.to(hidden.dtype))
+
+    def _split(self, xbc: torch.Tensor, lead: tuple[int, ...]):
+        x, B, C = xbc.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
+        return (x.reshape(*lead, self.H, self.P), B.reshape(*lead, self.G, self.N),
+                C.reshape(*lead, self.G, self.N))
+
+    def _prefill(self, xbc, dt, A, weight, ctx, seed: int) -> torch.Tensor:
+        """Packed prefill tokens (Tp, ...): conv from the slot's window, chunked scan from its state."""
+        md, cache, li = ctx.mamba, ctx.mamba_cache, self.mamba_index
+        Tp = xbc.shape[0]
+        xbc = causal_conv1d_varlen(xbc.contiguous(), weight, self.conv1d.bias, cache.conv[li],
+                                   md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
+                                   activation="silu")
+        x, B, C = self._split(xbc, (Tp,))
+        y, _ = ssd_chunked_scan(x, dt.contiguous(), A, B, C, self.D, self.dt_bias, cache.state[li],
+                                md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
+                                chunk_size=self.chunk_size, rand_seed=seed)
+        return y.reshape(Tp, self.I)
+
+    def _decode(self, xbc, dt, A, weight, ctx, seed: int) -> torch.Tensor:
+        """Decode rows padded to (b, q): conv update, then ReplaySSM or the baseline state update."""
+        md, cache, li = ctx.mamba, ctx.mamba_cache, self.mamba_index
+        b, q = md.num_decode_rows, md.decode_q
+        if md.decode_token_index is not None:
+            # Rows shorter than q get zero inputs in the tail; those outputs are dropped and
+            # those inputs are never committed (num_accepted <= the row's real length).
+            grid = xbc.new_zeros(b * q, self.conv_dim)
+            grid[md.decode_token_index] = xbc
+            dt_grid = dt.new_zeros(b * q, self.H)
+            dt_grid[md.decode_token_index] = dt
+            xbc, dt = grid, dt_grid
+        xbc = xbc.reshape(b, q, self.conv_dim)
+        dt = dt.reshape(b, q, self.H).contiguous()
+        # The window is only advanced by the commit, from these raw inputs.
+        cache.conv_scratch[li][:b, :q].copy_(xbc)
+        xbc = causal_conv1d_update(xbc.contiguous(), weight, self.conv1d.bias, cache.conv[li],
+                                   md.decode_slots, activation="silu")
+        x, B, C = self._split(xbc, (b, q))
+        x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
+        if ctx.replayssm:
+            y = replay_forward(x, dt, A, B, C, self.D, self.dt_bias, cache.state[li], cache.ring_x[li],
+                               cache.ring_B[li], cache.ring_dt[li], cache.ring_start, cache.committed,
+                               md.decode_slots, ctx.window, rand_seed=seed)
+        else:
+            y = selective_state_update(cache.state[li], x, dt, A, B, C, self.D, self.dt_bias, md.decode_slots,
+                                       dst_indices=md.decode_dst_slots, rand_seed=seed)
+        y = y.reshape(b * q, self.I)
+        return y[md.decode_token_index] if md.decode_token_index is not None else y

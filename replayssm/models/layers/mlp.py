@@ -1,0 +1,127 @@
+"""Dense MLP (non-gated, relu2 in Nemotron-H) and the Nemotron-H mixture of experts.
+
+The MoE mirrors transformers' Nemotron-H exactly: sigmoid router scores in fp32, expert choice
+on scores + e_score_correction_bias restricted to the best `topk_group` of `n_group` groups
+(a group scores as the sum of its two best experts), weights from the uncorrected scores,
+optionally normalized, times `routed_scaling_factor`; routed experts are up -> act -> down
+with no gate; shared experts see the block input; an optional latent projection wraps the
+routed experts only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replayssm.models.config import ModelConfig
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS = {"relu2": _relu2, "silu": F.silu, "gelu": F.gelu}
+
+
+class MLP(nn.Module):
+    """down(act(up(x))); x (T, hidden) -> (T, hidden)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool, *,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class TopkRouter(nn.Module):
+    """Grouped top-k over sigmoid scores; weight and correction bias stay fp32 (as in the checkpoint)."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts, device=device))
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> (weights (T, k) fp32, expert ids (T, k) int64)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        T, E = choice.shape
+        group_scores = choice.view(T, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand(T, self.n_group, E // self.n_group).reshape(T, E)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights: up_proj (E, I, in), down_proj (E, in, I)."""
+
+    def __init__(self, num_experts: int, in_dim: int, intermediate: int, act: str, *,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, in_dim, **kw))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, in_dim, intermediate, **kw))
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (T, in); weights, ids (T, k). Weighted sum over each token's experts, accumulated in fp32."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        # One host read per layer for the per-expert token counts (the split sizes).
+        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
+        tokens = order // ids.shape[1]
+        token_w = weights.flatten()[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            t = tokens[start:start + n]
+            h = self.act(F.linear(x[t], self.up_proj[e]))
+            h = F.linear(h, self.down_proj[e]) * token_w[start:start + n, None]
+            out.index_add_(0, t, h.float())
+            start += n
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Nemotron-H MoE block: routed experts (+ optional latent projection) + shared experts."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        in_dim = cfg.moe_latent_size or cfg.hidden_size
+        self.gate = TopkRouter(cfg, device=device)
+        self.experts = Experts(cfg.num_experts, in_dim, cfg.moe_intermediate_size, cfg.mlp_act,
+                               device=device, dtype=dtype)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_intermediate_size, cfg.mlp_act,
+                                  cfg.mlp_bias, device=device, dtype=dtype)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if cfg.moe_latent_size is not None:
+            kw = dict(bias=cfg.mlp_bias, device=device, dtype=dtype)
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, **kw)
+            self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden)."""
+        weights, ids = self.gate(x)
+        h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        h = self.experts(h, weights, ids)
+        if self.fc2_latent_proj is not None:
+            h = self.fc2_latent_proj(h)
+        return h + self.shared_experts(x)

@@ -1,0 +1,122 @@
+"""Load a Hugging Face checkpoint (config.json + safetensors, single file or sharded) into a model.
+
+Checkpoint names map one to one onto our modules after three normalizations, which cover the
+names written by every transformers version and by NVIDIA's remote code:
+  - the `model.` or `backbone.` prefix is dropped; legacy Mamba-2 `embedding.` -> `embeddings.`;
+  - per-expert MoE weights `experts.{e}.up_proj.weight` fill row e of the stacked `experts.up_proj`;
+  - multi-token-prediction weights (`mtp.*`) are skipped (not served yet).
+Every parameter must be filled exactly; a missing tensor or a wrong shape raises ValueError
+naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from replayssm.models import model_class
+from replayssm.models.config import ModelConfig
+
+_EXPERT = re.compile(r"^(layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (from the shard index when there is one)."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: unreadable shard index ({e!r})") from e
+        files = [root / name for name in sorted(set(weight_map.values()))]
+    elif (root / "model.safetensors").is_file():
+        files = [root / "model.safetensors"]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{root}: no model.safetensors, shard index or *.safetensors file")
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"{file}: shard listed in the index is missing")
+    return files
+
+
+def _our_name(key: str) -> str | None:
+    """Checkpoint tensor name -> our parameter name, or None for tensors we do not serve."""
+    for prefix in ("model.", "backbone."):
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+            break
+    if key.startswith("mtp."):
+        return None
+    if key.startswith("embedding."):
+        key = "embeddings." + key[len("embedding."):]
+    return key
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Copy every parameter of `model` from the checkpoint at `path` (dtype converted, shapes checked)."""
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    experts_filled: dict[str, set[int]] = {}
+    for file in checkpoint_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = _our_name(key)
+                    if name is None:
+                        continue
+                    m = _EXPERT.match(name)
+                    if m:
+                        target = f"{m.group(1)}.{m.group(3)}"
+                        if target not in params:
+                            continue
+                        e = int(m.group(2))
+                        _copy(params[target], e, f.get_tensor(key), file, key)
+                        experts_filled.setdefault(target, set()).add(e)
+                    elif name in params:
+                        _copy(params[name], None, f.get_tensor(key), file, key)
+                        filled.add(name)
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"{file}: unreadable safetensors file ({e})") from e
+    for name, rows in experts_filled.items():
+        if len(rows) == params[name].shape[0]:
+            filled.add(name)
+        else:
+            first = min(set(range(params[name].shape[0])) - rows)
+            stem, proj = name.rsplit(".", 1)
+            raise ValueError(f"{path}: missing tensor {stem}.{first}.{proj}.weight")
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"{path}: missing tensor {missing[0]!r} (and {len(missing) - 1} more)"
+                         if len(missing) > 1 else f"{path}: missing tensor {missing[0]!r}")
+
+
+def _copy(param: torch.Tensor, row: int | None, tensor: torch.Tensor, file: Path, key: str) -> None:
+    dst = param.data if row is None else param.data[row]
+    if tuple(tensor.shape) != tuple(dst.shape):
+        raise ValueError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(dst.shape)}")
+    dst.copy_(tensor.to(dst.dtype))
+
+
+def load_model(path: str | Path, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for the checkpoint at `path` on `device` in `dtype` (default: the checkpoint's).
+
+    Parameters are allocated uninitialized and every one is then filled from the checkpoint.
+    """
+    config = ModelConfig.from_hf(path)
+    if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    with torch.device("meta"):
+        model = model_class(config)(config, dtype=dtype or config.dtype)
+    model = model.to_empty(device=device)
+    load_weights(model, path)
+    return model.eval().requires_grad_(False), config

@@ -1,0 +1,93 @@
+"""Paged attention over a block KV cache (PyTorch; a Triton/flash kernel can replace it later).
+
+Cache layout per attention layer: k_cache, v_cache (num_blocks, block_size, kv_heads, head_dim).
+Token t of a sequence lives at block_table[t // block_size], offset t % block_size; the flat
+`slot_mapping` index of a token is block * block_size + offset.
+
+One call serves a packed batch of query chunks: row i has q_len_i = cu_seqlens_q[i+1] -
+cu_seqlens_q[i] new tokens at positions context_lens[i] - q_len_i .. context_lens[i] - 1, and
+attends causally to every cached key at positions 0 .. its own position (prior context,
+previous chunks and earlier tokens of this chunk). Prefill chunks, decode (q_len = 1) and
+speculative verify rows (q_len = 1 + k) are the same case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v (T, kv_heads, head_dim) into the caches at flat slots slot_mapping (T,) int (all >= 0)."""
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"k and v must both be (T, kv_heads, head_dim), got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"k_cache/v_cache must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), "
+                         f"got {tuple(k_cache.shape)}")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int ({k.shape[0]},), got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if not slot_mapping.is_cuda and bool((slot_mapping < 0).any()):
+        raise ValueError("slot_mapping has negative entries: pass only real tokens")
+    kv_heads, head_dim = k.shape[1:]
+    idx = slot_mapping.long()
+    k_cache.view(-1, kv_heads, head_dim)[idx] = k.to(k_cache.dtype)
+    v_cache.view(-1, kv_heads, head_dim)[idx] = v.to(v_cache.dtype)
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+) -> torch.Tensor:
+    """Causal attention of packed query chunks against the paged cache (their own K/V already stored).
+
+    q (T, heads, head_dim); cu_seqlens_q (n+1,) int32; block_tables (n, max_blocks) int32 (unused
+    entries may be -1); context_lens (n,) int32 = tokens cached for the row including this chunk.
+    max_query_len / max_context_len are host ints (upper bounds) so nothing syncs. Returns
+    (T, heads, head_dim) in q's dtype; softmax in fp32.
+    """
+    T, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    n = block_tables.shape[0]
+    if heads % kv_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(f"q heads/head_dim {heads}/{head_dim} do not fit the cache {tuple(k_cache.shape)}")
+    if cu_seqlens_q.shape != (n + 1,) or context_lens.shape != (n,):
+        raise ValueError(f"cu_seqlens_q must be ({n + 1},) and context_lens ({n},), got "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(context_lens.shape)}")
+    if T == 0 or n == 0:
+        return q.new_zeros(q.shape)
+    dev = q.device
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    row = torch.repeat_interleave(torch.arange(n, device=dev), q_lens, output_size=T)
+    col = torch.arange(T, device=dev) - cu[row]
+    q_pad = q.new_zeros(n, max_query_len, heads, head_dim)
+    q_pad[row, col] = q
+
+    num_blocks = -(-max_context_len // block_size)
+    blocks = block_tables[:, :num_blocks].long().clamp(min=0)
+    k = k_cache[blocks].reshape(n, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
+    v = v_cache[blocks].reshape(n, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
+
+    # Query j of row i sits at position context_len - q_len + j and sees keys at positions <= it.
+    q_pos = (context_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=dev)[None]
+    key_pos = torch.arange(max_context_len, device=dev)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    mask[:, :, 0] = True  # padding queries see key 0 instead of nothing (no NaN); they are dropped
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2).to(k.dtype),
+        k.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1),
+        v.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1),
+        attn_mask=mask[:, None],
+        scale=scale,
+    )
+    return out.transpose(1, 2)[row, col].to(q.dtype)

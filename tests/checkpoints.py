@@ -1,0 +1,88 @@
+"""Tiny random-weight checkpoints in the Hugging Face format, written with `save_pretrained`.
+
+Shared by the model, runner and engine tests. The weights are re-drawn so that every code path
+carries signal (nonzero router bias, non-unit norms, dt biases that keep Δ well above the
+`time_step_min` clamp that transformers applies in prefill only), and `transformers` itself is
+the oracle that reads the same files.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+# Every layer kind, two attention layers, two MoE layers, Mamba layers at both ends.
+NEMOTRON_H_LAYERS = [
+    "linear_attention", "full_attention", "moe", "linear_attention",
+    "mlp", "full_attention", "linear_attention", "moe",
+]
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every parameter so that no path is degenerate (fan-in scaled, fixed seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "A_log":
+                p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 7.0 + 1.0))
+            elif leaf == "dt_bias":
+                p.copy_(torch.rand(p.shape, generator=gen) * 2.5 - 2.0)
+            elif leaf == "D":
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif "norm" in name or p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif "embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+
+
+def tiny_nemotron_h(path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Write a tiny NemotronHForCausalLM (Mamba, attention, MLP and MoE layers) to `path`.
+
+    `overrides` replace NemotronHConfig fields; `max_shard_size` (e.g. "40KB") forces a sharded
+    checkpoint with an index file. Returns the transformers model (eval mode, fp32).
+    """
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    fields = dict(
+        vocab_size=256, hidden_size=64, layers_block_type=list(NEMOTRON_H_LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+        chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        routed_scaling_factor=2.5, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+    )
+    fields.update(overrides)
+    config = NemotronHConfig(**fields)
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(config).eval()
+    _randomize(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return model
+
+
+def tiny_mamba2(path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Write a tiny pure Mamba-2 Mamba2ForCausalLM (3 layers, 2 groups) to `path`; returns the model."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    fields = dict(
+        vocab_size=256, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+        num_hidden_layers=3, chunk_size=8, expand=2, conv_kernel=4, eos_token_id=2, bos_token_id=0,
+    )
+    fields.update(overrides)
+    config = Mamba2Config(**fields)
+    torch.manual_seed(seed)
+    model = Mamba2ForCausalLM(config).eval()
+    _randomize(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return model
