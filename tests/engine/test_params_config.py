@@ -1,0 +1,65 @@
+import pytest
+
+from replayssm.config import CacheConfig, EngineConfig, SchedulerConfig
+from replayssm.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    """Each invalid SamplingParams value raises ValueError naming its field."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_and_normalization():
+    """A single stop string becomes a list; temperature 0 means greedy."""
+    p = SamplingParams(temperature=0.0, stop="END")
+    assert p.stop == ["END"] and p.greedy and not SamplingParams().greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"kv_block_size": 0}, "kv_block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
+        ({"state_dtype": "int8"}, "state_dtype"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"replay_window": 0}, "replay_window"),
+        ({"num_speculative_tokens": 16}, "num_speculative_tokens"),
+        ({"memory_budget": 0}, "memory_budget"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"no_such_flag": 1}, "no_such_flag"),
+    ],
+)
+def test_bad_engine_args_name_the_field(kwargs, field):
+    """Flat engine keyword arguments are routed to the sub-configs and validated with the field's name."""
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_kwargs("some/path", **kwargs)
+
+
+def test_engine_kwargs_route_to_sub_configs():
+    """from_kwargs places each flat keyword in the sub-config that owns it."""
+    c = EngineConfig.from_kwargs(
+        "p", max_num_seqs=3, kv_block_size=8, num_speculative_tokens=2, replayssm=False
+    )
+    assert c.scheduler == SchedulerConfig(max_num_seqs=3)
+    assert c.cache == CacheConfig(kv_block_size=8)
+    assert c.spec.num_speculative_tokens == 2 and not c.replayssm
