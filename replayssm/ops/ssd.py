@@ -25,7 +25,7 @@ from replayssm.ops._checks import (
     check_params,
     check_tensor,
 )
-from replayssm.ops.common import heads_from_groups, softplus_dt, store_states
+from replayssm.ops.common import softplus_dt, store_states
 
 
 def _segsum_exp(a: torch.Tensor) -> torch.Tensor:
@@ -87,19 +87,21 @@ def ssd_chunked_scan_ref(
         return torch.cat([t.float(), t.new_zeros((1, *t.shape[1:]), dtype=torch.float32)])[idx]
 
     delta = padded(softplus_dt(dt, dt_bias, dt_softplus))  # (nc, L, H)
-    xc = padded(x)  # (nc, L, H, P)
-    Bh = heads_from_groups(padded(B), H)  # (nc, L, H, N)
-    Ch = heads_from_groups(padded(C), H)
+    Bc, Cc = padded(B), padded(C)  # (nc, L, G, N): kept per group, never expanded to heads
+    G = Bc.shape[2]
     a = (delta * A.float()).transpose(1, 2)  # (nc, H, L)
     decay = _segsum_exp(a)  # (nc, H, L, L)
     a_cum = torch.cumsum(a, dim=-1)  # (nc, H, L): from chunk start, inclusive
-    dx = delta[..., None] * xc  # Δ_j x_j (nc, L, H, P)
+    # Δ_j x_j with heads split as (group, head in group): (nc, L, G, H/G, P)
+    xc = padded(x)  # (nc, L, H, P)
+    dx = (delta[..., None] * xc).view(nc, L, G, H // G, P)
 
     # Intra-chunk (quadratic) outputs and the chunk states from zero.
-    scores = torch.einsum("cihn,cjhn->chij", Ch, Bh) * decay
-    y = torch.einsum("chij,cjhp->cihp", scores, dx)
-    to_end = decay[:, :, -1, :]  # exp(seg(last, j)) (nc, H, L)
-    s_chunk = torch.einsum("chj,cjhp,cjhn->chpn", to_end, dx, Bh)
+    cb = torch.einsum("cign,cjgn->cgij", Cc, Bc)  # (nc, G, L, L)
+    scores = cb[:, :, None] * decay.view(nc, G, H // G, L, L)
+    y = torch.einsum("cgkij,cjgkp->cigkp", scores, dx).reshape(nc, L, H, P)
+    to_end = decay[:, :, -1, :].view(nc, G, H // G, L)  # exp(seg(last, j))
+    s_chunk = torch.einsum("cgkj,cjgkp,cjgn->cgkpn", to_end, dx, Bc).reshape(nc, H, P, N)
 
     # Chunk-to-chunk pass; index nc is an identity chunk for sequences with fewer chunks.
     init = state[slots.clamp(min=0)].float()
@@ -113,7 +115,8 @@ def ssd_chunked_scan_ref(
         s_in[ids] = cur
         cur = chunk_decay[ids][:, :, None, None] * cur + s_chunk[ids]
 
-    y = y + torch.exp(a_cum).transpose(1, 2)[..., None] * torch.einsum("chpn,cihn->cihp", s_in[:nc], Ch)
+    carried = torch.einsum("cgkpn,cign->cigkp", s_in[:nc].view(nc, G, H // G, P, N), Cc).reshape(nc, L, H, P)
+    y = y + torch.exp(a_cum).transpose(1, 2)[..., None] * carried
     y = y + D.float()[:, None] * xc
     out = x.new_zeros((T + 1, H, P), dtype=torch.float32)
     out[idx.reshape(-1)] = y.reshape(-1, H, P)  # padding positions all land on the dummy row T
@@ -125,10 +128,10 @@ def ssd_chunked_scan_ref(
     store_states(state, slots[valid], cur[valid], rand_seed)
     if boundary_seq is None:
         return out, None
-    return out, _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bh)
+    return out, _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bc)
 
 
-def _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bh):
+def _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bc):
     """Exact fp32 state of sequence boundary_seq[j] after its first boundary_len[j] tokens: (m, H, P, N)."""
     seq = boundary_seq.long()
     length = boundary_len.long()
@@ -139,7 +142,9 @@ def _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, dec
     c = (first_chunk[seq] + last // L).clamp(max=dx.shape[0] - 1)
     t = last % L
     weights = decay[c, :, t, :]  # (m, H, L): exp(seg(t, r)), zero for r > t
-    inner = torch.einsum("mhr,mrhp,mrhn->mhpn", weights, dx[c], Bh[c])
+    m, G, k = len(seq), dx.shape[2], dx.shape[3]
+    inner = torch.einsum("mgkr,mrgkp,mrgn->mgkpn", weights.view(m, G, k, L), dx[c], Bc[c])
+    inner = inner.reshape(m, G * k, dx.shape[4], Bc.shape[3])
     carried = torch.exp(a_cum[c, :, t])[:, :, None, None] * s_in[c]
     return torch.where((length > 0)[:, None, None, None], carried + inner, init[seq])
 
