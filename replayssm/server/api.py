@@ -1,0 +1,183 @@
+"""FastAPI routes: OpenAI completions and chat (streaming and not), models, health, metrics.
+
+Every user error becomes a 4xx with an OpenAI error body; the engine keeps running. A client
+that disconnects aborts its requests: streaming responses abort when their generator is
+cancelled (and again, idempotently, in the response's background task, which also covers a
+generator that never started); non-streaming handlers race the result against http.disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from replayssm.server.async_engine import AsyncEngine, EngineDeadError, EngineLoop, RequestGroup
+from replayssm.server.handlers import ChatHandler, CompletionHandler
+from replayssm.server.metrics import ServingMetrics
+from replayssm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    now_s,
+)
+from replayssm.server.serving import sse
+
+
+class ServerState:
+    """What the routes share: the engine front, its tokenizer and limits, and the metrics."""
+
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, metrics: ServingMetrics):
+        engine = engine_loop.engine
+        self.engine = AsyncEngine(engine_loop)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = int(engine.max_model_len)
+        self.model_name = served_model_name
+        self.metrics = metrics
+        self.created = now_s()
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def encode(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (the engine range-checks token-id prompts itself)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise APIError(400, f"{self.model_name} has no tokenizer: send prompts as token ids", param=param)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+
+def error_response(err: APIError, metrics: ServingMetrics | None = None) -> JSONResponse:
+    if metrics is not None:
+        metrics.http_errors.labels(status=str(err.status_code)).inc()
+    return JSONResponse(ErrorResponse.from_api_error(err).model_dump(), status_code=err.status_code)
+
+
+async def parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:
+    """Strict JSON -> schema; malformed JSON and wrong types are 400s naming the first bad field."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise APIError(400, f"{loc or 'body'}: {first['msg']}", param=loc or None) from exc
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_to_completion(state: ServerState, group: RequestGroup, request: Request) -> bool:
+    """Consume a group to the end; False (after aborting it) if the client went away first."""
+
+    async def consume() -> None:
+        async for _ in group.updates():
+            pass
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+            state.engine.abort(group)
+    if consumer.done() and not consumer.cancelled():
+        consumer.result()  # re-raise EngineDeadError
+        return True
+    return False
+
+
+def streaming_response(state: ServerState, group: RequestGroup,
+                       chunks: Callable[[RequestGroup], AsyncIterator[str]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks(group):
+                yield chunk
+        except EngineDeadError as exc:
+            yield sse(ErrorResponse.from_api_error(APIError(503, str(exc), type="server_error")))
+        finally:
+            if not group.done:
+                state.engine.abort(group)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             background=BackgroundTask(state.engine.abort, group))
+
+
+def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServingMetrics) -> FastAPI:
+    """The OpenAI-compatible app over an already-started EngineLoop."""
+    app = FastAPI(title="replayssm", docs_url=None, redoc_url=None)
+    state = ServerState(engine_loop, served_model_name, metrics)
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return error_response(err, metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)), metrics)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(APIError(503, str(exc), type="server_error"), metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_loop.alive:
+            return error_response(APIError(503, "engine loop is not running", type="server_error"), metrics)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
+                                         max_model_len=state.max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def serve(request: Request, handler) -> Response:
+        try:
+            group = await state.engine.add(handler.engine_requests.requests)
+        except ValueError as exc:  # the engine's own checks (prompt length, params) are user errors
+            raise APIError(400, str(exc)) from exc
+        if handler.stream:
+            return streaming_response(state, group, handler.chunks)
+        if not await run_to_completion(state, group, request):
+            return Response(status_code=499)  # nobody is listening; the status is for logs only
+        return JSONResponse(handler.response(group.latest).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest)
+        state.check_model(req.model)
+        return await serve(request, CompletionHandler(state, req))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
+        state.check_model(req.model)
+        return await serve(request, ChatHandler(state, req))
+
+    return app

@@ -1,0 +1,115 @@
+"""`replayssm serve`: build the engine, start its loop, and serve the OpenAI API with uvicorn.
+
+`build_app` wires an engine into an app (loop thread + metrics observer); `BackgroundServer`
+runs that app on a thread (tests, benchmarks, notebooks); `serve_main` is the CLI entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+
+def build_app(engine, served_model_name: str | None = None):
+    """(app, started EngineLoop) serving `engine` under `served_model_name` (default engine.model_name)."""
+    # fastapi & co. load here, not at import: the CLI imports this module for every subcommand.
+    from replayssm.server.api import create_app
+    from replayssm.server.async_engine import EngineLoop
+    from replayssm.server.metrics import ServingMetrics
+
+    engine_loop = EngineLoop(engine)
+    metrics = ServingMetrics(lambda: engine_loop.metrics_snapshot)
+    engine_loop.observer = metrics  # set before start(): the loop thread is its only caller
+    engine_loop.start()
+    app = create_app(engine_loop, served_model_name or engine.model_name, metrics)
+    return app, engine_loop
+
+
+class BackgroundServer:
+    """uvicorn on a daemon thread; port 0 picks a free port (read it from `.port` after start())."""
+
+    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, served_model_name: str | None = None,
+                 log_level: str = "warning"):
+        import uvicorn
+
+        self.app, self.engine_loop = build_app(engine, served_model_name)
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.host = host
+        self.port = port
+        self._thread = threading.Thread(target=self.server.run, name="replayssm-uvicorn", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError("uvicorn failed to start (port in use?)")
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(10.0)
+        self.engine_loop.shutdown()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """`serve` flags: --host/--port/--served-model-name/--log-level/--seed plus every engine flag."""
+    from replayssm.cli import add_engine_args  # lazy: cli.py imports this module to register `serve`
+
+    add_engine_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to bind, 0.0.0.0 for every interface (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    group.add_argument("--served-model-name", default=None,
+                       help="model name clients must send (default: the checkpoint directory's name)")
+    group.add_argument("--seed", type=int, default=0,
+                       help="engine seed: demo weights and the seeds of requests that give none (default: 0)")
+    group.add_argument("--log-level", default="info", help="uvicorn log level (default: info)",
+                       choices=["critical", "error", "warning", "info", "debug"])
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to an argparse subparsers object; its handler is `serve_main`."""
+    help_text = "serve a checkpoint over an OpenAI-compatible HTTP API"
+    parser = subparsers.add_parser("serve", help=help_text, description=help_text)
+    add_serve_args(parser)
+    parser.set_defaults(func=serve_main)
+    return parser
+
+
+def build_engine(args: argparse.Namespace):
+    """The LLMEngine described by parsed `serve` flags."""
+    from replayssm.cli import engine_kwargs
+    from replayssm.config import EngineConfig
+    from replayssm.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig.from_kwargs(args.model, seed=args.seed, **engine_kwargs(args)))
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Build the engine from parsed flags, start its loop, and serve until interrupted."""
+    import uvicorn
+
+    engine = build_engine(args)
+    app, engine_loop = build_app(engine, args.served_model_name)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
+    finally:
+        engine_loop.shutdown()
+    return 0

@@ -1,0 +1,135 @@
+"""Translate OpenAI requests into engine requests, and engine outputs into OpenAI responses.
+
+One HTTP request becomes k = len(prompts) * n engine requests; sub-request i serves prompt
+i // n as choice i (OpenAI numbers the choices of a batched completion the same way). Token
+counts in `usage` count each prompt once, however many choices it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from replayssm.sampling_params import SamplingParams
+from replayssm.server.protocol import (
+    APIError,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    SamplingRequest,
+    Usage,
+)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class EngineRequests:
+    """What one HTTP request submits: engine tuples plus what usage accounting needs."""
+
+    base_id: str
+    requests: list[tuple[str, list[int], SamplingParams, int]]
+    prompt_lens: list[int]
+    n: int
+
+
+def build_requests(
+    req: SamplingRequest, base_id: str, prompts: list[list[int]], max_tokens: int | None,
+    max_model_len: int, *, default_max_tokens: int | None, logprobs: int | None, param: str,
+) -> EngineRequests:
+    """Check lengths against the context window and fan prompts out n times into engine requests.
+
+    `default_max_tokens=None` means "the rest of the context window" (the chat default)."""
+    requests = []
+    for p, ids in enumerate(prompts):
+        room = max_model_len - len(ids)
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            asked = len(ids) + (max_tokens or 1)
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the "
+                           f"request needs {asked} ({len(ids)} in the prompt, {max_tokens or 1} to generate)",
+                           param=param, code="context_length_exceeded")
+        limit = max_tokens or min(default_max_tokens or room, room)
+        for j in range(req.n):
+            # Distinct seeds per choice: n identical samples would defeat the point of n.
+            seed = None if req.seed is None else req.seed + j
+            stop = [req.stop] if isinstance(req.stop, str) else req.stop
+            try:
+                params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                        seed=seed, max_tokens=limit, stop=stop, ignore_eos=req.ignore_eos,
+                                        logprobs=logprobs)
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from exc
+            requests.append((f"{base_id}-{p * req.n + j}", ids, params, len(ids)))
+    return EngineRequests(base_id, requests, [len(ids) for ids in prompts], req.n)
+
+
+def sse(payload: BaseModel) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def usage_of(reqs: EngineRequests, outputs: list) -> Usage:
+    """Usage over all choices; cached tokens are those of each prompt's first choice."""
+    prompt_tokens = sum(reqs.prompt_lens)
+    completion_tokens = sum(len(o.token_ids) for o in outputs if o is not None)
+    cached = sum(outputs[p * reqs.n].num_cached_tokens for p in range(len(reqs.prompt_lens))
+                 if outputs[p * reqs.n] is not None)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+@dataclass
+class DeltaTracker:
+    """Per-choice streaming cursor: how much text and how many tokens were already sent."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_choices(cls, k: int) -> DeltaTracker:
+        return cls(text=[""] * k, tokens=[0] * k)
+
+    def advance(self, index: int, out) -> tuple[str, int]:
+        """New text since the last call and the token offset it starts from.
+
+        The engine trims stop strings from `text`; text already sent cannot be unsent, so a
+        shrinking text yields no delta rather than a wrong one."""
+        sent = self.text[index]
+        delta = out.text[len(sent):] if out.text.startswith(sent) else ""
+        start = self.tokens[index]
+        self.text[index] = sent + delta
+        self.tokens[index] = len(out.token_ids)
+        return delta, start
+
+
+def token_strings(tokenizer, token_ids: list[int]) -> list[str]:
+    """Each token's own text; `token_id:N` when the model has no tokenizer."""
+    if tokenizer is None:
+        return [f"token_id:{t}" for t in token_ids]
+    return [tokenizer.decode([t]) for t in token_ids]
+
+
+def completion_logprobs(tokenizer, out, start: int = 0, offset: int = 0) -> CompletionLogprobs | None:
+    """Legacy-completions logprobs of tokens[start:]; only the sampled token's logprob is known."""
+    if out.logprobs is None:
+        return None
+    tokens = token_strings(tokenizer, out.token_ids[start:])
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=list(out.logprobs[start:len(out.token_ids)]),
+                              top_logprobs=None, text_offset=offsets)
+
+
+def chat_logprobs(tokenizer, out, start: int = 0) -> ChatLogprobs | None:
+    """Chat logprobs of tokens[start:]; top_logprobs stay empty (the engine reports the sampled one)."""
+    if out.logprobs is None:
+        return None
+    tokens = token_strings(tokenizer, out.token_ids[start:])
+    values = out.logprobs[start:len(out.token_ids)]
+    return ChatLogprobs(content=[ChatTokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+                                 for t, lp in zip(tokens, values)])

@@ -1,0 +1,187 @@
+"""The OpenAI API over a live uvicorn server on loopback, driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from replayssm.sampling_params import SamplingParams
+from replayssm.server.launch import BackgroundServer
+from tests.server.fake_engine import FakeEngine
+
+
+def wait_idle(server: BackgroundServer, timeout: float = 10.0) -> None:
+    """Block until the engine has no unfinished requests (checked on the loop thread)."""
+    deadline = time.monotonic() + timeout
+    while server.engine_loop.call(lambda e: e.has_unfinished_requests()).result(timeout):
+        assert time.monotonic() < deadline, "engine never went idle"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    with BackgroundServer(FakeEngine(step_sleep_s=0.002), served_model_name="tiny") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(fake_server):
+    with openai.OpenAI(base_url=fake_server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def offline(engine: FakeEngine, prompt: str, max_tokens: int) -> str:
+    ids = engine.generate_offline(engine.tokenizer.encode(prompt), SamplingParams(temperature=0.0,
+                                                                                   max_tokens=max_tokens))
+    return engine.tokenizer.decode(ids)
+
+
+def test_models_and_health(client, fake_server):
+    """/v1/models lists the served name with its context length; /health answers ok."""
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert httpx.get(fake_server.base_url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_offline_and_reports_usage(client, fake_server):
+    """A greedy completion returns offline generate()'s text; a repeated prompt reports cached tokens."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=7, temperature=0)
+    engine = fake_server.engine_loop.engine
+    assert first.choices[0].text == offline(engine, prompt, 7)
+    assert first.choices[0].finish_reason == "length"
+    n_prompt = len(prompt.encode())
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens, first.usage.total_tokens) == (
+        n_prompt, 7, n_prompt + 7)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=7, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completion_batch_n_stop_seed_logprobs(client):
+    """Prompts fan out n choices in prompt-major order; stop trims; seeds reproduce; logprobs align."""
+    res = client.completions.create(model="tiny", prompt=["ab", "cd"], n=3, max_tokens=5, temperature=0.8,
+                                    seed=11, logprobs=0)
+    assert [c.index for c in res.choices] == list(range(6))
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 5 for c in res.choices)
+    again = client.completions.create(model="tiny", prompt=["ab", "cd"], n=3, max_tokens=5, temperature=0.8,
+                                      seed=11)
+    assert [c.text for c in again.choices] == [c.text for c in res.choices]
+    assert res.usage.prompt_tokens == 4 and res.usage.completion_tokens == 30
+    full = res.choices[0].text
+    stopped = client.completions.create(model="tiny", prompt="ab", max_tokens=5, temperature=0.8, seed=11,
+                                        stop=[full[2:4]])
+    assert stopped.choices[0].finish_reason == "stop" and full.startswith(stopped.choices[0].text)
+
+
+def test_chat_uses_template_and_streams(client, fake_server):
+    """Chat prompts come from the tokenizer's template; streamed deltas concatenate to the full reply."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    res = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    engine = fake_server.engine_loop.engine
+    templated = engine.tokenizer.apply_chat_template(messages)
+    assert res.choices[0].message.content == offline(engine, templated, 6)
+    assert res.usage.prompt_tokens == len(templated.encode())
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == res.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == res.usage.prompt_tokens
+
+
+def test_completion_stream_with_logprobs(client):
+    """Streamed completion chunks carry each new token's logprob exactly once."""
+    stream = client.completions.create(model="tiny", prompt="xyz", max_tokens=8, temperature=0, stream=True,
+                                       logprobs=0)
+    chunks = list(stream)
+    lps = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert len(lps) == 8
+    assert "".join(c.choices[0].text for c in chunks) == client.completions.create(
+        model="tiny", prompt="xyz", max_tokens=8, temperature=0).choices[0].text
+
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("wrong type", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, 400,
+     "max_tokens"),
+    ("missing prompt", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("prompt too long", "/v1/completions", {"model": "tiny", "prompt": "x" * 500}, 400, "prompt"),
+    ("max_tokens past context", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 95}, 400,
+     "prompt"),
+    ("max_tokens zero", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("max_tokens negative", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
+    ("n zero", "/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
+    ("n too large", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 1000}, 400, "n"),
+    ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "x", "content": "a"}]}, 400,
+     None),
+    ("temperature", "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 5.0}, 400,
+     "temperature"),
+    ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
+    ("unknown route", "/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_is_4xx_and_server_keeps_serving(fake_server, client, name, path, body, status, param):
+    """Each bad request gets its 4xx with an OpenAI error body, and the next good request succeeds."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(fake_server.base_url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"].split(".")[0] == param
+    good = client.completions.create(model="tiny", prompt="ok", max_tokens=2)
+    assert good.choices[0].finish_reason == "length"
+
+
+def test_openai_client_raises_typed_errors(client):
+    """The openai client maps our error bodies to its typed exceptions."""
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_disconnect_aborts_and_frees(fake_server):
+    """A client that drops a stream, or a non-streaming request, aborts it; memory comes back."""
+    engine = fake_server.engine_loop.engine
+    aborted = engine.num_aborted
+    body = {"model": "tiny", "prompt": "long one", "max_tokens": 80, "stream": True}
+    with httpx.stream("POST", fake_server.base_url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fake_server.base_url + "/v1/completions", json={**body, "stream": False}, timeout=0.05)
+    wait_idle(fake_server)
+    assert engine.num_aborted == aborted + 2
+    fake_server.engine_loop.call(lambda e: e.check_integrity()).result(5)
+    assert engine.free_blocks == engine.num_blocks
+
+
+def test_metrics_exposition(client, fake_server):
+    """/metrics exposes request, token, latency and engine-state series in Prometheus text format."""
+    client.completions.create(model="tiny", prompt="metrics", max_tokens=3)
+    text = httpx.get(fake_server.base_url + "/metrics").text
+    for name in ("replayssm_requests_total", "replayssm_generation_tokens_total",
+                 "replayssm_time_to_first_token_seconds_bucket",
+                 "replayssm_inter_token_latency_seconds_bucket",
+                 "replayssm_num_requests_running", "replayssm_num_requests_waiting",
+                 "replayssm_num_preemptions_total", "replayssm_cached_prompt_tokens_total",
+                 'replayssm_http_errors_total{status="400"}'):
+        assert name in text, name
