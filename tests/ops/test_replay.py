@@ -40,6 +40,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def assert_close(actual, expected, tol: float, what: str = "") -> None:
     """max |actual - expected| <= tol * max(|expected|, 1), in float64."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.numel() == 0:
+        return
     err = (actual.double() - expected.double()).abs().max().item()
     scale = max(expected.double().abs().max().item(), 1.0)
     assert err <= tol * scale, f"{what}: max err {err:.3g} > {tol} * {scale:.3g}"
@@ -69,9 +72,11 @@ def make_params(H: int):
     return A, D, dt_bias
 
 
-def make_cache(S, H, G, P, N, R, committed, state_dtype, act_dtype) -> Cache:
-    """Random pool with the given cursors; ring rows outside each slot's history are NaN."""
-    ring_start = torch.randint(0, R, (S,), dtype=torch.int32)
+def make_cache(S, H, G, P, N, R, committed, state_dtype, act_dtype, ring_start=None) -> Cache:
+    """Random pool with the given cursors (ring_start random if None); rows outside each history are NaN."""
+    if ring_start is None:
+        ring_start = torch.randint(0, R, (S,))
+    ring_start = torch.as_tensor(ring_start, dtype=torch.int32)
     cache = Cache(
         torch.randn(S, H, P, N).to(state_dtype),
         torch.randn(S, H, R, P).to(act_dtype),
