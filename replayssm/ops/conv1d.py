@@ -20,13 +20,14 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from replayssm.ops._checks import FLOAT_DTYPES, check_indices, check_tensor
 
 _ACTIVATIONS = ("silu", None)
 
 
-def _dispatch(name: str, x: torch.Tensor, ref: Callable) -> Callable:
+def _dispatch(name: str, x: Tensor, ref: Callable) -> Callable:
     """`<name>_triton` from ops/triton/conv1d.py for CUDA tensors when it imports, else `ref`."""
     if not x.is_cuda:
         return ref
@@ -37,7 +38,9 @@ def _dispatch(name: str, x: torch.Tensor, ref: Callable) -> Callable:
     return getattr(module, f"{name}_triton", ref)
 
 
-def _conv_taps(ext: torch.Tensor, starts: torch.Tensor, weight: torch.Tensor, bias, activation):
+def _conv_taps(
+    ext: Tensor, starts: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None
+) -> Tensor:
     """y[t] = act(sum_k weight[:, k] * ext[starts[t] + k] + bias) in fp32.
 
     ext (L, D) fp32 inputs with their windows laid out in front; starts (T,) int64.
@@ -51,7 +54,9 @@ def _conv_taps(ext: torch.Tensor, starts: torch.Tensor, weight: torch.Tensor, bi
     return F.silu(y) if activation == "silu" else y
 
 
-def _check_conv(x: torch.Tensor, ndim: int, weight, bias, conv_state, activation) -> None:
+def _check_conv(
+    x: Tensor, ndim: int, weight: Tensor, bias: Tensor | None, conv_state: Tensor, activation: str | None
+) -> None:
     check_tensor("x", x, (None,) * ndim, FLOAT_DTYPES)
     D = x.shape[-1]
     check_tensor("weight", weight, (D, None), FLOAT_DTYPES, x.device)
@@ -66,8 +71,15 @@ def _check_conv(x: torch.Tensor, ndim: int, weight, bias, conv_state, activation
 
 
 def causal_conv1d_varlen_ref(
-    x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state, activation="silu"
-) -> torch.Tensor:
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    cu_seqlens: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
     """Reference of `causal_conv1d_varlen` (same signature), vectorized over all tokens."""
     T, D = x.shape
     K = weight.shape[1]
@@ -97,8 +109,15 @@ def causal_conv1d_varlen_ref(
 
 
 def causal_conv1d_varlen(
-    x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state, activation="silu"
-) -> torch.Tensor:
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    cu_seqlens: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
     """Causal conv over packed sequences, reading and writing each sequence's window.
 
     x (T, D_conv); weight (D_conv, K); bias (D_conv,) or None; conv_state (S, D_conv, K-1);
@@ -122,14 +141,21 @@ def causal_conv1d_varlen(
     return fn(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state, activation)
 
 
-def _windows_then_new(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _windows_then_new(x: Tensor, conv_state: Tensor, slots: Tensor) -> Tensor:
     """(b, K-1+q, D) fp32: each row's window (zeros for padding rows) followed by its q inputs."""
     win = conv_state[slots.clamp(min=0)].float().transpose(1, 2)
     win = torch.where((slots >= 0)[:, None, None], win, 0.0)
     return torch.cat([win, x.float()], dim=1)
 
 
-def causal_conv1d_update_ref(x, weight, bias, conv_state, state_indices, activation="silu") -> torch.Tensor:
+def causal_conv1d_update_ref(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    state_indices: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
     """Reference of `causal_conv1d_update` (same signature), vectorized over rows and tokens."""
     b, q, D = x.shape
     K = weight.shape[1]
@@ -140,7 +166,14 @@ def causal_conv1d_update_ref(x, weight, bias, conv_state, state_indices, activat
     return torch.where((slots >= 0)[:, None, None], y, 0.0).to(x.dtype)
 
 
-def causal_conv1d_update(x, weight, bias, conv_state, state_indices, activation="silu") -> torch.Tensor:
+def causal_conv1d_update(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    state_indices: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
     """Conv outputs of q new tokens per row from the committed window; the window is NOT changed.
 
     x (b, q, D_conv); weight (D_conv, K); bias (D_conv,) or None; conv_state (S, D_conv, K-1);
@@ -152,7 +185,13 @@ def causal_conv1d_update(x, weight, bias, conv_state, state_indices, activation=
     return fn(x, weight, bias, conv_state, state_indices, activation)
 
 
-def causal_conv1d_commit_ref(conv_state, x, num_accepted, state_indices, dst_indices=None) -> None:
+def causal_conv1d_commit_ref(
+    conv_state: Tensor,
+    x: Tensor,
+    num_accepted: Tensor,
+    state_indices: Tensor,
+    dst_indices: Tensor | None = None,
+) -> None:
     """Reference of `causal_conv1d_commit` (same signature)."""
     b, q, D = x.shape
     K1 = conv_state.shape[2]
@@ -166,7 +205,13 @@ def causal_conv1d_commit_ref(conv_state, x, num_accepted, state_indices, dst_ind
     conv_state[dst[keep]] = new[keep].to(conv_state.dtype)
 
 
-def causal_conv1d_commit(conv_state, x, num_accepted, state_indices, dst_indices=None) -> None:
+def causal_conv1d_commit(
+    conv_state: Tensor,
+    x: Tensor,
+    num_accepted: Tensor,
+    state_indices: Tensor,
+    dst_indices: Tensor | None = None,
+) -> None:
     """Move each row's window to end at its last accepted token.
 
     conv_state (S, D_conv, K-1); x (b, q, D_conv) the conv inputs of the step; num_accepted

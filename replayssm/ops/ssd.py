@@ -16,6 +16,7 @@ All math is fp32; the final states are written with stochastic rounding for fp16
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from replayssm.ops._checks import (
     FLOAT_DTYPES,
@@ -28,7 +29,7 @@ from replayssm.ops._checks import (
 from replayssm.ops.common import softplus_dt, store_states
 
 
-def _segsum_exp(a: torch.Tensor) -> torch.Tensor:
+def _segsum_exp(a: Tensor) -> Tensor:
     """exp(seg(i, j)) for i >= j, 0 above the diagonal. a (..., L) -> (..., L, L).
 
     Built as a masked cumsum rather than a difference of prefix sums, so decays close to 1
@@ -41,7 +42,7 @@ def _segsum_exp(a: torch.Tensor) -> torch.Tensor:
     return torch.exp(seg.masked_fill(~keep, float("-inf")))
 
 
-def _chunk_layout(cu: list[int], L: int, T: int, device: torch.device):
+def _chunk_layout(cu: list[int], L: int, T: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Token indices of every chunk (T marks a padding position) and each sequence's chunks.
 
     Returns idx (nc, L) int64, first_chunk (n,) int64, table (n, max_chunks) int64 with nc
@@ -66,9 +67,24 @@ def _chunk_layout(cu: list[int], L: int, T: int, device: torch.device):
 
 
 def ssd_chunked_scan_ref(
-    x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state, *,
-    chunk_size=64, dt_softplus=True, rand_seed=0, boundary_seq=None, boundary_len=None,
-):  # fmt: skip
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    cu_seqlens: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    *,
+    chunk_size: int = 64,
+    dt_softplus: bool = True,
+    rand_seed: int = 0,
+    boundary_seq: Tensor | None = None,
+    boundary_len: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Reference of `ssd_chunked_scan` (same signature): chunked, vectorized, fp32.
 
     Reads cu_seqlens on the host once (the chunk layout depends on the lengths).
@@ -83,7 +99,7 @@ def ssd_chunked_scan_ref(
     nc = idx.shape[0]
 
     # One zero token at index T fills chunk tails: Δ = 0 there, so it neither decays nor adds.
-    def padded(t: torch.Tensor) -> torch.Tensor:
+    def padded(t: Tensor) -> Tensor:
         return torch.cat([t.float(), t.new_zeros((1, *t.shape[1:]), dtype=torch.float32)])[idx]
 
     delta = padded(softplus_dt(dt, dt_bias, dt_softplus))  # (nc, L, H)
@@ -131,7 +147,18 @@ def ssd_chunked_scan_ref(
     return out, _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bc)
 
 
-def _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bc):
+def _boundary_states(
+    boundary_seq: Tensor,
+    boundary_len: Tensor,
+    first_chunk: Tensor,
+    L: int,
+    init: Tensor,
+    s_in: Tensor,
+    decay: Tensor,
+    a_cum: Tensor,
+    dx: Tensor,
+    Bc: Tensor,
+) -> Tensor:
     """Exact fp32 state of sequence boundary_seq[j] after its first boundary_len[j] tokens: (m, H, P, N)."""
     seq = boundary_seq.long()
     length = boundary_len.long()
@@ -187,9 +214,24 @@ def _check_args(
 
 
 def ssd_chunked_scan(
-    x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state, *,
-    chunk_size=64, dt_softplus=True, rand_seed=0, boundary_seq=None, boundary_len=None,
-):  # fmt: skip
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    cu_seqlens: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    *,
+    chunk_size: int = 64,
+    dt_softplus: bool = True,
+    rand_seed: int = 0,
+    boundary_seq: Tensor | None = None,
+    boundary_len: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Mamba-2 prefill over packed sequences, from and into pooled states; returns (y, boundary_states).
 
     x (T, H, P); dt (T, H) raw; B, C (T, G, N) in x.dtype; A, D, dt_bias (H,) fp32;
