@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import requires_cuda
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ssm_oracle import conv1d_recurrence
 
 from replayssm.ops.conv1d import (
@@ -97,6 +99,33 @@ def test_varlen_public_equals_ref_and_empty_batch():
         x[:0], weight, bias, pool, _cu([0]), torch.tensor([3], dtype=torch.int32), init[1:]
     )
     assert y.shape == (0, D) and bool((pool[3] == 0).all())
+
+
+@settings(deadline=None, max_examples=15)
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=5),
+    K=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_varlen_random_lengths_match_oracle(lengths, K, seed):
+    """For random lengths (often shorter than K-1) and kernel widths, outputs and windows match the oracle."""
+    torch.manual_seed(seed)
+    D, n = 6, len(lengths)
+    S = n + 3
+    weight, bias = _params(D, K, torch.float32)
+    pool = _pool(S, D, K, torch.float32)
+    before = pool.clone()
+    slots = _slots(S, n)
+    has_init = torch.rand(n) < 0.7
+    cu = _cu(lengths)
+    x = torch.randn(int(cu[-1]), D)
+    y = causal_conv1d_varlen(x, weight, bias, pool, cu, slots, has_init)
+    for i in range(n):
+        seg = slice(int(cu[i]), int(cu[i + 1]))
+        win0 = before[slots[i]] if has_init[i] else torch.zeros(D, K - 1)
+        y_ref, win_ref = conv1d_recurrence(win0, x[seg], weight, bias)
+        torch.testing.assert_close(y[seg].double(), y_ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(pool[slots[i]].double(), win_ref)
 
 
 @pytest.mark.parametrize("q, dtype", [(1, torch.float32), (4, torch.float32), (3, torch.bfloat16)])

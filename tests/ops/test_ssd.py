@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import requires_cuda
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ssm_oracle import softplus_dt, ssm_recurrence
 
 from replayssm.ops.ssd import ssd_chunked_scan, ssd_chunked_scan_ref
@@ -131,6 +133,37 @@ def test_chunk_size_does_not_change_results():
     for y, pool in results[1:]:
         torch.testing.assert_close(y, results[0][0], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(pool, results[0][1], atol=2e-5, rtol=1e-5)
+
+
+@settings(deadline=None, max_examples=10)
+@given(
+    lengths=st.lists(st.integers(0, 20), min_size=1, max_size=4),
+    chunk=st.sampled_from([1, 2, 5, 8, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_lengths_and_chunks_match_oracle(lengths, chunk, seed):
+    """Random lengths (some empty) and chunk sizes: outputs, final and boundary states match the oracle."""
+    torch.manual_seed(seed)
+    H, G, P, N = 4, 2, 8, 16
+    n = len(lengths)
+    p = _problem(lengths, H, G, P, N)
+    slots = torch.randperm(n + 2)[:n].to(torch.int32)
+    has_init = torch.rand(n) < 0.5
+    pool = torch.randn(n + 2, H, P, N)
+    before = pool.clone()
+    bseq = torch.arange(n, dtype=torch.int32)
+    blen = torch.tensor([torch.randint(0, k + 1, ()).item() for k in lengths], dtype=torch.int32)
+    y, bst = ssd_chunked_scan(
+        *p.args(), pool, p.cu, slots, has_init, chunk_size=chunk, boundary_seq=bseq, boundary_len=blen
+    )
+    for i in range(n):
+        s0 = before[slots[i]].double() if has_init[i] else torch.zeros(H, P, N, dtype=torch.float64)
+        y_ref, final, states = p.oracle(i, s0)
+        if lengths[i]:
+            assert _rel_err(y[p.seq(i)], y_ref) < 1e-5
+        assert _rel_err(pool[slots[i]], final) < 1e-5
+        want = s0 if blen[i] == 0 else states[blen[i] - 1]
+        assert _rel_err(bst[i], want) < 1e-5
 
 
 def test_sequences_do_not_leak():
