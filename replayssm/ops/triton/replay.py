@@ -33,13 +33,17 @@ SPLIT = False
 
 @triton.jit
 def _fold(S, rx_ptr, rB_ptr, rdt_ptr, xrow0, Brow0, dtrow0, o, count, A, R, p, n, pm, nm,
-          P: tl.constexpr, N: tl.constexpr):
-    # S <- S advanced by `count` ring entries starting at ring row o (per-token recurrence).
-    for j in range(0, count):
+          P: tl.constexpr, N: tl.constexpr, JB: tl.constexpr):
+    # S <- S advanced by `count` (<= JB) ring entries from row o, token by token in fp32.
+    # Unrolled with masked loads so every load can issue up front; a masked entry has
+    # Δ = 0, x = 0, so its update S * exp(0) + 0 leaves S bit-exact.
+    for j in tl.static_range(JB):
         r = (o + j) % R
-        dj = tl.load(rdt_ptr + dtrow0 + r)
-        xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=pm, other=0.0).to(tl.float32)
-        Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=nm, other=0.0).to(tl.float32)
+        dj = tl.load(rdt_ptr + dtrow0 + r, mask=j < count, other=0.0)
+        xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=pm & ((p * 0 + j) < count), other=0.0)
+        Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=nm & ((n * 0 + j) < count), other=0.0)
+        xj = xj.to(tl.float32)
+        Bj = Bj.to(tl.float32)
         S = S * tl.exp(dj * A) + (dj * xj)[:, None] * Bj[None, :]
     return S
 
@@ -134,7 +138,7 @@ def _replay_fwd_kernel(
         if valid & (hc + Q > window):
             if ROUTE == 2:
                 S0 = tl.load(state_ptr + sbase + tile, mask=tmask, other=0.0).to(tl.float32)
-            S = _fold(S0, rx_ptr, rB_ptr, rdt_ptr, xrow0, Brow0, xrow0, o, hc, A, R, p, n, pm, nm, P, N)
+            S = _fold(S0, rx_ptr, rB_ptr, rdt_ptr, xrow0, Brow0, xrow0, o, hc, A, R, p, n, pm, nm, P, N, HB)
             val = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
             tl.store(state_ptr + sbase + tile, val, mask=tmask)
 
@@ -248,7 +252,7 @@ def replay_commit_triton(ring_start: torch.Tensor, committed: torch.Tensor, stat
 def _replay_materialize_kernel(
     A_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr, ring_start_ptr, src_ptr, n_ptr, dst_ptr,
     seed_mix, H, G, R,
-    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, JB: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
@@ -271,7 +275,7 @@ def _replay_materialize_kernel(
     S = tl.load(state_ptr + (src64 * H + h) * (P * N) + tile, mask=tmask, other=0.0).to(tl.float32)
     A = tl.load(A_ptr + h)
     S = _fold(S, rx_ptr, rB_ptr, rdt_ptr, src64 * H * R + h * R, src64 * G * R + g * R, src64 * H * R + h * R,
-              o, count, A, R, p, n, pm, nm, P, N)
+              o, count, A, R, p, n, pm, nm, P, N, JB)
     base = (dst64 * H + h) * (P * N)
     val = stochastic_round(S, base + tile, seed_mix, STATE_DTYPE, MAXV)
     tl.store(state_ptr + base + tile, val, mask=tmask)
@@ -296,6 +300,8 @@ def replay_materialize_triton(A: torch.Tensor, state: torch.Tensor, ring_x: torc
         A, state, ring_x, ring_B, ring_dt, ring_start, src_indices, num_entries, dst_indices,
         seed_mix(rand_seed), H, ring_B.shape[1], ring_x.shape[2],
         P=P, N=N, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N),
+        # n <= committed <= W < R bounds the unrolled fold.
+        JB=triton.next_power_of_2(ring_x.shape[2]),
         STATE_DTYPE=tl_dtype(state.dtype), MAXV=max_finite(tl_dtype(state.dtype)),
         num_warps=CONFIG.num_warps,
     )
