@@ -59,3 +59,11 @@ def test_ssu_dispatch_gpu():
     y1 = selective_state_update(s1, x, dt, A, B, C, D, dt_bias, idx)
     y2 = selective_state_update_triton(s2, x, dt, A, B, C, D, dt_bias, idx)
     assert torch.equal(y1, y2) and torch.equal(s1, s2)
+
+
+@requires_cuda
+def test_rounding_bits_gpu():
+    """On the GPU: the Triton stochastic rounding gives the reference's bits for every element."""
+    from triton_cases import check_rounding
+
+    check_rounding("cuda")

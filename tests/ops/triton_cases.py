@@ -12,10 +12,14 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from replayssm.ops.conv1d import causal_conv1d_commit_ref, causal_conv1d_update_ref
 from replayssm.ops.replay import replay_commit_ref, replay_forward_ref, replay_materialize_ref
+from replayssm.ops.rounding import stochastic_round_ref
 from replayssm.ops.ssu import selective_state_update_ref
+from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 
 TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -54,6 +58,31 @@ def _untouched(name, got, orig, touched: torch.Tensor) -> None:
     keep = torch.ones(orig.shape[0], dtype=torch.bool, device=orig.device)
     keep[touched[touched >= 0].long()] = False
     assert torch.equal(got[keep], orig[keep]), f"{name}: an untouched slot changed"
+
+
+@triton.jit
+def _round_kernel(x_ptr, off_ptr, y_ptr, n, sm, DTYPE: tl.constexpr, MAXV: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    y = stochastic_round(tl.load(x_ptr + i, mask=m), tl.load(off_ptr + i, mask=m), sm, DTYPE, MAXV)
+    tl.store(y_ptr + i, y, mask=m)
+
+
+def check_rounding(device, n: int = 4099, seed: int = 1234) -> None:
+    """The Triton device function rounds bit-identically to stochastic_round_ref (edge values too)."""
+    torch.manual_seed(seed)
+    x = torch.randn(n) * torch.logspace(-12, 7, n)
+    inf = float("inf")
+    edge = [0.0, -0.0, inf, -inf, 65504.0, 65519.0, 7e4, -7e4, 1e-30, -1e-30, 3.4e38, -3.4e38]
+    x = torch.cat([x, torch.tensor(edge)]).to(device)
+    off = (torch.randperm(x.numel()).to(torch.int64) * 7919 + 2**33).to(device)
+    for dtype in (torch.float16, torch.bfloat16):
+        y = torch.empty(x.shape, dtype=dtype, device=device)
+        tdt = tl_dtype(dtype)
+        grid = (triton.cdiv(x.numel(), 512),)
+        _round_kernel[grid](x, off, y, x.numel(), seed_mix(seed), tdt, max_finite(tdt), BLOCK=512)
+        want = stochastic_round_ref(x, dtype, seed, off)
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), f"{dtype}: bits differ"
 
 
 def check_ssu(device, *, H=4, P=12, N=12, G=2, b=5, q=1, S=11, state_dtype=torch.float32, act=torch.float32,
@@ -215,6 +244,7 @@ def run_interpreter(part: str) -> None:
 
     small = LaunchConfig(block_p=8, num_warps=1)
     if part == "ssu":
+        check_rounding("cpu")
         for sd in (torch.float32, torch.float16, torch.bfloat16):
             check_ssu("cpu", q=1, state_dtype=sd, config=small)
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)

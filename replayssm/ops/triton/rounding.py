@@ -36,21 +36,14 @@ def max_finite(dtype) -> float:
 
 
 @triton.jit
-def _mul32(v, m: tl.constexpr):
-    # (v * m) mod 2^32 in int64 without overflow: split m into 16-bit halves.
-    lo = v * (m & 0xFFFF)
-    hi = ((v * (m >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & 0xFFFFFFFF
-
-
-@triton.jit
 def random_uniform(offsets, seed_mix):
     """r in [0, 1) (fp32) from lowbias32 of (seed_mix + offset) mod 2^32; offsets int64."""
-    v = (offsets + seed_mix) & 0xFFFFFFFF
+    # uint32 arithmetic wraps mod 2^32 and shifts logically, exactly as the recipe needs.
+    v = (offsets + seed_mix).to(tl.uint32)
     v = v ^ (v >> 16)
-    v = _mul32(v, 0x7FEB352D)
+    v = v * 0x7FEB352D
     v = v ^ (v >> 15)
-    v = _mul32(v, 0x846CA68B)
+    v = v * 0x846CA68B
     v = v ^ (v >> 16)
     return (v >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
@@ -61,9 +54,8 @@ def stochastic_round(x, offsets, seed_mix, DTYPE: tl.constexpr, MAXV: tl.constex
 
     offsets: int64, x's shape, the element's linear index in the destination pool.
     """
-    if DTYPE == tl.float32:
-        return x
-    else:
+    out = x
+    if DTYPE != tl.float32:
         r = random_uniform(offsets.to(tl.int64), seed_mix)
         mag = tl.abs(x)
         # Round to nearest, step one code toward zero if that overshot: truncation. The
@@ -74,10 +66,11 @@ def stochastic_round(x, offsets, seed_mix, DTYPE: tl.constexpr, MAXV: tl.constex
         d = bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
         u = (bits + 1).to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
         p = (mag - d) / (u - d)
-        out = tl.where((mag != d) & (r < p), u, d)
-        out = tl.where(mag > MAXV, MAXV, out)
+        rounded = tl.where((mag != d) & (r < p), u, d)
+        rounded = tl.where(mag > MAXV, MAXV, rounded)
         # Copy x's sign bit onto the low-precision pattern (keeps -0.0 like copysign).
         sign = (x.to(tl.int32, bitcast=True) >> 16) & 0x8000
-        obits = out.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) | sign
+        obits = rounded.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) | sign
         res = obits.to(tl.int16).to(DTYPE, bitcast=True)
-        return tl.where(x != x, x.to(DTYPE), res)
+        out = tl.where(x != x, x.to(DTYPE), res)
+    return out
