@@ -1,0 +1,119 @@
+"""The command line and the built-in demo checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from replayssm import LLM, SamplingParams
+from replayssm.cli import build_parser, main, parse_size
+from replayssm.demo import demo_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cli(*args, cache):
+    env = {**os.environ, "REPLAYSSM_CACHE": str(cache), "PYTHONPATH": ROOT}
+    return subprocess.run(
+        [sys.executable, "-m", "replayssm", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_generate_demo_in_subprocess(tmp_path):
+    """`python -m replayssm generate --model demo` prints one completion per prompt and exits 0."""
+    res = _cli(
+        "generate",
+        "--model",
+        "demo",
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--json",
+        cache=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    lines = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [d["prompt"] for d in lines] == ["Hello", "Once upon a time"]
+    assert all(len(d["token_ids"]) == 12 and d["finish_reason"] == "length" for d in lines)
+    assert "generated 24 tokens" in res.stderr and "generate" in res.stderr  # summary + progress bar
+
+
+def test_cli_bad_flags_are_clear_errors(tmp_path, capsys):
+    """Invalid values exit with status 2 and a message naming the argument."""
+    assert main(["generate", "--model", "demo", "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature must be" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "demo", "--prompt", "x", "--memory-budget", "lots"])
+    assert "not a byte size" in capsys.readouterr().err
+
+
+def test_cli_defaults_come_from_the_dataclasses():
+    """Engine flag defaults equal the config dataclass defaults; sizes accept units."""
+    args = build_parser().parse_args(["generate", "--model", "demo", "--prompt", "x"])
+    assert (args.replay_window, args.kv_block_size, args.max_num_seqs, args.replayssm) == (16, 16, 64, True)
+    assert args.memory_budget is None and args.state_dtype == "float32"
+    assert parse_size("512MiB") == 512 << 20 and parse_size("2GB") == 2 * 10**9 and parse_size("1024") == 1024
+
+
+def test_demo_checkpoint_matches_transformers(tmp_path):
+    """The demo checkpoint is a valid Hugging Face Nemotron-H: greedy tokens equal transformers generate()."""
+    from transformers import AutoModelForCausalLM
+
+    path = demo_checkpoint(cache_dir=str(tmp_path))
+    assert demo_checkpoint(cache_dir=str(tmp_path)) == path  # written once
+    llm = LLM(path, device="cpu", max_model_len=256)
+    prompt = "The demo model"
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )[0]
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([llm.tokenizer.encode(prompt)])
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
+    assert out.token_ids == ref
+    assert out.text == llm.tokenizer.decode(ref)
+    assert (
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        == "<|user|>\nhi\n<|assistant|>\n"
+    )
+
+
+@pytest.mark.parametrize("text", ["héllo wörld ✓", "plain ascii"])
+def test_incremental_detokenizer_matches_full_decode(text):
+    """Emitting text token by token (multi-byte characters held back until complete) equals one decode."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from replayssm.engine.tokenizer import IncrementalDetokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    raw = HFTokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+
+    class Wrapped:
+        def decode(self, ids, skip_special_tokens=True):
+            return raw.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = raw.encode(text).ids
+    assert len(ids) == len(text.encode())  # one token per byte: accents split across tokens
+    detok = IncrementalDetokenizer(Wrapped())
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) + detok.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
