@@ -8,7 +8,11 @@ the oracle that reads the same files.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -86,3 +90,18 @@ def tiny_mamba2(path: str | Path, seed: int = 0, max_shard_size: str | None = No
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     return model
+
+
+@functools.cache
+def cached_checkpoint(kind: str, seed: int = 0, **overrides) -> tuple[str, torch.nn.Module]:
+    """Write a tiny checkpoint once per test process; returns (directory, transformers model).
+
+    kind: "nemotron_h" or "mamba2". The directory is removed at exit; do not modify it.
+    """
+    makers = {"nemotron_h": tiny_nemotron_h, "mamba2": tiny_mamba2}
+    if kind not in makers:
+        raise ValueError(f"kind must be one of {sorted(makers)}, got {kind!r}")
+    root = tempfile.mkdtemp(prefix=f"replayssm-{kind}-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    model = makers[kind](root, seed=seed, **overrides)
+    return root, model

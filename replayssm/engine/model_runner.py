@@ -146,7 +146,7 @@ class ModelRunner:
         if len(num_accepted) != len(rows):
             raise ValueError(f"num_accepted has {len(num_accepted)} entries for {len(rows)} rows")
         live = [r.slot for r in rows]
-        batch, self._pending = self._pending, None
+        batch = self._pending
         if batch is None:
             return live
         decode = [r for r in batch.decode if not r.forced]
@@ -160,6 +160,7 @@ class ModelRunner:
             accepted.append(a)
             if r.spec_slots is not None:
                 live[r.index] = r.spec_slots[a - 1]
+        self._pending = None
         self._commit_decode(batch, decode, accepted)
         return live
 
