@@ -49,7 +49,7 @@ async def _one(client: httpx.AsyncClient, index: int, body: dict, drop_after: in
 
 async def run_load(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, drop_every: int,
                    drop_after: int = 2, drop_max_tokens: int = 64) -> tuple[list[StreamResult], float]:
-    """All prompts at once as greedy streams, every `drop_every`-th dropped; (results, seconds).
+    """All prompts at once as greedy ignore-eos streams, every `drop_every`-th dropped; (results, seconds).
 
     Dropped streams ask for `drop_max_tokens`, so they are still running when the client leaves."""
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=0)
@@ -60,7 +60,7 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], max_toke
         for i, prompt in enumerate(prompts):
             drop = i % drop_every == drop_every - 1
             body = {"model": model, "prompt": prompt, "max_tokens": drop_max_tokens if drop else max_tokens,
-                    "temperature": 0.0, "stream": True, "return_token_ids": True,
+                    "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
                     "stream_options": {"include_usage": True}}
             tasks.append(_one(client, i, body, drop_after if drop else None))
         results = await asyncio.gather(*tasks)
