@@ -66,7 +66,9 @@ class Request:
         p = len(self.prompt_token_ids)
         if stop <= p:
             return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        if start >= p:  # decode: never copy the whole sequence
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
 
     def wants_prompt_logprobs(self) -> bool:
         """True until the prompt's logprobs have been collected once (not again on recompute)."""
