@@ -1,4 +1,4 @@
-"""Command line: ``replayssm generate`` (``serve`` and ``bench`` plug in the same way).
+"""Command line: ``replayssm generate | serve`` (``bench`` plugs in the same way).
 
 Engine flags and their defaults come from the config dataclasses' fields (help text in
 ``metadata["help"]``), so the CLI and the Python API cannot drift apart. Each subcommand is
@@ -156,10 +156,25 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: dict[
-    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-] = {
+# ---- serve (the server package owns its flags and loop; imported only when used) --------------
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from replayssm.server.launch import add_serve_args as add
+
+    add(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from replayssm.server.launch import serve_main
+
+    return serve_main(args)
+
+
+Handler = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+SUBCOMMANDS: dict[str, Handler] = {
     "generate": ("generate text for one or more prompts", add_generate_args, run_generate),
+    "serve": ("serve a checkpoint over an OpenAI-compatible HTTP API", add_serve_args, run_serve),
 }
 
 

@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from replayssm.config import EngineConfig
 from replayssm.engine.metrics import EngineMetrics
-from replayssm.engine.request import Request, RequestStatus
+from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
+from replayssm.engine.request import Request
 from replayssm.engine.runner_setup import RunnerSetup, build_runner
 from replayssm.engine.scheduler import ScheduledChunk, Scheduler
-from replayssm.engine.tokenizer import IncrementalDetokenizer
 from replayssm.ops.sampling import SamplingTensors, sample
 from replayssm.sampling_params import SamplingParams
-
-
-@dataclass
-class RequestOutput:
-    """A request's state after a step; token_ids and text hold everything generated so far."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs is set
-    prompt_logprobs: list[float | None] | None = None  # per prompt token (first is None)
 
 
 class LLMEngine:
@@ -52,7 +36,7 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.max_model_len = setup.max_model_len
         self.model_name = setup.model_name
-        self.eos_token_ids = set(setup.eos_token_ids)
+        self.output = OutputProcessor(self.tokenizer, set(setup.eos_token_ids), self.max_model_len)
         self.scheduler = Scheduler(
             setup.block_pool,
             setup.slot_pool,
@@ -62,7 +46,6 @@ class LLMEngine:
         )
         self.metrics = EngineMetrics()
         self._requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending_aborts: list[str] = []
         self._seed_rng = random.Random(config.seed)
         self._arrivals = 0
@@ -104,10 +87,7 @@ class LLMEngine:
         request = Request(request_id, ids, params, seed=seed, arrival=self._arrivals)
         self._arrivals += 1
         self._requests[request_id] = request
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, params.skip_special_tokens
-            )
+        self.output.add(request)
         self.scheduler.add(request)
         self.metrics.num_requests += 1
         self.metrics.prompt_tokens += len(ids)
@@ -222,63 +202,18 @@ class LLMEngine:
         r.prompt_logprobs.extend(lp)
 
     def _append_token(self, r: Request, token: int, logprob: float | None) -> RequestOutput:
-        p = r.params
-        r.output_token_ids.append(token)
-        if p.logprobs is not None:
-            r.output_logprobs.append(logprob)
+        reason = self.output.append_token(r, token, logprob)
         self.metrics.generation_tokens += 1
-        reason = None
-        detok = self._detokenizers.get(r.request_id)
-        if detok is not None:
-            new_text = detok.add(token)
-            r.text += new_text
-            if p.stop and new_text:
-                reason = self._check_stop_strings(r, len(new_text))
-        if reason is None:
-            if (not p.ignore_eos and token in self.eos_token_ids) or (
-                p.stop_token_ids and token in p.stop_token_ids
-            ):
-                reason = "stop"
-            elif len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
-                reason = "length"
-        if reason is not None:
-            if detok is not None and reason != "stop":
-                r.text += detok.flush()
-            return self._finish(r, reason)
-        return self._output(r)
-
-    @staticmethod
-    def _check_stop_strings(r: Request, new_len: int) -> str | None:
-        """Cut the text before the first stop string that the new text completes."""
-        longest = max(len(s) for s in r.params.stop)
-        window_start = max(0, len(r.text) - new_len - longest + 1)
-        hits = [i for s in r.params.stop if (i := r.text.find(s, window_start)) >= 0]
-        if not hits:
-            return None
-        r.text = r.text[: min(hits)]
-        return "stop"
+        return self._finish(r, reason) if reason is not None else make_output(r)
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(r, reason)
         del self._requests[r.request_id]
-        self._detokenizers.pop(r.request_id, None)
+        self.output.remove(r)
         self.metrics.num_requests_finished += 1
         if reason == "abort":
             self.metrics.num_requests_aborted += 1
-        return self._output(r)
-
-    @staticmethod
-    def _output(r: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt_token_ids=r.prompt_token_ids,
-            token_ids=list(r.output_token_ids),
-            text=r.text,
-            finished=r.status is RequestStatus.FINISHED,
-            finish_reason=r.finish_reason,
-            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
-            prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
-        )
+        return make_output(r)
 
     def get_metrics(self) -> dict[str, Any]:
         """Counters since start plus current occupancy and the cache plan."""

@@ -64,10 +64,12 @@ def test_cli_bad_flags_are_clear_errors(tmp_path, capsys):
 
 
 def test_cli_defaults_come_from_the_dataclasses():
-    """Engine flag defaults equal the config dataclass defaults; sizes accept units."""
+    """Engine flag defaults equal the config dataclass defaults (generate and serve); sizes accept units."""
     args = build_parser().parse_args(["generate", "--model", "demo", "--prompt", "x"])
     assert (args.replay_window, args.kv_block_size, args.max_num_seqs, args.replayssm) == (16, 16, 64, True)
     assert args.memory_budget is None and args.state_dtype == "float32"
+    serve = build_parser().parse_args(["serve", "--model", "demo", "--no-replayssm"])
+    assert serve.command == "serve" and serve.replayssm is False and serve.port == 8000
     assert parse_size("512MiB") == 512 << 20 and parse_size("2GB") == 2 * 10**9 and parse_size("1024") == 1024
 
 

@@ -120,7 +120,7 @@ def test_stop_conditions(ckpt):
     stop_str = full.text[12:15]
     out = run(llm, [p], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop_str, "\x00never"]))[0]
     assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop_str)]
-    llm.engine.eos_token_ids = {stop_tok}
+    llm.engine.output.eos_token_ids = {stop_tok}
     out = run(llm, [p], SamplingParams(temperature=0.0, max_tokens=30))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == stop_tok
     out = run(llm, [p], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]

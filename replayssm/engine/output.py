@@ -1,0 +1,95 @@
+"""Turning sampled tokens into request outputs: logprobs, incremental text, stop checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replayssm.engine.request import Request, RequestStatus
+from replayssm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step; token_ids and text hold everything generated so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs is set
+    prompt_logprobs: list[float | None] | None = None  # per prompt token (first is None)
+
+
+def make_output(r: Request) -> RequestOutput:
+    """A snapshot of ``r`` (lists copied, so later steps do not change it)."""
+    return RequestOutput(
+        request_id=r.request_id,
+        prompt_token_ids=r.prompt_token_ids,
+        token_ids=list(r.output_token_ids),
+        text=r.text,
+        finished=r.status is RequestStatus.FINISHED,
+        finish_reason=r.finish_reason,
+        logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+        prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
+    )
+
+
+class OutputProcessor:
+    """Appends each sampled token to its request and decides whether the request is done.
+
+    Order of checks for a new token: stop strings (the text is cut before the match), then
+    eos (unless ignore_eos) and stop_token_ids ("stop"), then max_tokens and max_model_len
+    ("length"). Stopping tokens stay in token_ids; special tokens are left out of the text
+    when skip_special_tokens is set.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, r: Request) -> None:
+        if self.tokenizer is not None:
+            self._detokenizers[r.request_id] = IncrementalDetokenizer(
+                self.tokenizer, r.params.skip_special_tokens
+            )
+
+    def remove(self, r: Request) -> None:
+        self._detokenizers.pop(r.request_id, None)
+
+    def append_token(self, r: Request, token: int, logprob: float | None) -> str | None:
+        """Append ``token`` (and its logprob) to ``r``; return a finish reason or None."""
+        p = r.params
+        r.output_token_ids.append(token)
+        if p.logprobs is not None:
+            r.output_logprobs.append(logprob)
+        detok = self._detokenizers.get(r.request_id)
+        if detok is not None:
+            new_text = detok.add(token)
+            r.text += new_text
+            if p.stop and new_text and self._cut_at_stop_string(r, len(new_text)):
+                return "stop"
+        reason = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or (
+            p.stop_token_ids and token in p.stop_token_ids
+        ):
+            reason = "stop"
+        elif len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason == "length" and detok is not None:
+            r.text += detok.flush()  # an incomplete trailing character shows as U+FFFD
+        return reason
+
+    @staticmethod
+    def _cut_at_stop_string(r: Request, new_len: int) -> bool:
+        """Cut the text before the first stop string that the new text completes."""
+        longest = max(len(s) for s in r.params.stop)
+        window_start = max(0, len(r.text) - new_len - longest + 1)
+        hits = [i for s in r.params.stop if (i := r.text.find(s, window_start)) >= 0]
+        if hits:
+            r.text = r.text[: min(hits)]
+        return bool(hits)
