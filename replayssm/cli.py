@@ -30,9 +30,9 @@ _SIZE_UNITS = {
     "ti": 1 << 40,
 }
 
-# Engine fields exposed as flags (model is a flag of its own; tokenizer/seed are set explicitly).
+# Engine fields exposed as flags (model is a flag of its own; each subcommand sets the seed).
 ENGINE_FLAGS = {
-    EngineConfig: ("device", "dtype", "replayssm", "replay_window"),
+    EngineConfig: ("device", "dtype", "replayssm", "replay_window", "tokenizer"),
     CacheConfig: (
         "memory_budget",
         "kv_block_size",

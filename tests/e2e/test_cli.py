@@ -94,28 +94,3 @@ def test_demo_checkpoint_matches_transformers(tmp_path):
         llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         == "<|user|>\nhi\n<|assistant|>\n"
     )
-
-
-@pytest.mark.parametrize("text", ["héllo wörld ✓", "plain ascii"])
-def test_incremental_detokenizer_matches_full_decode(text):
-    """Emitting text token by token (multi-byte characters held back until complete) equals one decode."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    from replayssm.engine.tokenizer import IncrementalDetokenizer
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    raw = HFTokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-
-    class Wrapped:
-        def decode(self, ids, skip_special_tokens=True):
-            return raw.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    ids = raw.encode(text).ids
-    assert len(ids) == len(text.encode())  # one token per byte: accents split across tokens
-    detok = IncrementalDetokenizer(Wrapped())
-    pieces = [detok.add(t) for t in ids]
-    assert "".join(pieces) + detok.flush() == text
-    assert all("\ufffd" not in p for p in pieces)
