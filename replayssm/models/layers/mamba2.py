@@ -70,9 +70,10 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.to(hidden.dtype))
 
     def _split(self, xbc: torch.Tensor, lead: tuple[int, ...]):
+        # Contiguous copies: the Triton kernels index x, B and C with dense strides.
         x, B, C = xbc.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
-        return (x.reshape(*lead, self.H, self.P), B.reshape(*lead, self.G, self.N),
-                C.reshape(*lead, self.G, self.N))
+        return (x.reshape(*lead, self.H, self.P).contiguous(), B.reshape(*lead, self.G, self.N).contiguous(),
+                C.reshape(*lead, self.G, self.N).contiguous())
 
     def _prefill(self, xbc, dt, A, weight, ctx, seed: int) -> torch.Tensor:
         """Packed prefill tokens (Tp, ...): conv from the slot's window, chunked scan from its state."""
@@ -106,7 +107,6 @@ class Mamba2Mixer(nn.Module):
         xbc = causal_conv1d_update(xbc.contiguous(), weight, self.conv1d.bias, cache.conv[li],
                                    md.decode_slots, activation="silu")
         x, B, C = self._split(xbc, (b, q))
-        x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
         if ctx.replayssm:
             y = replay_forward(x, dt, A, B, C, self.D, self.dt_bias, cache.state[li], cache.ring_x[li],
                                cache.ring_B[li], cache.ring_dt[li], cache.ring_start, cache.committed,
