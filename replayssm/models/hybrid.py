@@ -18,6 +18,11 @@ from replayssm.models.layers.mlp import MoE
 from replayssm.models.layers.norm import RMSNorm
 
 
+def _mamba2_norms(cfg: ModelConfig) -> bool:
+    """Pure Mamba-2 checkpoints round their RMSNorm like transformers' Mamba2RMSNorm."""
+    return cfg.architecture == "Mamba2ForCausalLM"
+
+
 class HybridBlock(nn.Module):
     """h <- h + mixer(norm(h)); the residual stays fp32 when the config asks (Mamba-2 default)."""
 
@@ -25,7 +30,8 @@ class HybridBlock(nn.Module):
         super().__init__()
         self.kind = kind
         self.residual_in_fp32 = cfg.residual_in_fp32
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=_mamba2_norms(cfg),
+                            device=device, dtype=dtype)
         kw = dict(device=device, dtype=dtype)
         if kind == MAMBA:
             self.mixer = Mamba2Mixer(cfg, index_of_kind, **kw)
@@ -62,7 +68,7 @@ class HybridForCausalLM(nn.Module):
             blocks.append(HybridBlock(cfg, kind, counts[kind], **kw))
             counts[kind] += 1
         self.layers = nn.ModuleList(blocks)
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=_mamba2_norms(cfg), **kw)
         # Tied checkpoints store no lm_head; the logits then reuse the embedding matrix.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
                                                                       bias=False, **kw)

@@ -7,15 +7,24 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, computed in fp32 and cast back to x's dtype."""
+    """y = x / rms(x) * weight, normalized in fp32.
 
-    def __init__(self, hidden_size: int, eps: float, *, device=None, dtype=None) -> None:
+    The two checkpoint families round differently and we follow each exactly: Nemotron-H
+    multiplies by the weight in fp32 and casts the product to x's dtype; Mamba-2
+    (`cast_before_weight`) casts the normalized x first, then multiplies in the weight's dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, cast_before_weight: bool = False,
+                 device=None, dtype=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.eps = eps
+        self.cast_before_weight = cast_before_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden), same dtype."""
+        """x (T, hidden) -> (T, hidden)."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.cast_before_weight:
+            return self.weight * h.to(x.dtype)
         return (self.weight.float() * h).to(x.dtype)
