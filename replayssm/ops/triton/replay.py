@@ -39,7 +39,7 @@ def _fold(S, rx_ptr, rB_ptr, rdt_ptr, xrow0, Brow0, dtrow0, o, count, A, R, p, n
     # Δ = 0, x = 0, so its update S * exp(0) + 0 leaves S bit-exact.
     for j in tl.static_range(JB):
         r = (o + j) % R
-        dj = tl.load(rdt_ptr + dtrow0 + r, mask=j < count, other=0.0)
+        dj = tl.load(rdt_ptr + dtrow0 + r, mask=count > j, other=0.0)
         xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=pm & ((p * 0 + j) < count), other=0.0)
         Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=nm & ((n * 0 + j) < count), other=0.0)
         xj = xj.to(tl.float32)

@@ -1,0 +1,246 @@
+"""Decode hot-path kernels on the GPU: baseline selective state update vs ReplaySSM (Triton).
+
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py [--out benchmarks/results] [--quick]
+
+Then benchmarks/report.py renders the JSON into kernels.md and kernels.png.
+
+Writes kernels.json (commit, device, versions, command, copy bandwidth, one row per
+measurement), kernels.md (tables, targets) and kernels.png (plot, if matplotlib imports).
+Method (shared/DESIGN.md §6): every number is the median over CUDA-graph replays of whole
+W-step cycles, flush steps included; the cursors of each cycle step are simulated ahead with
+the reference commit (q=1 accepts 1; q>1 accepts uniform in [1, q]), so the graph replays the
+same per-row mix of flush and non-flush rows every time. Slot sets rotate so each graph
+touches >= 4x L2 of state. Bytes are the fewest each kernel must move (NOTES-kernels.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from replayssm.ops.replay import replay_commit_ref
+from replayssm.ops.triton import replay as treplay
+from replayssm.ops.triton import ssu as tssu
+from replayssm.ops.triton.ssu import LaunchConfig
+
+SHAPES = {"nemotron-h-8b": (128, 64, 128, 8), "nemotron-3-super-tp8": (16, 64, 128, 1)}
+BATCHES = [1, 8, 32, 128, 256, 512]
+STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+QS = [1, 4]
+WINDOW = 16
+ACT = torch.bfloat16
+ROTATE_BYTES = 240e6  # 4x the H200's 60 MB L2
+MAX_SETS = 512
+SWEEP = [LaunchConfig(p, w) for p, w in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8))]
+IMPLS = ("baseline", "replay", "replay_split")
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: str
+    batch: int
+    state_dtype: str
+    q: int
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy of 2 GiB, counting bytes read plus written."""
+    a = torch.randn(2**29, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * a.numel() * 4 / statistics.median(times[2:]) / 1e9
+
+
+class Bench:
+    """Pools, tokens and simulated cursors for one case; bodies issue one graph's launches."""
+
+    def __init__(self, case: Case, seed: int = 0, device: str = "cuda"):
+        torch.manual_seed(seed)
+        H, P, N, G = SHAPES[case.shape]
+        self.case, self.H, self.P, self.N, self.G = case, H, P, N, G
+        b, q, W = case.batch, case.q, WINDOW
+        sd = STATE_DTYPES[case.state_dtype]
+        self.R = W + q
+        slot_bytes = H * P * N * sd.itemsize
+        self.n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / (b * slot_bytes))))
+        writes = q if q > 1 else 0  # per-draft destination slots of the baseline verify
+        S = self.n_sets * b * (1 + writes)
+        dev = device
+        self.state = (torch.randn(S, H, P, N, device=dev) * 0.5).to(sd)
+        self.ring_x = torch.randn(S, H, self.R, P, device=dev).to(ACT)
+        self.ring_B = torch.randn(S, G, self.R, N, device=dev).to(ACT)
+        self.ring_dt = torch.rand(S, H, self.R, device=dev) * 0.1 + 0.01
+        perm = torch.randperm(S, device=dev).to(torch.int32)
+        nb = self.n_sets * b
+        self.idx = [perm[j * b:(j + 1) * b].contiguous() for j in range(self.n_sets)]
+        self.dst = [perm[nb + j * b * q: nb + (j + 1) * b * q].view(b, q).contiguous() if writes else None
+                    for j in range(self.n_sets)]
+        self.x = torch.randn(b, q, H, P, device=dev).to(ACT)
+        self.dt = torch.randn(b, q, H, device=dev) - 2.0
+        self.B = torch.randn(b, q, G, N, device=dev).to(ACT) / math.sqrt(N)
+        self.C = torch.randn(b, q, G, N, device=dev).to(ACT) / math.sqrt(N)
+        self.A = -torch.exp(torch.rand(H, device=dev))
+        self.D = torch.randn(H, device=dev)
+        self.dt_bias = torch.rand(H, device=dev) - 1.0
+        self.y = torch.empty_like(self.x)
+        self._simulate_cursors(S, perm[:nb])
+
+    def _simulate_cursors(self, S: int, live: torch.Tensor) -> None:
+        q, W = self.case.q, WINDOW
+        gen = torch.Generator().manual_seed(1)
+        start = torch.randint(0, self.R, (S,), dtype=torch.int32, generator=gen)
+        comm = torch.randint(1 if q == 1 else 0, W + 1, (S,), dtype=torch.int32, generator=gen)
+        live = live.cpu()
+        self.cursors, self.hist = [], []
+        for k in range(3 * W):  # 2W steps to reach the steady mix, then W recorded steps
+            if k >= 2 * W:
+                self.cursors.append((start.clone().to(self.state.device), comm.clone().to(self.state.device)))
+                self.hist.append(comm[live.long()].clone())
+            acc = torch.randint(1, q + 1, (live.numel(),), dtype=torch.int32, generator=gen)
+            replay_commit_ref(start, comm, live, acc, q, W, ring_rows=self.R)
+
+    def bytes_per_step(self, impl: str) -> float:
+        """Fewest bytes one step must move, averaged over the recorded cycle."""
+        H, P, N, G = self.H, self.P, self.N, self.G
+        b, q = self.case.batch, self.case.q
+        s, a = STATE_DTYPES[self.case.state_dtype].itemsize, ACT.itemsize
+        tokens = b * q * (2 * H * P * a + H * 4 + 2 * G * N * a)  # x, y, dt, B, C
+        if impl == "baseline":
+            return tokens + b * H * P * N * s * (1 + q)  # read once; write once (plain) or q times
+        h = torch.stack(self.hist).double()  # (W, rows)
+        flush = (h + q > WINDOW).double()
+        per_row = (H * P * N * s * (1 + flush) + h * (H * (P * a + 4) + G * N * a)
+                   + q * (H * P * a + H * 4 + G * N * a))  # + history reads, + appends
+        return tokens + float(per_row.sum(1).mean()) / self.n_sets
+
+    def body(self, impl: str, config: LaunchConfig):
+        def run():
+            for k in range(WINDOW):
+                start, comm = self.cursors[k]
+                for j in range(self.n_sets):
+                    if impl == "baseline":
+                        tssu.launch_ssu(self.state, self.x, self.dt, self.A, self.B, self.C, self.D,
+                                        self.dt_bias, self.idx[j], self.dst[j], True, k, self.y, config)
+                    else:
+                        treplay.launch_replay_forward(
+                            self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.state,
+                            self.ring_x, self.ring_B, self.ring_dt, start, comm, self.idx[j], WINDOW, True, k,
+                            self.y, config, impl == "replay_split")
+        return run
+
+
+def time_graph(run, steps: int) -> tuple[float, int]:
+    """Median µs per step over CUDA-graph replays of `run` (which issues `steps` steps)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles and warms outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    g.replay()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    reps = max(5, min(25, int(300.0 / max(e0.elapsed_time(e1), 1e-3))))
+    times = []
+    for _ in range(reps):
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    del g
+    return statistics.median(times) * 1e3 / steps, reps
+
+
+def measure(bench: Bench, impl: str, config: LaunchConfig, sweep: bool = False) -> dict:
+    us, reps = time_graph(bench.body(impl, config), WINDOW * bench.n_sets)
+    assert not bench.y.isnan().any(), f"{impl}: NaN output"
+    nbytes = bench.bytes_per_step(impl)
+    H, P, N, G = SHAPES[bench.case.shape]
+    return dict(asdict(bench.case), H=H, P=P, N=N, G=G, window=WINDOW, act_dtype="bf16", impl=impl,
+                block_p=config.block_p, num_warps=config.num_warps, us_per_step=us, bytes_per_step=nbytes,
+                gbps=nbytes / us / 1e3, n_sets=bench.n_sets, reps=reps, sweep=sweep)
+
+
+def git_commit() -> str:
+    env = os.environ.get("REPLAYSSM_COMMIT")
+    if env:
+        return env
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        return res.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="8B shape, batch 256 only (smoke run)")
+    args = ap.parse_args()
+    import triton
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
+                window=WINDOW, act_dtype="bf16", copy_gbps=copy_bandwidth_gbps())
+    print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
+    rows = []
+    best = {}
+    for q in QS:  # tile sweep at the headline case
+        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
+        for impl in IMPLS:
+            trials = [measure(bench, impl, c, sweep=True) for c in SWEEP]
+            rows += trials
+            top = min(trials, key=lambda r: r["us_per_step"])
+            best[(impl, q)] = LaunchConfig(top["block_p"], top["num_warps"])
+            desc = ", ".join(f"{r['block_p']}x{r['num_warps']}w {r['us_per_step']:.1f}" for r in trials)
+            print(f"sweep q={q} {impl}: {desc}", flush=True)
+        del bench
+        torch.cuda.empty_cache()
+    meta["chosen_configs"] = {f"{k[0]} q={k[1]}": asdict(v) for k, v in best.items()}
+    shapes = ["nemotron-h-8b"] if args.quick else list(SHAPES)
+    batches = [256] if args.quick else BATCHES
+    for shape in shapes:
+        for sd in STATE_DTYPES:
+            for q in QS:
+                for b in batches:
+                    bench = Bench(Case(shape, b, sd, q))
+                    for impl in IMPLS:
+                        r = measure(bench, impl, best[(impl, q)])
+                        rows.append(r)
+                        print(f"{shape} {sd} q={q} b={b} {impl}: {r['us_per_step']:.2f} us "
+                              f"{r['gbps']:.0f} GB/s", flush=True)
+                    del bench
+                    torch.cuda.empty_cache()
+    (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    from report import write_report  # benchmarks/ is the script's own folder on sys.path
+
+    print(write_report(out))
+
+
+if __name__ == "__main__":
+    main()

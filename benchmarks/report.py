@@ -1,0 +1,135 @@
+"""Render benchmarks/results/kernels.json into kernels.md (tables, targets) and kernels.png.
+
+    python3 benchmarks/report.py [results_dir]
+
+The last lines of the markdown (the headline checks) are what bench_kernels.py prints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+HEADLINE = ("nemotron-h-8b", 256, "fp32")
+
+
+def _index(rows: list[dict]) -> dict:
+    by = {}
+    for r in rows:
+        if not r["sweep"]:
+            by[(r["shape"], r["batch"], r["state_dtype"], r["q"], r["impl"])] = r
+    return by
+
+
+def _targets(meta: dict, by: dict) -> list[str]:
+    shape, b, sd = HEADLINE
+    out = [f"## Targets ({shape}, batch {b}, {sd} state, W={meta['window']})", ""]
+    get = lambda q, impl: by.get((shape, b, sd, q, impl))
+    base1, base4 = get(1, "baseline"), get(4, "baseline")
+    if base1:
+        frac = base1["gbps"] / meta["copy_gbps"]
+        out.append(f"- baseline plain decode: {base1['gbps']:.0f} GB/s = {frac:.0%} of copy "
+                   f"{meta['copy_gbps']:.0f} GB/s (target >= 85%)")
+    for q, base, goal in ((1, base1, 1.8), (4, base4, 5.5)):
+        for impl in ("replay", "replay_split"):
+            r = get(q, impl)
+            if base and r:
+                limit = base["bytes_per_step"] / r["bytes_per_step"]
+                speedup = base["us_per_step"] / r["us_per_step"]
+                out.append(f"- {impl} q={q}: {speedup:.2f}x faster than baseline "
+                           f"(target >= {goal}x; byte-count limit {limit:.2f}x)")
+    return out + [""]
+
+
+def _tables(by: dict) -> list[str]:
+    out = []
+    groups = defaultdict(list)
+    for shape, b, sd, q, _ in by:
+        groups[(shape, sd, q)].append(b)
+    for (shape, sd, q), batches in sorted(groups.items()):
+        out += [f"### {shape}, {sd} state, q={q}", "",
+                "| batch | baseline us (GB/s) | replay us (GB/s) | split us (GB/s) | speedup | split speedup "
+                "| byte limit |", "|---|---|---|---|---|---|---|"]
+        for b in sorted(set(batches)):
+            rs = {i: by.get((shape, b, sd, q, i)) for i in ("baseline", "replay", "replay_split")}
+            if not all(rs.values()):
+                continue
+            base = rs["baseline"]
+            cell = lambda r: f"{r['us_per_step']:.1f} ({r['gbps']:.0f})"
+            sp = lambda r, base=base: f"{base['us_per_step'] / r['us_per_step']:.2f}x"
+            out.append(f"| {b} | {cell(base)} | {cell(rs['replay'])} | {cell(rs['replay_split'])} | "
+                       f"{sp(rs['replay'])} | {sp(rs['replay_split'])} | "
+                       f"{base['bytes_per_step'] / rs['replay']['bytes_per_step']:.2f}x |")
+        out.append("")
+    return out
+
+
+def _sweep(rows: list[dict]) -> list[str]:
+    cols = sorted({f"{r['block_p']}x{r['num_warps']}w" for r in rows if r["sweep"]})
+    out = ["### Tile sweep (nemotron-h-8b, batch 256, fp32): us per step", "",
+           "| impl | q | " + " | ".join(cols) + " |"]
+    out.append("|---|---|" + "---|" * len(cols))
+    cells = defaultdict(dict)
+    for r in rows:
+        if r["sweep"]:
+            cells[(r["impl"], r["q"])][f"{r['block_p']}x{r['num_warps']}w"] = r["us_per_step"]
+    for (impl, q), c in sorted(cells.items()):
+        out.append(f"| {impl} | {q} | " + " | ".join(f"{c.get(k, float('nan')):.1f}" for k in cols) + " |")
+    return out + [""]
+
+
+def _plot(by: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = sorted({k[0] for k in by})
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(11, 4 * len(shapes)), squeeze=False)
+    for i, shape in enumerate(shapes):
+        for j, q in enumerate((1, 4)):
+            ax = axes[i][j]
+            for sd in ("fp32", "fp16"):
+                for impl, style in (("replay", "-o"), ("replay_split", "--s")):
+                    base = {b: r for (s2, b, d2, q2, i2), r in by.items()
+                            if (s2, d2, q2, i2) == (shape, sd, q, "baseline")}
+                    pts = sorted((b, base[b]["us_per_step"] / r["us_per_step"])
+                                 for (s2, b, d2, q2, i2), r in by.items()
+                                 if (s2, d2, q2, i2) == (shape, sd, q, impl) and b in base)
+                    if pts:
+                        ax.plot(*zip(*pts), style, label=f"{impl} {sd}")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{shape}, q={q}: speedup over baseline SSU")
+            ax.set_xlabel("batch")
+            ax.set_ylabel("baseline us / ReplaySSM us")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def write_report(results: Path) -> str:
+    """Write kernels.md (and kernels.png when matplotlib imports); return the targets section."""
+    data = json.loads((results / "kernels.json").read_text())
+    meta, rows = data["meta"], data["rows"]
+    by = _index(rows)
+    head = [f"# Decode kernels on {meta['device']}", "",
+            f"commit `{meta['commit']}`, torch {meta['torch']}, triton {meta['triton']}, "
+            f"command `{meta['command']}`; copy bandwidth {meta['copy_gbps']:.0f} GB/s (read+write); "
+            f"activations {meta['act_dtype']}, W={meta['window']}; us per step are medians over CUDA-graph "
+            f"replays of whole W-step cycles (flush steps included).", "",
+            f"Tile configs chosen by the sweep: {meta['chosen_configs']}", ""]
+    targets = _targets(meta, by)
+    plotted = _plot(by, results / "kernels.png")
+    body = head + targets + (["![speedup](kernels.png)", ""] if plotted else []) + _tables(by) + _sweep(rows)
+    (results / "kernels.md").write_text("\n".join(body))
+    return "\n".join(targets)
+
+
+if __name__ == "__main__":
+    print(write_report(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")))
