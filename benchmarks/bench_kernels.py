@@ -236,6 +236,8 @@ def main() -> None:
                               f"{r['gbps']:.0f} GB/s", flush=True)
                     del bench
                     torch.cuda.empty_cache()
+                # Written after every group, so a run cut short still leaves its numbers.
+                (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     from report import write_report  # benchmarks/ is the script's own folder on sys.path
 
