@@ -16,6 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Upper bound on the K/V gathered for one group of rows (the PyTorch path copies each row's
+# context out of the paged cache before calling SDPA).
+_GATHER_BUDGET_BYTES = 256 << 20
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -35,6 +39,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     idx = slot_mapping.long()
     k_cache.view(-1, kv_heads, head_dim)[idx] = k.to(k_cache.dtype)
     v_cache.view(-1, kv_heads, head_dim)[idx] = v.to(v_cache.dtype)
+
 
 def paged_attention(
     q: torch.Tensor,
@@ -73,21 +78,29 @@ def paged_attention(
     q_pad = q.new_zeros(n, max_query_len, heads, head_dim)
     q_pad[row, col] = q
 
-    num_blocks = -(-max_context_len // block_size)
-    blocks = block_tables[:, :num_blocks].long().clamp(min=0)
-    k = k_cache[blocks].reshape(n, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
-    v = v_cache[blocks].reshape(n, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
-
     # Query j of row i sits at position context_len - q_len + j and sees keys at positions <= it.
     q_pos = (context_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=dev)[None]
-    key_pos = torch.arange(max_context_len, device=dev)
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    mask = torch.arange(max_context_len, device=dev)[None, None, :] <= q_pos[:, :, None]
     mask[:, :, 0] = True  # padding queries see key 0 instead of nothing (no NaN); they are dropped
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2).to(k.dtype),
-        k.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1),
-        v.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1),
-        attn_mask=mask[:, None],
-        scale=scale,
-    )
-    return out.transpose(1, 2)[row, col].to(q.dtype)
+    # GQA without copying K/V per head: the g query heads sharing a KV head become g * max_q
+    # query rows of that KV head.
+    g = heads // kv_heads
+    q_grp = q_pad.view(n, max_query_len, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
+    q_grp = q_grp.reshape(n, kv_heads, g * max_query_len, head_dim).to(k_cache.dtype)
+    mask = mask[:, None, None].expand(n, 1, g, max_query_len, max_context_len)
+    mask = mask.reshape(n, 1, g * max_query_len, max_context_len)
+    num_blocks = -(-max_context_len // block_size)
+    # Rows are processed in groups so the gathered K/V stay under a fixed budget.
+    row_bytes = 2 * num_blocks * block_size * kv_heads * head_dim * k_cache.element_size()
+    rows_per_group = max(1, _GATHER_BUDGET_BYTES // row_bytes)
+    outs = []
+    for i in range(0, n, rows_per_group):
+        j = min(n, i + rows_per_group)
+        blocks = block_tables[i:j, :num_blocks].long().clamp(min=0)
+        k = k_cache[blocks].reshape(j - i, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
+        v = v_cache[blocks].reshape(j - i, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
+        outs.append(F.scaled_dot_product_attention(q_grp[i:j], k.transpose(1, 2), v.transpose(1, 2),
+                                                   attn_mask=mask[i:j], scale=scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    out = out.view(n, kv_heads, g, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(n, max_query_len, heads, head_dim)[row, col].to(q.dtype)
