@@ -213,6 +213,11 @@ class ModelRunner:
         stride = len(self.mixers) + 1
         return (self._seed * 1_000_003 + self._step * stride) % (1 << 31)
 
+    def cursors(self, slot: int) -> tuple[int, int]:
+        """(ring_start, committed) of `slot`, from the exact host mirror (no device read)."""
+        self._check_slot(slot, "slot")
+        return self._ring_start[slot], self._committed[slot]
+
     # ---- slot moves ---------------------------------------------------------------------------------
 
     def copy_slot(self, src: int, dst: int) -> None:
@@ -275,6 +280,9 @@ class ModelRunner:
         slots = [v.slot for v in views]
         if len(set(slots)) != len(slots):
             raise ValueError(f"two rows share a slot: {slots}")
+        written = [s for v in views for s in (v.spec_slots or []) if s != v.slot]
+        if len(set(written)) != len(written) or set(written) & set(slots):
+            raise ValueError("spec_slots of different rows overlap each other or another row's slot")
         if sum(len(v.token_ids) for v in views) > self.max_num_batched_tokens:
             raise ValueError(f"rows hold more than max_num_batched_tokens={self.max_num_batched_tokens}")
         if sum(v.decode for v in views) > self.max_num_seqs:

@@ -69,6 +69,10 @@ def step(runner: ModelRunner, seqs: list[Seq], rows: list[ScheduledRow], accepte
         s.take(row, logits[off:off + n], a if not row.is_prefill else len(row.token_ids), slot)
         off += n
     assert off == logits.shape[0]
+    # The host mirror of the cursors is exact.
+    cache = runner.mamba_cache
+    device = list(zip(cache.ring_start.tolist(), cache.committed.tolist()))[:runner.num_slots]
+    assert [runner.cursors(s) for s in range(runner.num_slots)] == device
 
 
 @pytest.mark.parametrize("kind", ["nemotron_h", "mamba2"])
@@ -110,7 +114,9 @@ def test_batched_varlen_mixed_rows(replayssm):
     # Rows arrive decode-first; c's prefill is split over two steps.
     step(runner, [b, c, a], [b.verify(0), c.prefill(4), a.verify(2, baseline=base)], [1, 1, 3])
     step(runner, [a, c, b], [a.verify(2, wrong=2, baseline=base), c.prefill(3), b.verify(0)], [2, 1, 1])
-    for _ in range(3):
+    # c's last prompt token comes as a one-token prefill chunk on prior state (a decode row).
+    step(runner, [c, a, b], [c.prefill(1), a.verify(2, wrong=1, baseline=base), b.verify(0)], [1, 1, 1])
+    for _ in range(2):
         step(runner, [c, a, b], [c.verify(0), a.verify(2, wrong=1, baseline=base), b.verify(0)], [1, 1, 1])
     for _ in range(2):
         step(runner, [a, b, c], [a.verify(1, baseline=base), b.verify(2, baseline=base),
@@ -140,9 +146,9 @@ def test_prefill_on_committed_ring_materializes():
     step(runner, [s], [s.prefill(6)], [1])
     for _ in range(3):
         step(runner, [s], [s.verify(0)], [1])
-    assert runner._committed[6] == 3
+    assert runner.cursors(6)[1] == 3 == int(runner.mamba_cache.committed[6])
     step(runner, [s], [s.prefill(6)], [1])
-    assert runner._committed[6] == 0
+    assert runner.cursors(6) == (0, 0)
     while s.t < 20:
         step(runner, [s], [s.verify(0)], [1])
     s.check()
