@@ -23,6 +23,7 @@ from replayssm.server.protocol import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 1024  # prompts x n of one HTTP request: one client must not flood the queue
 
 
 @dataclass
@@ -42,6 +43,9 @@ def build_requests(
     """Check lengths against the context window and fan prompts out n times into engine requests.
 
     `default_max_tokens=None` means "the rest of the context window" (the chat default)."""
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request",
+                       param="n")
     requests = []
     for p, ids in enumerate(prompts):
         room = max_model_len - len(ids)

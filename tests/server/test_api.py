@@ -125,6 +125,7 @@ BAD_REQUESTS = [
     ("n zero", "/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
     ("n too large", "/v1/chat/completions",
      {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 1000}, 400, "n"),
+    ("too many choices", "/v1/completions", {"model": "tiny", "prompt": ["a"] * 20, "n": 100}, 400, "n"),
     ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "x", "content": "a"}]}, 400,
      None),
@@ -185,3 +186,42 @@ def test_metrics_exposition(client, fake_server):
                  "replayssm_num_preemptions_total", "replayssm_cached_prompt_tokens_total",
                  'replayssm_http_errors_total{status="400"}'):
         assert name in text, name
+
+
+class BrokenEngine(FakeEngine):
+    """A fake engine whose step() fails once a request has produced a few tokens."""
+
+    def step(self):
+        if self.num_steps >= 3:
+            raise RuntimeError("simulated device failure")
+        return super().step()
+
+
+def test_engine_failure_is_reported_not_hung():
+    """If a step raises, in-flight and later requests get 503 / an SSE error event, and /health says 503."""
+    with BackgroundServer(BrokenEngine(), served_model_name="tiny") as server:
+        body = {"model": "tiny", "prompt": "doomed", "max_tokens": 20, "stream": True}
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=10) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert "error" in json.loads(events[-2][6:]) and events[-1] == "data: [DONE]"
+        r = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert httpx.get(server.base_url + "/health").status_code == 503
+
+
+def test_engine_loop_offline_generate():
+    """EngineLoop.generate() (offline use of the background loop) returns the same tokens as a direct run."""
+    engine = FakeEngine()
+    from replayssm.server.async_engine import EngineLoop
+
+    loop = EngineLoop(engine).start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=5)
+        futures = [loop.generate(f"r{i}", [7, 8, i + 1], params) for i in range(10)]
+        for i, future in enumerate(futures):
+            assert future.result(10).token_ids == engine.generate_offline([7, 8, i + 1], params)
+        with pytest.raises(ValueError):
+            loop.generate("bad", [], params).result(10)
+    finally:
+        loop.shutdown()
+    assert not loop.alive
