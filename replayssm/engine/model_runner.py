@@ -172,7 +172,8 @@ class ModelRunner:
         acc = torch.tensor(accepted, dtype=torch.int32, device=self.device)
         cache = self.mamba_cache
         if self.replayssm:
-            replay_commit(cache.ring_start, cache.committed, slots, acc, q, self.window)
+            replay_commit(cache.ring_start, cache.committed, slots, acc, q, self.window,
+                          ring_rows=cache.ring_rows)
             for r, a in zip(rows, accepted):
                 h, o = self._committed[r.slot], self._ring_start[r.slot]
                 if h + q > self.window:
