@@ -37,17 +37,20 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters on the logits' device.
+    """Sampling parameters of the random (temperature > 0) rows, on the logits' device.
 
-    temperature (b,) fp32, 0 = greedy; top_k (b,) int64, vocab size = off; top_p (b,) fp32;
-    seeds, positions (b,) int64 (position = index of the token being sampled).
+    random_rows: (r,) int64 indices of those rows in the batch, or None when every row is
+    random; greedy rows need no parameters. temperature (r,) fp32; top_k (r,) int64
+    (vocab size = off); top_p (r,) fp32; seeds, positions (r,) int64 (position = index of the
+    token being sampled). All None when every row is greedy.
     """
 
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seeds: torch.Tensor
-    positions: torch.Tensor
+    random_rows: torch.Tensor | None
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    seeds: torch.Tensor | None
+    positions: torch.Tensor | None
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -65,23 +68,30 @@ class SamplingTensors:
         greedy_eps: float = 1e-5,
     ) -> SamplingTensors:
         """From host lists (one host-to-device copy each). top_k <= 0 or >= vocab means off."""
-        temps = [0.0 if t < greedy_eps else float(t) for t in temperature]
-        ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_k]
+        rows = [i for i, t in enumerate(temperature) if t >= greedy_eps]
+        if not rows:
+            return cls(None, None, None, None, None, None, all_greedy=True, any_top_k=False, any_top_p=False)
+        ks = [vocab_size if top_k[i] <= 0 or top_k[i] >= vocab_size else top_k[i] for i in rows]
+        ps = [float(top_p[i]) for i in rows]
         # Seeds are reduced into int64 range; the hash only uses their 64 bits.
-        seeds64 = [((s + (1 << 63)) % (1 << 64)) - (1 << 63) for s in seeds]
+        seeds64 = [((seeds[i] + (1 << 63)) % (1 << 64)) - (1 << 63) for i in rows]
+        pin = torch.device(device).type == "cuda"
 
         def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            # Pinned staging lets the copy run asynchronously behind the forward pass.
+            t = torch.tensor(values, dtype=dtype)
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
         return cls(
-            temperature=dev(temps, torch.float32),
+            random_rows=None if len(rows) == len(temperature) else dev(rows, torch.int64),
+            temperature=dev([float(temperature[i]) for i in rows], torch.float32),
             top_k=dev(ks, torch.int64),
-            top_p=dev([float(p) for p in top_p], torch.float32),
+            top_p=dev(ps, torch.float32),
             seeds=dev(seeds64, torch.int64),
-            positions=dev(positions, torch.int64),
-            all_greedy=all(t == 0.0 for t in temps),
-            any_top_k=any(k < vocab_size and t > 0 for k, t in zip(ks, temps)),
-            any_top_p=any(p < 1.0 and t > 0 for p, t in zip(top_p, temps)),
+            positions=dev([positions[i] for i in rows], torch.int64),
+            all_greedy=False,
+            any_top_k=any(k < vocab_size for k in ks),
+            any_top_p=any(p < 1.0 for p in ps),
         )
 
 
@@ -113,21 +123,18 @@ def sample(
     Returns (token_ids (b,) int64, logprobs (b,) fp32 or None): the logprob is of the chosen
     token under the unmodified model distribution (log_softmax of the raw logits).
     """
-    greedy_tokens = logits.argmax(dim=-1)
-    if params.all_greedy:
-        tokens = greedy_tokens
-    else:
-        is_greedy = params.temperature == 0.0
-        temp = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)
-        scaled = logits / temp[:, None]
+    tokens = logits.argmax(dim=-1)
+    if not params.all_greedy:
+        rows = params.random_rows
+        # Only random rows pay for scaling, masking and the (rows, vocab) noise.
+        scaled = (logits if rows is None else logits[rows]) / params.temperature[:, None]
         if params.any_top_k or params.any_top_p:
             scaled = apply_top_k_top_p(
                 scaled, params.top_k if params.any_top_k else None, params.top_p if params.any_top_p else None
             )
         u = uniform_noise(params.seeds, params.positions, logits.shape[-1])
-        gumbel = -torch.log(-torch.log(u))
-        sampled = (scaled + gumbel).argmax(dim=-1)
-        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+        sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)  # Gumbel-max
+        tokens = sampled if rows is None else tokens.index_copy(0, rows, sampled)
     logprobs = None
     if need_logprobs:
         logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

@@ -28,11 +28,17 @@ def test_greedy_is_argmax_with_logprobs():
     torch.testing.assert_close(lp, ref)
 
 
-def test_mixed_rows_greedy_rows_unaffected():
-    """In a batch mixing greedy and random rows, greedy rows still take the argmax."""
+def test_mixed_rows_greedy_and_random():
+    """Mixing greedy and random rows: greedy rows take the argmax, random rows draw as they would alone."""
     logits = torch.randn(4, V)
-    tokens, _ = sample(logits, _params(4, temperature=[0.0, 1.0, 0.0, 2.0]))
+    temps = [0.0, 1.0, 0.0, 2.0]
+    tokens, _ = sample(logits, _params(4, temperature=temps, top_k=[-1, 10, -1, 20], seeds=[1, 2, 3, 4]))
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    for i in (1, 3):
+        alone, _ = sample(
+            logits[i : i + 1], _params(1, temperature=temps[i], top_k=[10, 20][i // 2], seeds=[i + 1])
+        )
+        assert alone[0] == tokens[i]
 
 
 def test_top_k_top_p_masks():
