@@ -245,7 +245,8 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         ssm_state_size=f("ssm_state_size") if MAMBA in layers else 0,
         mamba_n_groups=f("n_groups", "mamba_n_groups", default=1),
         mamba_proj_bias=f("use_bias", "mamba_proj_bias", default=False, kind=bool),
-        residual_in_fp32=f("residual_in_fp32", default=False, kind=bool),
+        # transformers' Nemotron-H block ignores residual_in_fp32; so do we.
+        residual_in_fp32=False,
         num_attention_heads=heads,
         num_key_value_heads=f("num_key_value_heads", default=heads) if heads else 0,
         head_dim=head_dim,
