@@ -9,6 +9,7 @@ import torch
 
 from replayssm.config import EngineConfig
 from replayssm.engine.metrics import EngineMetrics
+from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
 from replayssm.engine.request import Request
 from replayssm.engine.runner_setup import RunnerSetup, build_runner
@@ -126,16 +127,16 @@ class LLMEngine:
             offset += row.num_logits
         assert logits.shape[0] == offset, (logits.shape, offset)
         sampled = [c for c in sched.chunks if c.samples]
-        tokens_list: list[int] = []
-        logprobs_list: list[float] | None = None
+        tokens = logprobs = None
         if sampled:
             tokens, logprobs = self._sample(logits[sample_rows], sampled)
-            tokens_list = tokens.tolist()  # the step's one device-to-host sync
-            logprobs_list = logprobs.tolist() if logprobs is not None else None
+        # Queue the commit before reading tokens back, so it overlaps the device-to-host copy.
+        self.runner.commit(rows, [1] * len(rows))
+        tokens_list = tokens.tolist() if tokens is not None else []  # the step's one sync
+        logprobs_list = logprobs.tolist() if logprobs is not None else None
         for chunk, row, off in zip(sched.chunks, rows, offsets):
             if row.num_logits and chunk.request.wants_prompt_logprobs():
                 self._record_prompt_logprobs(chunk, logits[off : off + row.num_logits])
-        self.runner.commit(rows, [1] * len(rows))
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             if chunk.num_tokens == 1 and chunk.start > 0:
@@ -153,9 +154,7 @@ class LLMEngine:
         )
         return outputs
 
-    def _row(self, chunk: ScheduledChunk) -> Any:
-        from replayssm.engine.model_runner import ScheduledRow
-
+    def _row(self, chunk: ScheduledChunk) -> ScheduledRow:
         r = chunk.request
         # A one-token chunk on top of existing state is a decode row (ReplaySSM path + commit).
         is_prefill = not (chunk.num_tokens == 1 and chunk.start > 0)
