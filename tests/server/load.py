@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from replayssm.server.launch import BackgroundServer
+from tests.server.helpers import wait_idle
+
 
 @dataclass
 class StreamResult:
@@ -65,3 +68,28 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], max_toke
             tasks.append(_one(client, i, body, drop_after if drop else None))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+
+
+def finish_counts(server: BackgroundServer) -> dict[str, int]:
+    """Finished requests by finish reason, from the server's Prometheus registry."""
+    registry = server.app.state.server.metrics.registry
+    return {r: int(registry.get_sample_value("replayssm_requests_total", {"finish_reason": r}) or 0)
+            for r in ("length", "stop", "abort")}
+
+
+def check_load_results(server: BackgroundServer, results, expected_tokens, before: dict[str, int],
+                       max_tokens: int) -> dict:
+    """Undropped streams end with [DONE] and exactly the offline tokens; returns finish-reason counts."""
+    assert all(r.status == 200 for r in results)
+    for r in results:
+        if not r.aborted_by_client:
+            assert r.done and r.finish_reason == "length", r
+            assert r.token_ids == expected_tokens[r.index], r.index
+            assert r.usage["completion_tokens"] == max_tokens
+    wait_idle(server)
+    assert server.engine_loop.num_in_flight == 0
+    counts = {r: n - before[r] for r, n in finish_counts(server).items()}
+    # No request lost: each one finished exactly once, by running out of tokens or by abort.
+    assert sum(counts.values()) == len(results)
+    assert counts["length"] >= sum(not r.aborted_by_client for r in results)
+    return counts

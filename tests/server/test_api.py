@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -12,14 +11,7 @@ import pytest
 from replayssm.sampling_params import SamplingParams
 from replayssm.server.launch import BackgroundServer
 from tests.server.fake_engine import FakeEngine
-
-
-def wait_idle(server: BackgroundServer, timeout: float = 10.0) -> None:
-    """Block until the engine has no unfinished requests (checked on the loop thread)."""
-    deadline = time.monotonic() + timeout
-    while server.engine_loop.call(lambda e: e.has_unfinished_requests()).result(timeout):
-        assert time.monotonic() < deadline, "engine never went idle"
-        time.sleep(0.01)
+from tests.server.helpers import BAD_REQUESTS, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -106,34 +98,6 @@ def test_completion_stream_with_logprobs(client):
     assert len(lps) == 8
     assert "".join(c.choices[0].text for c in chunks) == client.completions.create(
         model="tiny", prompt="xyz", max_tokens=8, temperature=0).choices[0].text
-
-
-BAD_REQUESTS = [
-    ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
-    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
-    ("wrong type", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, 400,
-     "max_tokens"),
-    ("missing prompt", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
-    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
-    ("prompt too long", "/v1/completions", {"model": "tiny", "prompt": "x" * 500}, 400, "prompt"),
-    ("max_tokens past context", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 95}, 400,
-     "prompt"),
-    ("max_tokens zero", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400,
-     "max_tokens"),
-    ("max_tokens negative", "/v1/chat/completions",
-     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
-    ("n zero", "/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
-    ("n too large", "/v1/chat/completions",
-     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 1000}, 400, "n"),
-    ("too many choices", "/v1/completions", {"model": "tiny", "prompt": ["a"] * 20, "n": 100}, 400, "n"),
-    ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
-    ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "x", "content": "a"}]}, 400,
-     None),
-    ("temperature", "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 5.0}, 400,
-     "temperature"),
-    ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
-    ("unknown route", "/v1/nothing", {}, 404, None),
-]
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])

@@ -12,9 +12,9 @@ import torch
 
 from replayssm import LLM, SamplingParams
 from replayssm.server.launch import BackgroundServer
-from tests.server.load import run_load
-from tests.server.test_api import BAD_REQUESTS, wait_idle
-from tests.server.test_load import DROP_EVERY, MAX_TOKENS, check_load_results, finish_counts, random_prompts
+from tests.server.helpers import BAD_REQUESTS, random_prompts, wait_idle
+from tests.server.load import check_load_results, finish_counts, run_load
+from tests.server.test_load import DROP_EVERY, MAX_TOKENS
 
 NUM_LOAD_REQUESTS = 200
 NUM_DISTINCT_PROMPTS = 40
@@ -32,7 +32,8 @@ def real(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     path = demo_checkpoint(cache_dir=str(tmp_path_factory.mktemp("demo")))
-    llm = LLM(path, device="cpu", max_model_len=128, max_num_seqs=64)
+    # 40 KV blocks of 16 tokens for 64 running requests: the load test runs into preemptions.
+    llm = LLM(path, device="cpu", max_model_len=128, max_num_seqs=64, num_kv_blocks=40)
     vocab = llm.engine.model_config.vocab_size
     distinct = random_prompts(NUM_DISTINCT_PROMPTS, vocab, seed=1)
     offline = [o.token_ids for o in llm.generate(distinct, GREEDY, use_tqdm=False)]
@@ -116,13 +117,17 @@ def test_bad_input_then_good_request(real):
 
 
 def test_load_with_drops_real_engine(real):
-    """200 concurrent greedy streams (every 5th dropped mid-stream) equal offline generate(); no leaks."""
+    """200 concurrent greedy streams, every 5th dropped, with preemptions: tokens equal offline; no leaks."""
     server, prompts, expected, _ = real
-    aborted_before = server.engine_loop.metrics_snapshot.get("num_requests_aborted", 0)
+    engine_before = dict(server.engine_loop.metrics_snapshot)
     before = finish_counts(server)
     results, seconds = asyncio.run(run_load(server.base_url, "tiny", prompts, MAX_TOKENS, DROP_EVERY,
                                             drop_max_tokens=100))
-    counts = check_load_results(server, results, expected, before)
+    counts = check_load_results(server, results, expected, before, MAX_TOKENS)
     assert_no_leaks(server)
-    aborted = server.engine_loop.metrics_snapshot["num_requests_aborted"] - aborted_before
+    engine_after = server.engine_loop.metrics_snapshot
+    aborted = engine_after["num_requests_aborted"] - engine_before["num_requests_aborted"]
     assert counts["abort"] == aborted == NUM_LOAD_REQUESTS // DROP_EVERY
+    assert engine_after["num_preemptions"] > engine_before["num_preemptions"]  # recompute path exercised
+    exposition = httpx.get(server.base_url + "/metrics").text
+    assert f"replayssm_num_preemptions_total {float(engine_after['num_preemptions'])}" in exposition

@@ -1,0 +1,52 @@
+"""Small shared helpers for the server tests."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from replayssm.server.launch import BackgroundServer
+
+
+def wait_idle(server: BackgroundServer, timeout: float = 10.0) -> None:
+    """Block until the engine has no unfinished requests (checked on the loop thread)."""
+    deadline = time.monotonic() + timeout
+    while server.engine_loop.call(lambda e: e.has_unfinished_requests()).result(timeout):
+        assert time.monotonic() < deadline, "engine never went idle"
+        time.sleep(0.01)
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of 3..20 random token ids in [1, vocab)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(3, 20))] for _ in range(n)]
+
+
+# (name, path, body, expected status, expected error param) against a server named "tiny" whose
+# max_model_len is 96; body is sent as-is when it is bytes.
+BAD_REQUESTS = [
+    ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("wrong type", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, 400,
+     "max_tokens"),
+    ("missing prompt", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("prompt too long", "/v1/completions", {"model": "tiny", "prompt": "x" * 500}, 400, "prompt"),
+    ("max_tokens past context", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 95}, 400,
+     "prompt"),
+    ("max_tokens zero", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("max_tokens negative", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
+    ("n zero", "/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
+    ("n too large", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 1000}, 400, "n"),
+    ("too many choices", "/v1/completions", {"model": "tiny", "prompt": ["a"] * 20, "n": 100}, 400, "n"),
+    ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "x", "content": "a"}]}, 400,
+     None),
+    ("temperature", "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 5.0}, 400,
+     "temperature"),
+    ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
+    ("unknown route", "/v1/nothing", {}, 404, None),
+]
