@@ -104,6 +104,19 @@ class ModelRunner:
         """Bytes of one KV block (K and V of every attention layer)."""
         return KVCache.bytes_per_block(model_config, block_size=kv_block_size, dtype=as_dtype(dtype, "dtype"))
 
+    @staticmethod
+    def fixed_bytes(model_config: ModelConfig, *, dtype: str | torch.dtype, state_dtype: str | torch.dtype,
+                    replayssm: bool, replay_window: int, num_speculative_tokens: int, max_num_seqs: int,
+                    **_: object) -> int:
+        """Cache bytes not proportional to slots or blocks: the private scratch slot + decode conv scratch."""
+        act = as_dtype(dtype, "dtype")
+        k = num_speculative_tokens
+        slot = ModelRunner.slot_bytes(model_config, dtype=act, state_dtype=state_dtype, replayssm=replayssm,
+                                      replay_window=replay_window, num_speculative_tokens=k)
+        scratch = MambaCache.scratch_bytes(model_config, act_dtype=act, q_max=1 + k,
+                                           max_num_seqs=max_num_seqs)
+        return slot + scratch
+
     def bytes_per_slot(self) -> int:
         return MambaCache.bytes_per_slot(self.model_config, act_dtype=self.dtype,
                                          state_dtype=self.state_dtype, replayssm=self.replayssm,

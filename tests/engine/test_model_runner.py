@@ -220,6 +220,10 @@ def test_sizes_match_allocation():
     assert runner.bytes_per_kv_block() == sum(t[0].numel() * t.element_size() for t in kv.k + kv.v)
     assert ModelRunner.kv_block_bytes(runner.model_config, dtype="float32", kv_block_size=BLOCK) == \
         runner.bytes_per_kv_block()
+    total = sum(t.numel() * t.element_size() for t in cache.per_slot_tensors() + cache.conv_scratch)
+    fixed = ModelRunner.fixed_bytes(runner.model_config, dtype="float32", state_dtype="float16",
+                                    replayssm=True, replay_window=4, num_speculative_tokens=1, max_num_seqs=4)
+    assert total == runner.num_slots * runner.bytes_per_slot() + fixed
     off = make_runner(kind, replayssm=False, num_speculative_tokens=1, state_dtype="float16")
     assert off.bytes_per_slot() < runner.bytes_per_slot()
 
