@@ -188,3 +188,24 @@ def test_generate_order_text_prompts_and_metrics(ckpt):
     assert m["generation_tokens"] == 24 and m["num_requests"] == 3 and m["peak_running_requests"] == 2
     assert m["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
     assert m["prefix_cache_hit_tokens"] == 0 and m["spec_accepted_tokens"] == 0
+
+
+def test_prompt_logprobs_survive_preemption_mid_prefill(ckpt):
+    """Preempted in the middle of a chunked prompt, a request still returns exact prompt logprobs."""
+    ps = prompts(6, seed=7, lo=30, hi=60)
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    tight = make_llm(ckpt, memory_budget=7000, max_num_batched_tokens=8)
+    sched, mid_prompt = tight.engine.scheduler, []
+    preempt = sched._preempt
+
+    def spy(r):
+        mid_prompt.append(0 < r.num_computed_tokens < r.num_prompt_tokens)
+        preempt(r)
+
+    sched._preempt = spy
+    outs = run(tight, ps, sp)
+    assert any(mid_prompt), "no request was preempted mid-prompt"
+    for p, out in zip(ps, outs):
+        ref = [reference_logits(p[:i]).log_softmax(-1)[p[i]].item() for i in range(1, len(p))]
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), torch.tensor(ref))
+        assert out.token_ids == greedy_reference(p, 30)
