@@ -164,3 +164,16 @@ def test_bad_checkpoints_are_clear_errors(nemotron, tmp_path):
     save_file(weights, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match="missing tensor"):
         _llm(str(bad))
+
+
+def test_replayssm_admits_more_requests_than_baseline_with_drafts(nemotron):
+    """Same budget: ReplaySSM (1 slot per request) fits more requests than the baseline with k = 3 drafts."""
+    budget = 4 << 20
+    replay = _llm(nemotron, memory_budget=budget, num_speculative_tokens=3)
+    base = _llm(nemotron, memory_budget=budget, num_speculative_tokens=3, replayssm=False)
+    r, b = replay.get_metrics(), base.get_metrics()
+    assert (r["slots_per_request"], b["slots_per_request"]) == (1, 4)
+    assert r["num_requests_fit"] > b["num_requests_fit"] >= 1
+    prompts = _prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert _tokens(replay, prompts, params) == _tokens(base, prompts, params)
