@@ -138,6 +138,10 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(APIError(exc.status_code, str(exc.detail)), metrics)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {exc!r}", type="server_error"), metrics)
+
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(APIError(503, str(exc), type="server_error"), metrics)

@@ -103,8 +103,11 @@ class EngineLoop:
             elif item.finished:
                 done.set_result(item)
 
-        added = self.add_group([(request_id, prompt, params, 0)], [sink])
-        added.add_done_callback(lambda f: f.exception() and done.set_exception(f.exception()))
+        def rejected(added: concurrent.futures.Future) -> None:
+            if added.exception() is not None:
+                done.set_exception(added.exception())
+
+        self.add_group([(request_id, prompt, params, 0)], [sink]).add_done_callback(rejected)
         return done
 
     def _submit(self, command: tuple) -> concurrent.futures.Future:
@@ -142,7 +145,7 @@ class EngineLoop:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(self._apply(command))
-                except ValueError as exc:
+                except Exception as exc:  # the caller's failure (bad input, a failed check), not the loop's
                     future.set_exception(exc)
             try:
                 item = self._commands.get_nowait()
@@ -171,7 +174,7 @@ class EngineLoop:
                 self._sinks[request_id] = sink
                 if self.observer:
                     self.observer.request_added(request_id, num_prompt_tokens, time.monotonic())
-        except ValueError:
+        except Exception:
             self._apply(("abort", added))
             raise
         return None

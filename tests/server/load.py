@@ -23,6 +23,7 @@ class StreamResult:
     done: bool = False  # saw `data: [DONE]`
     usage: dict | None = None
     status: int = 0
+    error: dict | None = None  # an SSE error event (the engine loop died)
 
 
 async def _one(client: httpx.AsyncClient, index: int, body: dict, drop_after: int | None) -> StreamResult:
@@ -38,6 +39,9 @@ async def _one(client: httpx.AsyncClient, index: int, body: dict, drop_after: in
                 result.done = True
                 break
             event = json.loads(line[6:])
+            if "error" in event:
+                result.error = event["error"]
+                continue
             if event.get("usage"):
                 result.usage = event["usage"]
             for choice in event["choices"]:
@@ -80,7 +84,7 @@ def finish_counts(server: BackgroundServer) -> dict[str, int]:
 def check_load_results(server: BackgroundServer, results, expected_tokens, before: dict[str, int],
                        max_tokens: int) -> dict:
     """Undropped streams end with [DONE] and exactly the offline tokens; returns finish-reason counts."""
-    assert all(r.status == 200 for r in results)
+    assert all(r.status == 200 and r.error is None for r in results)
     for r in results:
         if not r.aborted_by_client:
             assert r.done and r.finish_reason == "length", r

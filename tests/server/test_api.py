@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from replayssm.sampling_params import SamplingParams
+from replayssm.server.async_engine import EngineLoop
 from replayssm.server.launch import BackgroundServer
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import BAD_REQUESTS, wait_idle
@@ -174,10 +175,8 @@ def test_engine_failure_is_reported_not_hung():
 
 
 def test_engine_loop_offline_generate():
-    """EngineLoop.generate() (offline use of the background loop) returns the same tokens as a direct run."""
+    """EngineLoop.generate() (offline use of the loop) matches a direct run; a failing command spares it."""
     engine = FakeEngine()
-    from replayssm.server.async_engine import EngineLoop
-
     loop = EngineLoop(engine).start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=5)
@@ -186,6 +185,13 @@ def test_engine_loop_offline_generate():
             assert future.result(10).token_ids == engine.generate_offline([7, 8, i + 1], params)
         with pytest.raises(ValueError):
             loop.generate("bad", [], params).result(10)
+
+        def failing_check(engine) -> None:
+            raise AssertionError("a failed check belongs to its caller")
+
+        with pytest.raises(AssertionError):
+            loop.call(failing_check).result(10)
+        assert loop.alive and loop.generate("after", [9], params).result(10).finished
     finally:
         loop.shutdown()
     assert not loop.alive
