@@ -85,7 +85,7 @@ class SpecConfig:
 class EngineConfig:
     """Everything ``LLMEngine`` needs; build it with ``EngineConfig.from_kwargs(model, **kw)``."""
 
-    model: str = _doc("", "checkpoint directory (Hugging Face layout) or 'demo'")
+    model: str = field(metadata={"help": "checkpoint directory (Hugging Face layout) or 'demo'"})
     device: str = _doc("auto", "torch device: auto (cuda if available), cpu, cuda, cuda:N")
     dtype: str = _doc("auto", "activation/weight dtype: auto (bfloat16 on CUDA, float32 on CPU), or a name")
     replayssm: bool = _doc(True, "decode Mamba layers with ReplaySSM (off: baseline state update)")
