@@ -152,10 +152,17 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
             return error_response(APIError(503, "engine loop is not running", type="server_error"), metrics)
         return JSONResponse({"status": "ok"})
 
+    def card() -> ModelCard:
+        return ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
-                                         max_model_len=state.max_model_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        state.check_model(model)
+        return card()
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,7 +1,11 @@
 """`replayssm serve`: build the engine, start its loop, and serve the OpenAI API with uvicorn.
 
 `build_app` wires an engine into an app (loop thread + metrics observer); `BackgroundServer`
-runs that app on a thread (tests, benchmarks, notebooks); `serve_main` is the CLI entry.
+runs that app on a thread (tests, benchmarks, notebooks); `serve_main` is the CLI entry:
+
+    replayssm serve --model demo --device cpu --port 8000
+    curl localhost:8000/v1/completions -H 'content-type: application/json' \
+        -d '{"model": "demo-v1-seed0", "prompt": "Hello", "max_tokens": 8}'
 """
 
 from __future__ import annotations
@@ -104,7 +108,10 @@ def build_engine(args: argparse.Namespace):
 
 def serve_main(args: argparse.Namespace) -> int:
     """Build the engine from parsed flags, start its loop, and serve until interrupted."""
-    import uvicorn
+    try:
+        import uvicorn
+    except ImportError as exc:  # the CLI turns ValueError into a one-line message
+        raise ValueError("serve needs the server extra: pip install 'replayssm[server]'") from exc
 
     engine = build_engine(args)
     app, engine_loop = build_app(engine, args.served_model_name)

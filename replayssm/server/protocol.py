@@ -72,6 +72,7 @@ class SamplingRequest(_Request):
     return_token_ids: bool = False  # extension: choices carry the generated token ids
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
 
@@ -124,9 +125,13 @@ def check_sampling(req: SamplingRequest, max_tokens: int | None) -> None:
         raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
     if not 0.0 < req.top_p <= 1.0:
         raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    # Accepted at their no-op values so that clients sending defaults work; anything else would be
+    # silently ignored, so it is refused.
     if req.presence_penalty != 0.0 or req.frequency_penalty != 0.0:
         raise APIError(400, "presence_penalty and frequency_penalty are not supported",
                        param="presence_penalty")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4 or any(s == "" for s in stops):
         raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")

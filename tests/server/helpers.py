@@ -45,6 +45,8 @@ BAD_REQUESTS = [
     ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "x", "content": "a"}]}, 400,
      None),
+    ("logit_bias", "/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 10}}, 400,
+     "logit_bias"),
     ("temperature", "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 5.0}, 400,
      "temperature"),
     ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),

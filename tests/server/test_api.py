@@ -36,7 +36,9 @@ def offline(engine: FakeEngine, prompt: str, max_tokens: int) -> str:
 def test_models_and_health(client, fake_server):
     """/v1/models lists the served name with its context length; /health answers ok."""
     models = client.models.list().data
-    assert [m.id for m in models] == ["tiny"]
+    assert [m.id for m in models] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
     assert httpx.get(fake_server.base_url + "/health").json() == {"status": "ok"}
 
 
