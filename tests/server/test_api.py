@@ -92,6 +92,21 @@ def test_chat_uses_template_and_streams(client, fake_server):
     assert chunks[-1].usage.prompt_tokens == res.usage.prompt_tokens
 
 
+def test_chat_stream_with_n_choices(client):
+    """With n > 1, streamed chat deltas regroup by choice index into the non-streamed choices."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "two"}], n=3, max_tokens=5, temperature=0.9,
+              seed=3)
+    full = client.chat.completions.create(**kw)
+    parts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            parts[choice.index] = parts.get(choice.index, "") + (choice.delta.content or "")
+    assert parts == {c.index: c.message.content for c in full.choices}
+    assert len(set(parts.values())) > 1  # per-choice seeds differ
+    stopped = client.chat.completions.create(**{**kw, "n": 1}, stop=full.choices[0].message.content[1:3])
+    assert stopped.choices[0].finish_reason == "stop"
+
+
 def test_completion_stream_with_logprobs(client):
     """Streamed completion chunks carry each new token's logprob exactly once."""
     stream = client.completions.create(model="tiny", prompt="xyz", max_tokens=8, temperature=0, stream=True,
