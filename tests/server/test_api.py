@@ -7,12 +7,12 @@ import json
 import httpx
 import openai
 import pytest
+from fake_engine import FakeEngine
+from server_helpers import BAD_REQUESTS, wait_idle
 
 from replayssm.sampling_params import SamplingParams
 from replayssm.server.async_engine import EngineLoop
 from replayssm.server.launch import BackgroundServer
-from tests.server.fake_engine import FakeEngine
-from tests.server.helpers import BAD_REQUESTS, wait_idle
 
 
 @pytest.fixture(scope="module")

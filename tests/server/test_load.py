@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+from fake_engine import FakeEngine
+from server_helpers import random_prompts
+from server_load import DROP_EVERY, MAX_TOKENS, check_load_results, finish_counts, run_load
+
 from replayssm.sampling_params import SamplingParams
 from replayssm.server.launch import BackgroundServer
-from tests.server.fake_engine import FakeEngine
-from tests.server.helpers import random_prompts
-from tests.server.load import check_load_results, finish_counts, run_load
 
 NUM_REQUESTS = 300
-MAX_TOKENS = 6
-DROP_EVERY = 5
 
 
 def test_load_with_drops_fake_engine():

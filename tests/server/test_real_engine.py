@@ -9,12 +9,11 @@ import httpx
 import openai
 import pytest
 import torch
+from server_helpers import BAD_REQUESTS, random_prompts, wait_idle
+from server_load import DROP_EVERY, MAX_TOKENS, check_load_results, finish_counts, run_load
 
 from replayssm import LLM, SamplingParams
 from replayssm.server.launch import BackgroundServer
-from tests.server.helpers import BAD_REQUESTS, random_prompts, wait_idle
-from tests.server.load import check_load_results, finish_counts, run_load
-from tests.server.test_load import DROP_EVERY, MAX_TOKENS
 
 NUM_LOAD_REQUESTS = 200
 NUM_DISTINCT_PROMPTS = 40

@@ -8,9 +8,12 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from server_helpers import wait_idle
 
 from replayssm.server.launch import BackgroundServer
-from tests.server.helpers import wait_idle
+
+MAX_TOKENS = 6  # per undropped stream
+DROP_EVERY = 5  # every 5th stream is dropped by its client mid-stream
 
 
 @dataclass
