@@ -44,7 +44,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineLoop:
-    """Owns an LLMEngine and steps it on one background thread while it has work."""
+    """Owns an LLMEngine and steps it on one background thread while it has work.
+
+    From start() to shutdown() the loop thread is the engine's only caller: offline work goes
+    through `generate()` (or `call()`), never through LLM.generate() on the same engine."""
 
     def __init__(self, engine, observer: LoopObserver | None = None):
         self.engine = engine
