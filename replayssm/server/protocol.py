@@ -7,6 +7,7 @@ live in `check_sampling` so that each error names the offending parameter, as Op
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Literal
@@ -137,8 +138,14 @@ def check_sampling(req: SamplingRequest, max_tokens: int | None) -> None:
         raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
 
 
+# Ids need only be unique per server; one random prefix plus a counter avoids an
+# os.urandom call per request (measurable at hundreds of requests per second).
+_ID_PREFIX = uuid.uuid4().hex[:12]
+_id_counter = itertools.count()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{_ID_PREFIX}{next(_id_counter):08x}"
 
 
 def now_s() -> int:
