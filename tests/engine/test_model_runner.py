@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from checkpoints import cached_checkpoint
 from conftest import requires_cuda
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 
@@ -260,3 +264,34 @@ def test_bad_rows_raise():
         runner.execute([dec])
     with pytest.raises(ValueError, match="num_accepted"):
         runner.commit([dec], [3])
+
+
+@settings(deadline=None, max_examples=4, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), replayssm=st.booleans())
+def test_random_schedules(seed, replayssm):
+    """Random chunking, skipped steps, verify lengths and acceptances: every logit equals transformers'."""
+    kind = "nemotron_h"
+    rng = random.Random(seed)
+    runner = make_runner(kind, replayssm=replayssm, num_speculative_tokens=2)
+    slots, blocks = rng.sample(range(10), 9), rng.sample(range(48), 15)
+    seqs = [Seq(kind, rng.randint(8, 18), slots[3 * i:3 * i + 3], blocks[5 * i:5 * i + 5], seed=seed + i)
+            for i in range(3)]
+    prompts = [rng.randint(1, len(s.ids) - 1) for s in seqs]
+    while any(s.t < len(s.ids) for s in seqs):
+        todo = [i for i, s in enumerate(seqs) if s.t < len(s.ids) and rng.random() < 0.8]
+        rng.shuffle(todo)
+        rows, accepted = [], []
+        for i in todo:
+            s = seqs[i]
+            if s.t < prompts[i]:
+                rows.append(s.prefill(rng.randint(1, prompts[i] - s.t)))
+                accepted.append(1)
+            else:
+                k = rng.randint(0, min(2, len(s.ids) - s.t - 1))
+                wrong = rng.choice([None] + list(range(1, k + 1)))
+                rows.append(s.verify(k, wrong=wrong, baseline=not replayssm))
+                accepted.append(k + 1 if wrong is None else wrong)
+        if rows:
+            step(runner, [seqs[i] for i in todo], rows, accepted)
+    for s in seqs:
+        s.check()
