@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import openai
@@ -149,8 +151,18 @@ def test_disconnect_aborts_and_frees(fake_server):
     with httpx.stream("POST", fake_server.base_url + "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(fake_server.base_url + "/v1/completions", json={**body, "stream": False}, timeout=0.05)
+    wait_idle(fake_server)
+    assert engine.num_aborted == aborted + 1
+    # Non-streaming: hang up once the engine holds the request (80 tokens take ~0.2 s here).
+    payload = json.dumps({**body, "stream": False}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
+           f"Content-Length: {len(payload)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", fake_server.port)) as sock:
+        sock.sendall(head.encode() + payload)
+        deadline = time.monotonic() + 5
+        while fake_server.engine_loop.num_in_flight == 0:
+            assert time.monotonic() < deadline, "request never reached the engine"
+            time.sleep(0.002)
     wait_idle(fake_server)
     assert engine.num_aborted == aborted + 2
     fake_server.engine_loop.call(lambda e: e.check_integrity()).result(5)
