@@ -17,11 +17,9 @@ from pathlib import Path
 
 import torch
 
-# Every layer kind, two attention layers, two MoE layers, Mamba layers at both ends.
-NEMOTRON_H_LAYERS = [
-    "linear_attention", "full_attention", "moe", "linear_attention",
-    "mlp", "full_attention", "linear_attention", "moe",
-]
+# Every layer kind, two attention layers, two MoE layers, Mamba layers at both ends. Given as
+# the pattern string, which every transformers version accepts (M mamba, * attention, - mlp, E moe).
+NEMOTRON_H_PATTERN = "M*EM-*ME"
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -57,7 +55,7 @@ def tiny_nemotron_h(path: str | Path, seed: int = 0, max_shard_size: str | None 
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     fields = dict(
-        vocab_size=256, hidden_size=64, layers_block_type=list(NEMOTRON_H_LAYERS),
+        vocab_size=256, hidden_size=64, hybrid_override_pattern=NEMOTRON_H_PATTERN,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
         chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,

@@ -25,6 +25,8 @@ def test_prefill_logits_match_transformers(kind, device):
 def test_moe_latent_and_grouped_routing():
     """Latent-projected experts, 4 routing groups (top 2), unnormalized weights: logits match transformers."""
     path, hf = cached_checkpoint("nemotron_h", **MOE_VARIANT)
+    if not isinstance(getattr(hf.model.layers[2].mixer, "fc1_latent_proj", None), torch.nn.Linear):
+        pytest.skip("this transformers version has no MoE latent projection")
     _check_prefill(path, hf, "cpu")
 
 
