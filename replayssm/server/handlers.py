@@ -49,6 +49,7 @@ class _Handler:
         self.stream = req.stream
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.return_token_ids = req.return_token_ids
+        self.stop = req.stop
 
     def _token_ids(self, out, start: int = 0) -> list[int] | None:
         return list(out.token_ids[start:]) if self.return_token_ids else None
@@ -87,7 +88,7 @@ class CompletionHandler(_Handler):
         return self._envelope(choices, usage_of(self.engine_requests, outputs))
 
     async def chunks(self, group) -> AsyncIterator[str]:
-        tracker = DeltaTracker.for_choices(len(group.request_ids))
+        tracker = DeltaTracker.for_choices(len(group.request_ids), self.stop)
         async for ready in group.updates():
             for i in ready:
                 out = group.latest[i]
@@ -146,7 +147,7 @@ class ChatHandler(_Handler):
         k = len(group.request_ids)
         for i in range(k):  # OpenAI opens every choice with a role-only delta
             yield self._chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
-        tracker = DeltaTracker.for_choices(k)
+        tracker = DeltaTracker.for_choices(k, self.stop)
         async for ready in group.updates():
             for i in ready:
                 out = group.latest[i]

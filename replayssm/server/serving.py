@@ -87,22 +87,31 @@ def usage_of(reqs: EngineRequests, outputs: list) -> Usage:
 
 @dataclass
 class DeltaTracker:
-    """Per-choice streaming cursor: how much text and how many tokens were already sent."""
+    """Per-choice streaming cursor: how much text and how many tokens were already sent.
 
+    The engine cuts a stop string out of `text` only once it is complete, so while a choice
+    runs, a tail that could still grow into a stop string is held back; text once sent is
+    never taken back, and the streamed text always equals the final text.
+    """
+
+    stop: list[str]
     text: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
     @classmethod
-    def for_choices(cls, k: int) -> DeltaTracker:
-        return cls(text=[""] * k, tokens=[0] * k)
+    def for_choices(cls, k: int, stop: str | list[str] | None) -> DeltaTracker:
+        return cls(stop=[stop] if isinstance(stop, str) else list(stop or []), text=[""] * k, tokens=[0] * k)
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        return max((n for s in self.stop for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:n])), default=0)
 
     def advance(self, index: int, out) -> tuple[str, int]:
-        """New text since the last call and the token offset it starts from.
-
-        The engine trims stop strings from `text`; text already sent cannot be unsent, so a
-        shrinking text yields no delta rather than a wrong one."""
+        """New text to send since the last call and the token offset it starts from."""
         sent = self.text[index]
-        delta = out.text[len(sent):] if out.text.startswith(sent) else ""
+        visible = out.text if out.finished else out.text[: len(out.text) - self._held_back(out.text)]
+        delta = visible[len(sent):] if visible.startswith(sent) else ""
         start = self.tokens[index]
         self.text[index] = sent + delta
         self.tokens[index] = len(out.token_ids)
