@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,14 +17,7 @@ import openai
 from replayssm.config import SchedulerConfig
 from replayssm.server.launch import add_serve_parser
 
-RUN_SERVE = (
-    "import argparse, sys\n"
-    "from replayssm.server.launch import add_serve_parser\n"
-    "parser = argparse.ArgumentParser()\n"
-    "add_serve_parser(parser.add_subparsers())\n"
-    "args = parser.parse_args(sys.argv[1:])\n"
-    "sys.exit(args.func(args))\n"
-)
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -46,12 +40,13 @@ def free_port() -> int:
 
 
 def test_serve_process_answers_and_exits_cleanly(tmp_path):
-    """A `serve` process on the demo checkpoint answers the openai client and stops cleanly on SIGTERM."""
+    """`python -m replayssm serve --model demo` answers the openai client; SIGTERM stops it cleanly."""
     port = free_port()
     env = {**os.environ, "REPLAYSSM_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-c", RUN_SERVE, "serve", "--model", "demo", "--device", "cpu",
+    cmd = [sys.executable, "-m", "replayssm", "serve", "--model", "demo", "--device", "cpu",
            "--port", str(port), "--max-model-len", "64", "--max-num-seqs", "4", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
