@@ -1,6 +1,6 @@
 """Decode hot-path kernels on the GPU: baseline selective state update vs ReplaySSM (Triton).
 
-    PYTHONPATH=. python3 benchmarks/bench_kernels.py [--out benchmarks/results] [--quick]
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py [--out DIR] [--shapes ..] [--batches ..] [--dtypes ..]
 
 Then benchmarks/report.py renders the JSON into kernels.md and kernels.png.
 
@@ -40,8 +40,11 @@ WINDOW = 16
 ACT = torch.bfloat16
 ROTATE_BYTES = 240e6  # 4x the H200's 60 MB L2
 MAX_SETS = 512
-SWEEP = [LaunchConfig(p, w) for p, w in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8))]
-IMPLS = ("baseline", "replay", "replay_split")
+SWEEP = {
+    "baseline": [LaunchConfig(p, w) for p, w in ((32, 4), (64, 4), (64, 8))],
+    "replay": [LaunchConfig(p, w) for p, w in ((32, 4), (64, 4), (64, 8))],
+}
+IMPLS = ("baseline", "replay")
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ class Bench:
                         treplay.launch_replay_forward(
                             self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.state,
                             self.ring_x, self.ring_B, self.ring_dt, start, comm, self.idx[j], WINDOW, True, k,
-                            self.y, config, impl == "replay_split")
+                            self.y, config)
         return run
 
 
@@ -198,7 +201,9 @@ def git_commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true", help="8B shape, batch 256 only (smoke run)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--dtypes", default=",".join(STATE_DTYPES))
     args = ap.parse_args()
     import triton
 
@@ -213,7 +218,7 @@ def main() -> None:
     for q in QS:  # tile sweep at the headline case
         bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
         for impl in IMPLS:
-            trials = [measure(bench, impl, c, sweep=True) for c in SWEEP]
+            trials = [measure(bench, impl, c, sweep=True) for c in SWEEP[impl]]
             rows += trials
             top = min(trials, key=lambda r: r["us_per_step"])
             best[(impl, q)] = LaunchConfig(top["block_p"], top["num_warps"])
@@ -222,10 +227,10 @@ def main() -> None:
         del bench
         torch.cuda.empty_cache()
     meta["chosen_configs"] = {f"{k[0]} q={k[1]}": asdict(v) for k, v in best.items()}
-    shapes = ["nemotron-h-8b"] if args.quick else list(SHAPES)
-    batches = [256] if args.quick else BATCHES
+    shapes = args.shapes.split(",")
+    batches = [int(v) for v in args.batches.split(",")]
     for shape in shapes:
-        for sd in STATE_DTYPES:
+        for sd in args.dtypes.split(","):
             for q in QS:
                 for b in batches:
                     bench = Bench(Case(shape, b, sd, q))

@@ -33,7 +33,7 @@ def _targets(meta: dict, by: dict) -> list[str]:
         out.append(f"- baseline plain decode: {base1['gbps']:.0f} GB/s = {frac:.0%} of copy "
                    f"{meta['copy_gbps']:.0f} GB/s (target >= 85%)")
     for q, base, goal in ((1, base1, 1.8), (4, base4, 5.5)):
-        for impl in ("replay", "replay_split"):
+        for impl in ("replay",):
             r = get(q, impl)
             if base and r:
                 limit = base["bytes_per_step"] / r["bytes_per_step"]
@@ -50,17 +50,16 @@ def _tables(by: dict) -> list[str]:
         groups[(shape, sd, q)].append(b)
     for (shape, sd, q), batches in sorted(groups.items()):
         out += [f"### {shape}, {sd} state, q={q}", "",
-                "| batch | baseline us (GB/s) | replay us (GB/s) | split us (GB/s) | speedup | split speedup "
-                "| byte limit |", "|---|---|---|---|---|---|---|"]
+                "| batch | baseline us (GB/s) | replay us (GB/s) | speedup | byte limit |",
+                "|---|---|---|---|---|"]
         for b in sorted(set(batches)):
-            rs = {i: by.get((shape, b, sd, q, i)) for i in ("baseline", "replay", "replay_split")}
+            rs = {i: by.get((shape, b, sd, q, i)) for i in ("baseline", "replay")}
             if not all(rs.values()):
                 continue
             base = rs["baseline"]
             cell = lambda r: f"{r['us_per_step']:.1f} ({r['gbps']:.0f})"
             sp = lambda r, base=base: f"{base['us_per_step'] / r['us_per_step']:.2f}x"
-            out.append(f"| {b} | {cell(base)} | {cell(rs['replay'])} | {cell(rs['replay_split'])} | "
-                       f"{sp(rs['replay'])} | {sp(rs['replay_split'])} | "
+            out.append(f"| {b} | {cell(base)} | {cell(rs['replay'])} | {sp(rs['replay'])} | "
                        f"{base['bytes_per_step'] / rs['replay']['bytes_per_step']:.2f}x |")
         out.append("")
     return out
@@ -94,7 +93,7 @@ def _plot(by: dict, path: Path) -> bool:
         for j, q in enumerate((1, 4)):
             ax = axes[i][j]
             for sd in ("fp32", "fp16"):
-                for impl, style in (("replay", "-o"), ("replay_split", "--s")):
+                for impl, style in (("replay", "-o"),):
                     base = {b: r for (s2, b, d2, q2, i2), r in by.items()
                             if (s2, d2, q2, i2) == (shape, sd, q, "baseline")}
                     pts = sorted((b, base[b]["us_per_step"] / r["us_per_step"])

@@ -24,20 +24,27 @@ def _cycle_gpu(**kw):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("q", [1, 2, 4])
-@pytest.mark.parametrize("split", [False, True])
-def test_replay_cycle_gpu(state_dtype, q, split):
+def test_replay_cycle_gpu(state_dtype, q):
     """On the GPU: W=16 cycles with every accept count, flushes and ring wrap match the reference."""
-    _cycle_gpu(q=q, state_dtype=state_dtype, split=split)
+    _cycle_gpu(q=q, state_dtype=state_dtype)
+
+
+@requires_cuda
+def test_replay_cycle_fp32_act_gpu():
+    """On the GPU with fp32 activations (the 3xTF32 products): cycles match the reference."""
+    from triton_cases import check_replay_cycle
+
+    check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=12, S=40, W=16, steps=20, q=2)
 
 
 @requires_cuda
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("block", [(16, 4), (64, 4), (64, 8)])
+@pytest.mark.parametrize("block", [(32, 4), (64, 4), (64, 8)])
 def test_replay_cycle_tiles_gpu(q, block):
     """On the GPU: the other tile configs the benchmark sweeps compute the same cycles."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    _cycle_gpu(q=q, state_dtype=torch.float32, split=False, config=LaunchConfig(*block))
+    _cycle_gpu(q=q, state_dtype=torch.float32, config=LaunchConfig(*block))
 
 
 @requires_cuda

@@ -127,15 +127,14 @@ def _ring(S, H, G, R, P, N, act, device):
     return ring_x, ring_B, ring_dt
 
 
-def check_replay_cycle(device, *, H=4, P=12, N=12, G=2, b=5, q=2, S=11, W=5, steps=9,
-                       state_dtype=torch.float32, act=torch.float32, config=None, split=None, seed=0) -> None:
+def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, steps=9,
+                       state_dtype=torch.float32, act=torch.float32, config=None, seed=0) -> None:
     """Forward + commit over several steps (random accepts, flushes, ring wrap) vs reference."""
     from replayssm.ops.triton import replay
 
     torch.manual_seed(seed)
     R = W + q + 1
     cfg = config or replay.CONFIG
-    sp = replay.SPLIT if split is None else split
     A, D, dt_bias = _params(H, device)
     state = (torch.randn(S, H, P, N) * 2).to(state_dtype).to(device)
     rings = _ring(S, H, G, R, P, N, act, device)
@@ -153,7 +152,7 @@ def check_replay_cycle(device, *, H=4, P=12, N=12, G=2, b=5, q=2, S=11, W=5, ste
         for _ in range(2):
             cur = [t.clone() for t in before]
             y = replay.launch_replay_forward(x, dt, A, B, C, D, dt_bias, *cur[:6], idx, W, True, step,
-                                             torch.full_like(x, float("nan")), cfg, sp)
+                                             torch.full_like(x, float("nan")), cfg)
             outs.append((y, cur))
         y, tri = outs[0]
         assert torch.equal(outs[1][0], y), "two runs differ (y)"
@@ -242,16 +241,18 @@ def run_interpreter(part: str) -> None:
     """Tiny CPU shapes under TRITON_INTERPRET=1 (tiles smaller than P to exercise masks)."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    small = LaunchConfig(block_p=8, num_warps=1)
+    small = LaunchConfig(block_p=16, num_warps=1)  # P = 24: a full and a masked tile
     if part == "ssu":
+        small = LaunchConfig(block_p=8, num_warps=1)
         check_rounding("cpu")
         for sd in (torch.float32, torch.float16, torch.bfloat16):
             check_ssu("cpu", q=1, state_dtype=sd, config=small)
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
     elif part == "replay":
-        for q, split in ((1, False), (2, True), (3, False)):
-            check_replay_cycle("cpu", q=q, config=small, split=split, steps=6 if q > 1 else 8)
+        for q in (1, 2, 3):
+            check_replay_cycle("cpu", q=q, config=small, steps=6 if q > 1 else 8)
+        check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
         check_materialize("cpu", state_dtype=torch.float16)
         check_materialize("cpu")

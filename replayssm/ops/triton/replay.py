@@ -1,16 +1,21 @@
-"""ReplaySSM forward, commit and materialize in Triton (twins of `ops/replay.py`).
+"""ReplaySSM forward and commit in Triton (twins of `ops/replay.py`).
 
-Forward, per program (P tile, head h, row i) with slot s, h_c = committed[s], o = ring_start[s]:
+Forward of a row with slot s, h_c = committed[s], o = ring_start[s], q new tokens:
 
     history j < h_c at ring row (o + j) mod R      new token t < q at row (o + h_c + t) mod R
     Λ = A * cumsum([Δ_hist, Δ_new])                (fp32, recomputed every step, all <= 0)
     y_t = e^{Λ_t} (S0 C_t) + Σ_j Δ_j e^{Λ_t-Λ_j} (B_j·C_t) x_j + Σ_{k<=t} (same, new) + D x_t
 
-Output-only route: reads S0, never writes it. Fold route (flush: h_c + q > W): S0 advanced
-by the h_c history entries with the per-token recurrence in fp32 (bit-for-bit the baseline's
-arithmetic), rounded and written. Appended rows never overlap history rows (h_c + q <= R), so
-no program reads what another writes in the same launch. ROUTE selects one launch (fused) or
-the split pair (output-only launch, then a fold-only launch that exits early on non-flush rows).
+Three launches, no state write outside flush rows:
+1. B·C, grid (b, G): B_j·C_t for history and new tokens, once per group, into a small
+   scratch (q x (16 + 16) fp32 per group); appends the new B rows.
+2. outputs, grid (P tiles, H, b): per head the weights w[t, j] = Δ_j e^{Λ_t-Λ_j} (B_j·C_t),
+   then the output-only route as three small matrix products on the tensor cores
+   (S0 Cᵀ, X_hist W_histᵀ, X_new W_newᵀ; split-TF32 or 3xTF32, fp32-level accuracy, no
+   cross-lane reductions); appends x and Δ. Reads S0 once, never writes it.
+3. fold (`replay_fold.py`): rows with h_c + q > W advance S0 by their h_c history entries in
+   plain fp32 and write it; other rows exit at once.
+Appended rows never overlap history rows (h_c + q <= R), so no launch reads what it writes.
 """
 
 from __future__ import annotations
@@ -19,134 +24,145 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.replay_fold import launch_fold, replay_materialize_triton
 from replayssm.ops.triton.ssu import LaunchConfig, softplus_dt
 
-ROUTE_FUSED = 0
-ROUTE_OUTPUT = 1
-ROUTE_FOLD = 2
+__all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Chosen from the H200 sweep in benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
-SPLIT = False
+FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
+BC_WARPS = 2
 
 
 @triton.jit
-def _fold(S, rx_ptr, rB_ptr, rdt_ptr, xrow0, Brow0, dtrow0, o, count, A, R, p, n, pm, nm,
-          P: tl.constexpr, N: tl.constexpr, JB: tl.constexpr):
-    # S <- S advanced by `count` (<= JB) ring entries from row o, token by token in fp32.
-    # Unrolled with masked loads so every load can issue up front; a masked entry has
-    # Δ = 0, x = 0, so its update S * exp(0) + 0 leaves S bit-exact.
-    for j in tl.static_range(JB):
-        r = (o + j) % R
-        dj = tl.load(rdt_ptr + dtrow0 + r, mask=count > j, other=0.0)
-        xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=pm & ((p * 0 + j) < count), other=0.0)
-        Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=nm & ((n * 0 + j) < count), other=0.0)
-        xj = xj.to(tl.float32)
-        Bj = Bj.to(tl.float32)
-        S = S * tl.exp(dj * A) + (dj * xj)[:, None] * Bj[None, :]
-    return S
-
-
-@triton.jit
-def _replay_fwd_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr,
-    state_ptr, rx_ptr, rB_ptr, rdt_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
-    seed_mix, window,
-    sx_b, sx_t, sx_h,
-    sdt_b, sdt_t, sdt_h,
-    sB_b, sB_t, sB_g,
-    sC_b, sC_t, sC_g,
-    sy_b, sy_t, sy_h,
-    H, G, R,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr,
-    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROUTE: tl.constexpr, DT_SOFTPLUS: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+def _replay_bc_kernel(
+    B_ptr, C_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, cbh_ptr, cbn_ptr,
+    sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, G, R,
+    Q: tl.constexpr, TB: tl.constexpr, HB: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Per (row, group): B_j·C_t for history and new tokens into scratch; append the new B rows."""
+    i = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.load(idx_ptr + i)
+    s64 = tl.maximum(s, 0).to(tl.int64)
+    hc = tl.where(s >= 0, tl.load(committed_ptr + s64), 0)  # padding rows: no history
+    o = tl.load(ring_start_ptr + s64)
+    n = tl.arange(0, BLOCK_N)
+    nm = n < N
+    j = tl.arange(0, HB)
+    t = tl.arange(0, TB)
+    tm = t < Q
+    Brow0 = s64 * G * R + g * R
+    jn = (j < hc)[:, None] & nm[None, :]
+    Bh = tl.load(rB_ptr + (Brow0 + (o + j) % R)[:, None] * N + n[None, :], mask=jn, other=0.0)
+    tn = tm[:, None] & nm[None, :]
+    Bn = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
+    C = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
+    # 16-bit values are exact in TF32, so their products are exact in the fp32 accumulator;
+    # fp32 activations take 3xTF32.
+    Cf = C.to(tl.float32)
+    if C_ptr.dtype.element_ty == tl.float32:
+        cbh = tl.dot(Cf, tl.trans(Bh), input_precision="tf32x3")  # (TB, HB)
+        cbn = tl.dot(Cf, tl.trans(Bn), input_precision="tf32x3")  # (TB, TB)
+    else:
+        cbh = tl.dot(Cf, tl.trans(Bh.to(tl.float32)), input_precision="tf32")
+        cbn = tl.dot(Cf, tl.trans(Bn.to(tl.float32)), input_precision="tf32")
+    base = i.to(tl.int64) * G + g
+    tl.store(cbh_ptr + base * (Q * HB) + t[:, None] * HB + j[None, :], cbh, mask=tm[:, None])
+    tl.store(cbn_ptr + base * (Q * TB) + t[:, None] * TB + t[None, :], cbn, mask=tm[:, None])
+    tmv = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
+    arow = (o + hc + t) % R
+    tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn, mask=tmv[:, None] & nm[None, :])
+
+
+@triton.jit
+def _replay_out_kernel(
+    x_ptr, dt_ptr, A_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rdt_ptr, ring_start_ptr,
+    committed_ptr, idx_ptr, y_ptr, cbh_ptr, cbn_ptr,
+    sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
+    H, G, R,
+    Q: tl.constexpr, TB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+):
+    """Output-only route for one (P tile, head, row): reads S0, appends x (and Δ), no state write."""
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
     s = tl.load(idx_ptr + i)
     valid = s >= 0
     s64 = tl.maximum(s, 0).to(tl.int64)
-    g = h // (H // G)
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
+    g = h // (H // G)
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     pm = p < P
-    nm = n < N
-    # Validity as a tensor mask (a scalar bool in a mask trips the interpreter).
     pmv = pm & ((p * 0 + s) >= 0)
-    tile = p[:, None] * N + n[None, :]
-    tmask = pmv[:, None] & nm[None, :]
+    t = tl.arange(0, TB)
+    tm = t < Q
+    j = tl.arange(0, HB)
+    jm = j < hc
+    sptr = state_ptr + (s64 * H + h) * (P * N) + p[:, None] * N + n[None, :]
+    if EVEN:
+        # Padding rows read slot 0 (valid memory) and are zeroed below: no masks on the big load.
+        S0 = tl.load(sptr)
+    else:
+        S0 = tl.load(sptr, mask=pmv[:, None] & (n < N)[None, :], other=0.0)
+    tn = tm[:, None] & (n < N)[None, :]
+    C = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
+    # Column t of acc is S0 C_t on this P tile: (BLOCK_P, TB). 16-bit values are exact in TF32,
+    # so an fp32 S0 splits into hi + lo TF32 parts (two products, ~fp32 accuracy) and a 16-bit
+    # S0 needs one; fp32 activations fall back to 3xTF32.
+    if C_ptr.dtype.element_ty == tl.float32:
+        acc = tl.dot(S0.to(tl.float32), tl.trans(C), input_precision="tf32x3")
+    elif state_ptr.dtype.element_ty == tl.float32:
+        hi = (S0.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        Ct = tl.trans(C.to(tl.float32))
+        acc = tl.dot(hi, Ct, input_precision="tf32")
+        acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(S0.to(tl.float32), tl.trans(C.to(tl.float32)), input_precision="tf32")
+    # Decays of this head: Λ over [history, new tokens], recomputed from the stored Δ.
     A = tl.load(A_ptr + h)
-    xrow0 = s64 * H * R + h * R  # ring_x / ring_dt row base of (s, h)
-    Brow0 = s64 * G * R + g * R  # ring_B row base of (s, g)
-    sbase = (s64 * H + h) * (P * N)
-
-    if ROUTE != 2:
-        Dh = tl.load(D_ptr + h)
-        bias = tl.load(dt_bias_ptr + h)
-        # History block (HB >= W rows, masked to j < h_c).
-        j = tl.arange(0, HB)
-        jm = (j < hc) & ((j * 0 + s) >= 0)
-        rows = (o + j) % R
-        dth = tl.load(rdt_ptr + xrow0 + rows, mask=jm, other=0.0)
-        cumh = tl.cumsum(dth, axis=0) * A
-        lam_h = tl.sum(dth, axis=0) * A
-        Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
-                     other=0.0).to(tl.float32)
-        xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None] & pm[None, :],
-                     other=0.0).to(tl.float32)
-        S0 = tl.load(state_ptr + sbase + tile, mask=tmask, other=0.0).to(tl.float32)
-        # New-token block (QB >= q rows, masked to t < q).
-        tq = tl.arange(0, QB)
-        qm = tq < Q
-        dtn = tl.load(dt_ptr + i * sdt_b + tq * sdt_t + h * sdt_h, mask=qm, other=0.0).to(tl.float32)
-        dtn = tl.where(qm, softplus_dt(dtn, bias, DT_SOFTPLUS), 0.0)
-        cumn = lam_h + tl.cumsum(dtn, axis=0) * A
-        Bn_raw = tl.load(B_ptr + i * sB_b + tq[:, None] * sB_t + g * sB_g + n[None, :],
-                         mask=qm[:, None] & nm[None, :], other=0.0)
-        xn_raw = tl.load(x_ptr + i * sx_b + tq[:, None] * sx_t + h * sx_h + p[None, :],
-                         mask=qm[:, None] & pm[None, :], other=0.0)
-        Bn = Bn_raw.to(tl.float32)
-        xn = xn_raw.to(tl.float32)
-        for t in tl.static_range(Q):
-            Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + n, mask=nm, other=0.0).to(tl.float32)
-            lam_t = tl.sum(tl.where(tq == t, cumn, 0.0), axis=0)
-            yt = tl.exp(lam_t) * tl.sum(S0 * Ct[None, :], axis=1)
-            # Exponents clamped at 0: masked entries must not overflow before being zeroed.
-            wh = dth * tl.exp(tl.minimum(lam_t - cumh, 0.0)) * tl.sum(Bh * Ct[None, :], axis=1)
-            yt += tl.sum(wh[:, None] * xh, axis=0)
-            wn = dtn * tl.exp(tl.minimum(lam_t - cumn, 0.0)) * tl.sum(Bn * Ct[None, :], axis=1)
-            wn = tl.where(tq <= t, wn, 0.0)
-            yt += tl.sum(wn[:, None] * xn, axis=0)
-            xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p, mask=pm, other=0.0).to(tl.float32)
-            yt = tl.where(valid, yt + Dh * xt, 0.0)
-            tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty), mask=pm)
-        # Append the q new entries after the history (never a history row).
-        arow = (o + hc + tq) % R
-        qmv = qm & ((tq * 0 + s) >= 0)
-        tl.store(rx_ptr + (xrow0 + arow)[:, None] * P + p[None, :], xn_raw, mask=qmv[:, None] & pm[None, :])
-        if pid_p == 0:
-            tl.store(rdt_ptr + xrow0 + arow, dtn, mask=qmv)
-            if h % (H // G) == 0:
-                tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw,
-                         mask=qmv[:, None] & nm[None, :])
-    if ROUTE != 1:
-        if valid & (hc + Q > window):
-            if ROUTE == 2:
-                S0 = tl.load(state_ptr + sbase + tile, mask=tmask, other=0.0).to(tl.float32)
-            S = _fold(S0, rx_ptr, rB_ptr, rdt_ptr, xrow0, Brow0, xrow0, o, hc, A, R, p, n, pm, nm, P, N, HB)
-            val = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
-            tl.store(state_ptr + sbase + tile, val, mask=tmask)
+    xrow0 = s64 * H * R + h * R
+    dth = tl.load(rdt_ptr + xrow0 + (o + j) % R, mask=jm, other=0.0)
+    cumh = tl.cumsum(dth, axis=0) * A
+    dtn = tl.load(dt_ptr + i * sdt_b + t * sdt_t + h * sdt_h, mask=tm, other=0.0).to(tl.float32)
+    dtn = tl.where(tm, softplus_dt(dtn, tl.load(dt_bias_ptr + h), DT_SOFTPLUS), 0.0)
+    cumn = tl.sum(dth, axis=0) * A + tl.cumsum(dtn, axis=0) * A
+    acc = acc * tl.exp(cumn)[None, :]
+    # Weights, transposed for the products: w[j, t] = Δ_j e^{Λ_t-Λ_j} (B_j·C_t); exponents
+    # clamped at 0 so masked entries cannot overflow before being zeroed.
+    cbase = i.to(tl.int64) * G + g
+    cbh = tl.load(cbh_ptr + cbase * (Q * HB) + t[None, :] * HB + j[:, None], mask=jm[:, None] & tm[None, :],
+                  other=0.0)
+    wh = dth[:, None] * tl.exp(tl.minimum(cumn[None, :] - cumh[:, None], 0.0)) * cbh  # (HB, TB)
+    cbn = tl.load(cbn_ptr + cbase * (Q * TB) + t[None, :] * TB + t[:, None], mask=tm[:, None] & tm[None, :],
+                  other=0.0)
+    cumk = tl.cumsum(dtn, axis=0) * A
+    wn = dtn[:, None] * tl.exp(tl.minimum(cumk[None, :] - cumk[:, None], 0.0)) * cbn  # (TB: k, TB: t)
+    wn = tl.where(t[:, None] <= t[None, :], wn, 0.0)
+    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=pm[:, None] & jm[None, :],
+                 other=0.0).to(tl.float32)  # (BLOCK_P, HB)
+    acc = tl.dot(xh, wh, acc, input_precision="tf32x3")
+    pt = pm[:, None] & tm[None, :]
+    xn_raw = tl.load(x_ptr + i * sx_b + t[None, :] * sx_t + h * sx_h + p[:, None], mask=pt, other=0.0)
+    xn = xn_raw.to(tl.float32)
+    acc = tl.dot(xn, wn, acc, input_precision="tf32x3")
+    acc = tl.where(valid, acc + tl.load(D_ptr + h) * xn, 0.0)
+    yptr = y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None]
+    tl.store(yptr, acc.to(y_ptr.dtype.element_ty), mask=pt)
+    arow = (o + hc + t) % R
+    tl.store(rx_ptr + (xrow0 + arow)[None, :] * P + p[:, None], xn_raw, mask=pmv[:, None] & tm[None, :])
+    if pid_p == 0:
+        tl.store(rdt_ptr + xrow0 + arow, dtn, mask=tm & ((t * 0 + s) >= 0))
 
 
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                           state_indices, window, dt_softplus, rand_seed, out, config: LaunchConfig,
-                          split: bool) -> torch.Tensor:
-    """Launch the forward with an explicit tile config and route split (the benchmark sweeps both)."""
+                          fold_config: LaunchConfig = FOLD_CONFIG) -> torch.Tensor:
+    """Launch coefficients, outputs and fold with explicit tile configs (the benchmark sweeps them)."""
     S, H, P, N = state.shape
     b, q, _, _ = x.shape
     G = B.shape[2]
@@ -156,29 +172,26 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     y = out if out is not None else torch.empty_like(x)
     if b == 0:
         return y
-    block_p = min(config.block_p, triton.next_power_of_2(P))
-    grid = (triton.cdiv(P, block_p), H, b)
-    args = (
-        x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
-        seed_mix(rand_seed), int(window),
-        x.stride(0), x.stride(1), x.stride(2),
-        dt.stride(0), dt.stride(1), dt.stride(2),
-        B.stride(0), B.stride(1), B.stride(2),
-        C.stride(0), C.stride(1), C.stride(2),
-        y.stride(0), y.stride(1), y.stride(2),
-        H, G, R,
+    # Matrix-product operands need every dimension >= 16.
+    TB, HB = max(16, triton.next_power_of_2(q)), max(16, triton.next_power_of_2(int(window)))
+    BN = triton.next_power_of_2(N)
+    cbh = torch.empty(b, G, q, HB, device=x.device, dtype=torch.float32)
+    cbn = torch.empty(b, G, q, TB, device=x.device, dtype=torch.float32)
+    _replay_bc_kernel[(b, G)](
+        B, C, ring_B, ring_start, committed, state_indices, cbh, cbn,
+        B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2), G, R,
+        Q=q, TB=TB, HB=HB, N=N, BLOCK_N=BN, num_warps=BC_WARPS,
     )
-    meta = dict(
-        Q=q, QB=max(triton.next_power_of_2(q), 2), HB=max(triton.next_power_of_2(int(window)), 2),
-        P=P, N=N, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=bool(dt_softplus),
-        STATE_DTYPE=tl_dtype(state.dtype), MAXV=max_finite(tl_dtype(state.dtype)),
-        num_warps=config.num_warps,
+    block_p = min(max(config.block_p, 16), max(16, triton.next_power_of_2(P)))
+    _replay_out_kernel[(triton.cdiv(P, block_p), H, b)](
+        x, dt, A, C, D, dt_bias, state, ring_x, ring_dt, ring_start, committed, state_indices, y, cbh, cbn,
+        x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), dt.stride(2),
+        C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2), H, G, R,
+        Q=q, TB=TB, HB=HB, P=P, N=N, BLOCK_P=block_p, BLOCK_N=BN, EVEN=(P % block_p == 0) and BN == N,
+        DT_SOFTPLUS=bool(dt_softplus), num_warps=config.num_warps,
     )
-    if split:
-        _replay_fwd_kernel[grid](*args, ROUTE=ROUTE_OUTPUT, **meta)
-        _replay_fwd_kernel[grid](*args, ROUTE=ROUTE_FOLD, **meta)
-    else:
-        _replay_fwd_kernel[grid](*args, ROUTE=ROUTE_FUSED, **meta)
+    launch_fold(state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_indices, window, q, rand_seed,
+                fold_config.block_p, fold_config.num_warps)
     return y
 
 
@@ -211,7 +224,7 @@ def replay_forward_triton(
     Returns y (b,q,H,P) in x.dtype (zero rows for padding).
     """
     return launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start,
-                                 committed, state_indices, window, dt_softplus, rand_seed, out, CONFIG, SPLIT)
+                                 committed, state_indices, window, dt_softplus, rand_seed, out, CONFIG)
 
 
 @triton.jit
@@ -245,63 +258,4 @@ def replay_commit_triton(ring_start: torch.Tensor, committed: torch.Tensor, stat
         ring_start, committed, state_indices, num_accepted, b, int(q), int(window),
         int(ring_rows) if ring_rows is not None else 1,
         HAS_ROWS=ring_rows is not None, BLOCK=block, num_warps=4,
-    )
-
-
-@triton.jit
-def _replay_materialize_kernel(
-    A_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr, ring_start_ptr, src_ptr, n_ptr, dst_ptr,
-    seed_mix, H, G, R,
-    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, JB: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
-):
-    pid_p = tl.program_id(0)
-    h = tl.program_id(1)
-    i = tl.program_id(2)
-    src = tl.load(src_ptr + i)
-    dst = tl.load(dst_ptr + i)
-    ok = (src >= 0) & (dst >= 0)
-    src64 = tl.maximum(src, 0).to(tl.int64)
-    dst64 = tl.maximum(dst, 0).to(tl.int64)
-    count = tl.where(ok, tl.load(n_ptr + i), 0)
-    o = tl.load(ring_start_ptr + src64)
-    g = h // (H // G)
-    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pm = p < P
-    nm = n < N
-    tile = p[:, None] * N + n[None, :]
-    tmask = (pm & ((p * 0 + tl.where(ok, 1, 0)) > 0))[:, None] & nm[None, :]
-    S = tl.load(state_ptr + (src64 * H + h) * (P * N) + tile, mask=tmask, other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + h)
-    S = _fold(S, rx_ptr, rB_ptr, rdt_ptr, src64 * H * R + h * R, src64 * G * R + g * R, src64 * H * R + h * R,
-              o, count, A, R, p, n, pm, nm, P, N, JB)
-    base = (dst64 * H + h) * (P * N)
-    val = stochastic_round(S, base + tile, seed_mix, STATE_DTYPE, MAXV)
-    tl.store(state_ptr + base + tile, val, mask=tmask)
-
-
-def replay_materialize_triton(A: torch.Tensor, state: torch.Tensor, ring_x: torch.Tensor,
-                              ring_B: torch.Tensor, ring_dt: torch.Tensor, ring_start: torch.Tensor,
-                              committed: torch.Tensor,
-                              src_indices: torch.Tensor, num_entries: torch.Tensor, dst_indices: torch.Tensor,
-                              *, rand_seed: int = 0) -> None:
-    """state[dst] = state[src] advanced by its first n ring entries (API.md `replay_materialize`).
-
-    Same fp32 per-token fold as the forward's flush; rows with src or dst = -1 are skipped.
-    """
-    S, H, P, N = state.shape
-    m = src_indices.shape[0]
-    if m == 0:
-        return
-    assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
-    block_p = min(CONFIG.block_p, triton.next_power_of_2(P))
-    _replay_materialize_kernel[(triton.cdiv(P, block_p), H, m)](
-        A, state, ring_x, ring_B, ring_dt, ring_start, src_indices, num_entries, dst_indices,
-        seed_mix(rand_seed), H, ring_B.shape[1], ring_x.shape[2],
-        P=P, N=N, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N),
-        # n <= committed <= W < R bounds the unrolled fold.
-        JB=triton.next_power_of_2(ring_x.shape[2]),
-        STATE_DTYPE=tl_dtype(state.dtype), MAXV=max_finite(tl_dtype(state.dtype)),
-        num_warps=CONFIG.num_warps,
     )
