@@ -263,6 +263,33 @@ def run_interpreter(part: str) -> None:
         raise ValueError(f"part: unknown {part!r}")
 
 
+def run_gpu_smoke() -> None:
+    """A short GPU pass over every kernel (for a device run with little time); prints one line each."""
+    big = dict(H=8, P=64, N=128, G=2)
+    checks = {
+        "replay q=1 fp32": lambda: check_replay_cycle("cuda", **big, b=12, S=40, W=16, steps=20, q=1,
+                                                      act=torch.bfloat16),
+        "replay q=4 fp16": lambda: check_replay_cycle("cuda", **big, b=12, S=40, W=16, steps=20, q=4,
+                                                      state_dtype=torch.float16, act=torch.bfloat16),
+        "replay q=2 bf16": lambda: check_replay_cycle("cuda", **big, b=12, S=40, W=16, steps=12, q=2,
+                                                      state_dtype=torch.bfloat16, act=torch.bfloat16),
+        "replay q=2 fp32 act": lambda: check_replay_cycle("cuda", **big, b=12, S=40, W=16, steps=12, q=2),
+        "materialize fp32": lambda: check_materialize("cuda", **big, m=10, S=40, W=16, act=torch.bfloat16),
+        "materialize fp16": lambda: check_materialize("cuda", **big, m=10, S=40, W=16, act=torch.bfloat16,
+                                                      state_dtype=torch.float16),
+        "conv K4 q4 bf16": lambda: check_conv("cuda", Dc=1000, K=4, b=12, q=4, S=40, act=torch.bfloat16),
+        "conv K2 q3 fp32": lambda: check_conv("cuda", Dc=1000, K=2, b=12, q=3, S=40),
+    }
+    for name, fn in checks.items():
+        try:
+            fn()
+            print(f"PASS {name}", flush=True)
+        except AssertionError as e:  # report every check, not only the first failure
+            print(f"FAIL {name}: {e}", flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "gpu":
+        sys.exit(run_gpu_smoke())
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     sys.exit(run_interpreter(sys.argv[1]))
