@@ -204,7 +204,11 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--dtypes", default=",".join(STATE_DTYPES))
+    ap.add_argument("--configs", default="", help="tile sweep override, e.g. replay=64x4,baseline=64x8")
     args = ap.parse_args()
+    for item in filter(None, args.configs.split(",")):
+        impl, cfg = item.split("=")
+        SWEEP[impl] = [LaunchConfig(*map(int, c.split("x"))) for c in cfg.split("+")]
     import triton
 
     out = Path(args.out)
