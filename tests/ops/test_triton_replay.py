@@ -24,9 +24,10 @@ def _cycle_gpu(**kw):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("q", [1, 2, 4])
-def test_replay_cycle_gpu(state_dtype, q):
+@pytest.mark.parametrize("route", ["reduce", "mma"])
+def test_replay_cycle_gpu(state_dtype, q, route):
     """On the GPU: W=16 cycles with every accept count, flushes and ring wrap match the reference."""
-    _cycle_gpu(q=q, state_dtype=state_dtype)
+    _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
 
 
 @requires_cuda
@@ -38,13 +39,13 @@ def test_replay_cycle_fp32_act_gpu():
 
 
 @requires_cuda
-@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("route", ["reduce", "mma"])
 @pytest.mark.parametrize("block", [(32, 4), (64, 4), (64, 8)])
-def test_replay_cycle_tiles_gpu(q, block):
+def test_replay_cycle_tiles_gpu(route, block):
     """On the GPU: the other tile configs the benchmark sweeps compute the same cycles."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    _cycle_gpu(q=q, state_dtype=torch.float32, config=LaunchConfig(*block))
+    _cycle_gpu(q=4, state_dtype=torch.float32, config=LaunchConfig(*block), route=route)
 
 
 @requires_cuda

@@ -128,13 +128,14 @@ def _ring(S, H, G, R, P, N, act, device):
 
 
 def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, steps=9,
-                       state_dtype=torch.float32, act=torch.float32, config=None, seed=0) -> None:
+                       state_dtype=torch.float32, act=torch.float32, config=None, route="auto",
+                       seed=0) -> None:
     """Forward + commit over several steps (random accepts, flushes, ring wrap) vs reference."""
     from replayssm.ops.triton import replay
 
     torch.manual_seed(seed)
     R = W + q + 1
-    cfg = config or replay.CONFIG
+    cfg = config
     A, D, dt_bias = _params(H, device)
     state = (torch.randn(S, H, P, N) * 2).to(state_dtype).to(device)
     rings = _ring(S, H, G, R, P, N, act, device)
@@ -152,7 +153,7 @@ def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, ste
         for _ in range(2):
             cur = [t.clone() for t in before]
             y = replay.launch_replay_forward(x, dt, A, B, C, D, dt_bias, *cur[:6], idx, W, True, step,
-                                             torch.full_like(x, float("nan")), cfg)
+                                             torch.full_like(x, float("nan")), cfg, route)
             outs.append((y, cur))
         y, tri = outs[0]
         assert torch.equal(outs[1][0], y), "two runs differ (y)"
@@ -250,10 +251,11 @@ def run_interpreter(part: str) -> None:
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
     elif part == "replay":
-        for q in (1, 2, 3):
-            check_replay_cycle("cpu", q=q, config=small, steps=6 if q > 1 else 8)
+        for q, route in ((1, "auto"), (1, "mma"), (2, "mma"), (3, "reduce")):
+            check_replay_cycle("cpu", q=q, config=small, route=route, steps=6)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
+        check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6)
         check_materialize("cpu", state_dtype=torch.float16)
         check_materialize("cpu")
     elif part == "conv":

@@ -6,7 +6,9 @@ Forward of a row with slot s, h_c = committed[s], o = ring_start[s], q new token
     Λ = A * cumsum([Δ_hist, Δ_new])                (fp32, recomputed every step, all <= 0)
     y_t = e^{Λ_t} (S0 C_t) + Σ_j Δ_j e^{Λ_t-Λ_j} (B_j·C_t) x_j + Σ_{k<=t} (same, new) + D x_t
 
-Three launches, no state write outside flush rows:
+Outputs take one of two routes (both read S0 once and never write it), then a fold launch:
+- q <= REDUCE_MAX_Q: `replay_reduce.py`, element-wise products and row reductions.
+- larger q, three launches:
 1. B·C, grid (b, G): B_j·C_t for history and new tokens, once per group, into a small
    scratch (q x (16 + 16) fp32 per group); appends the new B rows.
 2. outputs, grid (P tiles, H, b): per head the weights w[t, j] = Δ_j e^{Λ_t-Λ_j} (B_j·C_t),
@@ -25,13 +27,17 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_fold import launch_fold, replay_materialize_triton
+from replayssm.ops.triton.replay_reduce import launch_out_reduce
 from replayssm.ops.triton.ssu import LaunchConfig, softplus_dt
 
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
-# Chosen from the H200 sweep in benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md).
-CONFIG = LaunchConfig(block_p=32, num_warps=4)
+# Chosen from the H200 runs of benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md):
+# q <= REDUCE_MAX_Q takes the CUDA-core route (replay_reduce.py), larger q the tensor-core one.
+CONFIG = LaunchConfig(block_p=64, num_warps=4)
+REDUCE_CONFIG = LaunchConfig(block_p=64, num_warps=4)
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
+REDUCE_MAX_Q = 1
 BC_WARPS = 2
 
 
@@ -160,18 +166,34 @@ def _replay_out_kernel(
 
 
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                          state_indices, window, dt_softplus, rand_seed, out, config: LaunchConfig,
-                          fold_config: LaunchConfig = FOLD_CONFIG) -> torch.Tensor:
-    """Launch coefficients, outputs and fold with explicit tile configs (the benchmark sweeps them)."""
-    S, H, P, N = state.shape
-    b, q, _, _ = x.shape
-    G = B.shape[2]
-    R = ring_x.shape[2]
+                          state_indices, window, dt_softplus, rand_seed, out,
+                          config: LaunchConfig | None = None, route: str = "auto") -> torch.Tensor:
+    """Launch outputs (route "reduce" or "mma"; "auto" picks by q) and the fold, explicit tile configs."""
+    b, q = x.shape[:2]
     assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
     assert ring_dt.is_contiguous() and x.stride(3) == 1 and B.stride(3) == 1 and C.stride(3) == 1
     y = out if out is not None else torch.empty_like(x)
     if b == 0:
         return y
+    if route == "auto":
+        route = "reduce" if q <= REDUCE_MAX_Q else "mma"
+    if route == "reduce":
+        cfg = config or REDUCE_CONFIG
+        launch_out_reduce(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                          state_indices, window, dt_softplus, y, cfg.block_p, cfg.num_warps)
+    else:
+        _launch_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                    state_indices, window, dt_softplus, y, config or CONFIG)
+    launch_fold(state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_indices, window, q, rand_seed,
+                FOLD_CONFIG.block_p, FOLD_CONFIG.num_warps)
+    return y
+
+
+def _launch_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                state_indices, window, dt_softplus, y, config: LaunchConfig) -> None:
+    S, H, P, N = state.shape
+    b, q = x.shape[:2]
+    G, R = B.shape[2], ring_x.shape[2]
     # Matrix-product operands need every dimension >= 16.
     TB, HB = max(16, triton.next_power_of_2(q)), max(16, triton.next_power_of_2(int(window)))
     BN = triton.next_power_of_2(N)
@@ -190,9 +212,6 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         Q=q, TB=TB, HB=HB, P=P, N=N, BLOCK_P=block_p, BLOCK_N=BN, EVEN=(P % block_p == 0) and BN == N,
         DT_SOFTPLUS=bool(dt_softplus), num_warps=config.num_warps,
     )
-    launch_fold(state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_indices, window, q, rand_seed,
-                fold_config.block_p, fold_config.num_warps)
-    return y
 
 
 def replay_forward_triton(
@@ -224,7 +243,7 @@ def replay_forward_triton(
     Returns y (b,q,H,P) in x.dtype (zero rows for padding).
     """
     return launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start,
-                                 committed, state_indices, window, dt_softplus, rand_seed, out, CONFIG)
+                                 committed, state_indices, window, dt_softplus, rand_seed, out)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ class LaunchConfig:
 
 
 # Chosen from the H200 sweep in benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md).
-CONFIG = LaunchConfig(block_p=32, num_warps=4)
+CONFIG = LaunchConfig(block_p=64, num_warps=4)
 
 
 @triton.jit
