@@ -32,10 +32,11 @@ from replayssm.ops.triton.ssu import LaunchConfig, softplus_dt
 
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
-# Chosen from the H200 runs of benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md):
-# q <= REDUCE_MAX_Q takes the CUDA-core route (replay_reduce.py), larger q the tensor-core one.
+# From the H200 runs of benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md): q <=
+# REDUCE_MAX_Q takes the CUDA-core route (replay_reduce.py; 32x4 is the GPU-verified tile,
+# 1.5% behind 64x4), larger q the tensor-core route (64x4 measured; 32x4 once faulted there).
 CONFIG = LaunchConfig(block_p=64, num_warps=4)
-REDUCE_CONFIG = LaunchConfig(block_p=64, num_warps=4)
+REDUCE_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 REDUCE_MAX_Q = 1
 BC_WARPS = 2
