@@ -6,17 +6,16 @@ Forward of a row with slot s, h_c = committed[s], o = ring_start[s], q new token
     Λ = A * cumsum([Δ_hist, Δ_new])                (fp32, recomputed every step, all <= 0)
     y_t = e^{Λ_t} (S0 C_t) + Σ_j Δ_j e^{Λ_t-Λ_j} (B_j·C_t) x_j + Σ_{k<=t} (same, new) + D x_t
 
-Outputs take one of two routes (both read S0 once and never write it), then a fold launch:
-- q <= REDUCE_MAX_Q: `replay_reduce.py`, element-wise products and row reductions.
-- larger q, three launches:
-1. B·C, grid (b, G): B_j·C_t for history and new tokens, once per group, into a small
-   scratch (q x (16 + 16) fp32 per group); appends the new B rows.
-2. outputs, grid (P tiles, H, b): per head the weights w[t, j] = Δ_j e^{Λ_t-Λ_j} (B_j·C_t),
-   then the output-only route as three small matrix products on the tensor cores
-   (S0 Cᵀ, X_hist W_histᵀ, X_new W_newᵀ; split-TF32 or 3xTF32, fp32-level accuracy, no
-   cross-lane reductions); appends x and Δ. Reads S0 once, never writes it.
-3. fold (`replay_fold.py`): rows with h_c + q > W advance S0 by their h_c history entries in
-   plain fp32 and write it; other rows exit at once.
+Outputs take one of two routes, both reading S0 once and never writing it:
+- q <= REDUCE_MAX_Q: one launch of `replay_reduce.py` (element-wise products, row reductions).
+- larger q, the tensor-core route in two launches:
+  1. B·C, grid (b, G): B_j·C_t for history and new tokens, once per group, into a small
+     scratch (q x (16 + 16) fp32 per group); appends the new B rows.
+  2. outputs, grid (P tiles, H, b): per head the weights w[t, j] = Δ_j e^{Λ_t-Λ_j} (B_j·C_t),
+     then S0 Cᵀ, X_hist W_histᵀ and X_new W_newᵀ as small matrix products (split-TF32 or
+     3xTF32: fp32-level accuracy, no cross-lane reductions); appends x and Δ.
+Then, for either route, the fold (`replay_fold.py`): rows with h_c + q > W advance S0 by their
+h_c history entries in plain fp32 and write it; other rows exit at once.
 Appended rows never overlap history rows (h_c + q <= R), so no launch reads what it writes.
 """
 
