@@ -6,7 +6,7 @@ reads device memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class RowView:
     spec_slots: list[int] | None
     decode: bool  # takes the Mamba decode path
     forced: bool  # a one-token prefill chunk on prior state: decode path, committed with a=1 at once
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (offset b, checkpoint slot)
 
 
 @dataclass
@@ -84,6 +85,8 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
         # Plain decode rows next to verify rows keep their state in place after their one token.
         dst = dev([(r.spec_slots if r.spec_slots is not None else [r.slot])
                    + [-1] * (q - len(r.token_ids)) for r in decode], torch.int32)
+    # Prefill checkpoints: the mixer writes the state and conv window after b tokens of the row.
+    pub = [(i, b, d) for i, r in enumerate(prefill) for b, d in r.checkpoints]
     mamba = MambaMetadata(
         num_prefill_tokens=p_cu[-1],
         prefill_cu_seqlens=dev(p_cu, torch.int32),
@@ -94,6 +97,9 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
         decode_slots=dev([r.slot for r in decode], torch.int32),
         decode_token_index=token_index,
         decode_dst_slots=dst,
+        publish_seq=dev([p[0] for p in pub], torch.int32) if pub else None,
+        publish_len=dev([p[1] for p in pub], torch.int32) if pub else None,
+        publish_dst=dev([p[2] for p in pub], torch.int64) if pub else None,
     )
 
     logit_index: list[int] = []

@@ -43,6 +43,11 @@ class MambaMetadata:
     decode_slots: torch.Tensor  # (b,) int32: live slot of each decode row (source state)
     decode_token_index: torch.Tensor | None  # (T_d,) int64 positions in the flattened (b, q) grid
     decode_dst_slots: torch.Tensor | None  # (b, q) int32: baseline verify per-token state slots, -1 = skip
+    # Prefix-cache checkpoints of prefill rows: state + conv window after publish_len[j] tokens of
+    # prefill row publish_seq[j] go to slot publish_dst[j] (m,) (None: nothing to publish).
+    publish_seq: torch.Tensor | None = None  # (m,) int32
+    publish_len: torch.Tensor | None = None  # (m,) int32
+    publish_dst: torch.Tensor | None = None  # (m,) int64
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 from replayssm.cache.mamba_cache import KVCache, MambaCache, as_dtype
 from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs
 from replayssm.engine.context import ForwardContext
+from replayssm.engine.publish import decode_publications, publish_conv_windows, publish_states
 from replayssm.models.config import MAMBA, ModelConfig
 from replayssm.models.loader import load_model
 from replayssm.ops.conv1d import causal_conv1d_commit
@@ -44,6 +45,9 @@ class ScheduledRow:
     is_prefill: bool
     num_logits: int = 1  # trailing positions that need logits
     spec_slots: list[int] | None = None  # baseline verify: 1 + k destination slots
+    # Prefix caching: (b, slot) = write the exact Mamba state + conv window after the row's first
+    # b tokens into `slot` (decode rows: only if b <= num_accepted). See engine/publish.py.
+    checkpoints: list[tuple[int, int]] | None = None
 
 
 class ModelRunner:
@@ -138,6 +142,7 @@ class ModelRunner:
                              baseline=not self.replayssm)
         if self.replayssm and batch.prefill:
             self._prepare_prefill_slots(batch.prefill)
+        self._reset_cursors([d for v in views for _, d in v.checkpoints or ()])
         ctx = ForwardContext(attn=batch.attn, mamba=batch.mamba, kv_cache=self.kv_cache,
                              mamba_cache=self.mamba_cache, replayssm=self.replayssm, window=self.window,
                              rand_seed=self._next_seed())
@@ -184,6 +189,9 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in rows], dtype=torch.int32, device=self.device)
         acc = torch.tensor(accepted, dtype=torch.int32, device=self.device)
         cache = self.mamba_cache
+        # Checkpoint windows read the live window before its commit; states need the committed cursors.
+        pubs = decode_publications(rows, accepted, first)
+        publish_conv_windows(cache, pubs, q, self.device)
         if self.replayssm:
             replay_commit(cache.ring_start, cache.committed, slots, acc, q, self.window,
                           ring_rows=cache.ring_rows)
@@ -199,6 +207,7 @@ class ModelRunner:
                                 for r, a in zip(rows, accepted)], dtype=torch.int32, device=self.device)
         for conv, scratch in zip(cache.conv, cache.conv_scratch):
             causal_conv1d_commit(conv, scratch[first:first + len(rows), :q], acc, slots, dst_indices=dst)
+        publish_states(self, pubs, self._next_seed())
 
     def _prepare_prefill_slots(self, prefill: list[RowView]) -> None:
         """Prefill rows start from a bare S_0: fold committed ring entries first, then zero the cursors."""
@@ -216,10 +225,14 @@ class ModelRunner:
                     replay_materialize(A, state, rx, rB, rdt, cache.ring_start, cache.committed, src, n, tmp,
                                        rand_seed=self._next_seed())
                     state[r.slot] = state[cache.scratch_slot]
-        slots = torch.tensor([r.slot for r in prefill], dtype=torch.int64, device=self.device)
-        cache.reset_cursors(slots)
-        for r in prefill:
-            self._ring_start[r.slot] = self._committed[r.slot] = 0
+        self._reset_cursors([r.slot for r in prefill])
+
+    def _reset_cursors(self, slots: list[int]) -> None:
+        """ring_start = committed = 0 on the device and in the host mirror."""
+        if slots:
+            self.mamba_cache.reset_cursors(torch.tensor(slots, dtype=torch.int64, device=self.device))
+        for s in slots:
+            self._ring_start[s] = self._committed[s] = 0
 
     def _next_seed(self) -> int:
         """A fresh stochastic-rounding seed per call (host counter: no device sync)."""
@@ -285,8 +298,13 @@ class ModelRunner:
                 self._check_slot(s, f"rows[{i}].spec_slots entry")
         elif decode and q > 1 and not self.replayssm:
             raise ValueError(f"rows[{i}] verifies {q} tokens without spec_slots (baseline needs them)")
+        for b, s in r.checkpoints or ():
+            if not isinstance(b, int) or not 1 <= b <= q:
+                raise ValueError(f"rows[{i}].checkpoints offset must be in [1, {q}], got {b!r}")
+            self._check_slot(s, f"rows[{i}].checkpoints slot")
         return RowView(i, list(r.token_ids), r.start_pos, list(r.block_table), r.slot, r.num_logits,
-                       None if r.spec_slots is None else list(r.spec_slots), decode, forced)
+                       None if r.spec_slots is None else list(r.spec_slots), decode, forced,
+                       [tuple(c) for c in r.checkpoints or ()])
 
     def _check_batch(self, views: list[RowView]) -> None:
         if not views:
@@ -297,6 +315,9 @@ class ModelRunner:
         written = [s for v in views for s in (v.spec_slots or []) if s != v.slot]
         if len(set(written)) != len(written) or set(written) & set(slots):
             raise ValueError("spec_slots of different rows overlap each other or another row's slot")
+        ckpts = [s for v in views for _, s in v.checkpoints]
+        if len(set(ckpts)) != len(ckpts) or set(ckpts) & (set(slots) | set(written)):
+            raise ValueError("checkpoint slots must be distinct and differ from every row's slots")
         if sum(len(v.token_ids) for v in views) > self.max_num_batched_tokens:
             raise ValueError(f"rows hold more than max_num_batched_tokens={self.max_num_batched_tokens}")
         if sum(v.decode for v in views) > self.max_num_seqs:

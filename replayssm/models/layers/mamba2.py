@@ -3,7 +3,9 @@
 Tokens arrive packed, prefill rows first, then decode rows (see engine/context.py):
 
     in_proj -> [z (H*P) | xBC (conv_dim = H*P + 2*G*N) | dt (H)]
-    prefill tokens: causal_conv1d_varlen -> ssd_chunked_scan   (writes clean S_0 and conv window)
+    prefill tokens: causal_conv1d_varlen -> ssd_chunked_scan   (writes clean S_0 and conv window;
+                    prefix-cache checkpoints: the scan's exact state at a boundary + the K-1 conv
+                    inputs before it go to a checkpoint slot)
     decode rows:    causal_conv1d_update (window unchanged; inputs parked in the conv scratch
                     for the commit) -> replay_forward (ReplaySSM) | selective_state_update (off)
     -> rms_norm_gated(y, z) -> out_proj
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from replayssm.models.config import ModelConfig
+from replayssm.ops.common import store_states
 from replayssm.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from replayssm.ops.norm import rms_norm_gated
 from replayssm.ops.replay import replay_forward
@@ -79,14 +82,34 @@ class Mamba2Mixer(nn.Module):
         """Packed prefill tokens (Tp, ...): conv from the slot's window, chunked scan from its state."""
         md, cache, li = ctx.mamba, ctx.mamba_cache, self.mamba_index
         Tp = xbc.shape[0]
+        if md.publish_dst is not None:
+            self._publish_conv_windows(xbc, cache.conv[li], md)
         xbc = causal_conv1d_varlen(xbc.contiguous(), weight, self.conv1d.bias, cache.conv[li],
                                    md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
                                    activation="silu")
         x, B, C = self._split(xbc, (Tp,))
-        y, _ = ssd_chunked_scan(x, dt.contiguous(), A, B, C, self.D, self.dt_bias, cache.state[li],
-                                md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
-                                chunk_size=self.chunk_size, rand_seed=seed)
+        y, boundary = ssd_chunked_scan(x, dt.contiguous(), A, B, C, self.D, self.dt_bias, cache.state[li],
+                                       md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
+                                       chunk_size=self.chunk_size, rand_seed=seed,
+                                       boundary_seq=md.publish_seq, boundary_len=md.publish_len)
+        if boundary is not None:
+            store_states(cache.state[li], md.publish_dst, boundary, seed)
         return y.reshape(Tp, self.I)
+
+    @staticmethod
+    def _publish_conv_windows(xbc: torch.Tensor, conv: torch.Tensor, md) -> None:
+        """conv[publish_dst[j]] = the K-1 raw conv inputs before token publish_len[j] of its prefill row:
+        from the row's tokens, or (near the row start) from the slot's window (zeros without one).
+        Runs before the varlen conv overwrites the row's window."""
+        K1 = conv.shape[2]
+        seq = md.publish_seq.long()
+        pos = md.publish_len.long()[:, None] - K1 + torch.arange(K1, device=xbc.device)  # (m, K-1)
+        tok = xbc[md.prefill_cu_seqlens.long()[seq][:, None] + pos.clamp(min=0)].transpose(1, 2)
+        win = conv[md.prefill_slots.long()[seq]]  # (m, D, K-1), oldest first
+        win = win.gather(2, (pos + K1).clamp(0, K1 - 1)[:, None, :].expand(-1, win.shape[1], -1))
+        win = torch.where(md.has_initial_state[seq][:, None, None], win, torch.zeros((), dtype=win.dtype,
+                                                                                     device=win.device))
+        conv[md.publish_dst] = torch.where((pos >= 0)[:, None, :], tok.to(conv.dtype), win)
 
     def _decode(self, xbc, dt, A, weight, ctx, seed: int) -> torch.Tensor:
         """Decode rows padded to (b, q): conv update, then ReplaySSM or the baseline state update."""
