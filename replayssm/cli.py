@@ -40,6 +40,8 @@ ENGINE_FLAGS = {
         "gpu_memory_utilization",
         "num_kv_blocks",
         "num_slots",
+        "enable_prefix_caching",
+        "prefix_checkpoint_interval",
     ),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "max_model_len"),
     SpecConfig: ("num_speculative_tokens",),

@@ -39,7 +39,16 @@ class CacheConfig:
     num_kv_blocks: int | None = _doc(None, "force the number of KV blocks (overrides the memory planner)")
     num_slots: int | None = _doc(None, "force the number of Mamba slots (overrides the memory planner)")
     state_dtype: str = _doc("float32", "dtype of the Mamba checkpoint state: float32, float16 or bfloat16")
-    enable_prefix_caching: bool = _doc(False, "reuse cached prompt prefixes (not implemented yet)")
+    enable_prefix_caching: bool = _doc(
+        False,
+        "reuse cached prefixes: shared KV blocks + Mamba checkpoints published at block boundaries "
+        "(checkpoints take free Mamba slots and are evicted LRU under memory pressure)",
+    )
+    prefix_checkpoint_interval: int | None = _doc(
+        None,
+        "tokens between published Mamba checkpoints, a multiple of kv_block_size (default: kv_block_size); "
+        "a prefix hit ends on a checkpoint",
+    )
 
     def __post_init__(self) -> None:
         _check_int("kv_block_size", self.kv_block_size, 1)
@@ -48,6 +57,13 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
         _check_int("num_slots", self.num_slots, 1, allow_none=True)
+        _check_int("prefix_checkpoint_interval", self.prefix_checkpoint_interval, 1, allow_none=True)
+        interval = self.prefix_checkpoint_interval
+        if interval is not None and interval % self.kv_block_size:
+            raise ValueError(
+                f"prefix_checkpoint_interval={self.prefix_checkpoint_interval} must be a multiple of "
+                f"kv_block_size={self.kv_block_size}"
+            )
         if self.state_dtype not in DTYPES:
             raise ValueError(f"state_dtype must be one of {DTYPES}, got {self.state_dtype!r}")
 

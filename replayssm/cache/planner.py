@@ -44,6 +44,7 @@ def plan_cache(
     max_num_seqs: int,
     num_kv_blocks: int | None = None,
     num_slots: int | None = None,
+    checkpoint_interval: int | None = None,
 ) -> CachePlan:
     """Split ``memory_budget`` bytes between Mamba slots and KV blocks.
 
@@ -51,8 +52,12 @@ def plan_cache(
     many requests as the rest allows (at most max_num_seqs), and give what remains to KV
     blocks, capped at what every running request at max_model_len would need. A
     pure-attention or pure-Mamba model (0 bytes per slot or per block) gets that cap for free.
+    With prefix caching (``checkpoint_interval`` set) and no forced slot count, memory still
+    unused after that becomes extra Mamba slots for checkpoints, at most one per interval of
+    tokens the KV blocks hold (checkpoints also take slots that no running request uses).
     Raises ValueError when the budget cannot hold one max-length request.
     """
+    forced_slots = num_slots is not None
     s = slots_per_request
     blocks_per_request = -(-max_model_len // kv_block_size)
     one_request = s * bytes_per_slot + blocks_per_request * bytes_per_kv_block
@@ -91,6 +96,10 @@ def plan_cache(
         else:
             num_kv_blocks = cap
         assert num_kv_blocks >= blocks_per_request
+    if checkpoint_interval and not forced_slots and bytes_per_slot:
+        spare = memory_budget - num_slots * bytes_per_slot - num_kv_blocks * bytes_per_kv_block
+        useful = num_kv_blocks * kv_block_size // checkpoint_interval
+        num_slots += max(0, min(spare // bytes_per_slot, useful))
     return CachePlan(
         num_kv_blocks=num_kv_blocks,
         num_slots=num_slots,

@@ -21,14 +21,14 @@ from replayssm.sampling_params import SamplingParams
 class LLMEngine:
     """Continuous-batching engine over one ModelRunner.
 
-    ``step()``: process aborts -> schedule -> runner.execute -> sample -> runner.commit ->
-    append tokens, detokenize, check stops -> release finished requests. Sampling is keyed
-    by (request seed, position), so outputs do not depend on batching or preemption.
+    ``step()``: process aborts -> schedule -> prefix-hit slot copies -> plan checkpoints ->
+    runner.execute -> sample -> runner.commit (writes the checkpoints) -> append tokens,
+    detokenize, check stops -> publish checkpoints + hash full KV blocks -> release finished
+    requests. Sampling is keyed by (request seed, position), so outputs do not depend on
+    batching, preemption or prefix hits.
     """
 
     def __init__(self, config: EngineConfig, runner_cls: Any = None) -> None:
-        if config.cache.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching=True is not implemented yet; leave it False")
         setup: RunnerSetup = build_runner(config, runner_cls)
         self.config = config
         self.runner = setup.runner
@@ -44,7 +44,9 @@ class LLMEngine:
             kv_block_size=config.cache.kv_block_size,
             max_num_seqs=min(config.scheduler.max_num_seqs, self.plan.num_requests_fit),
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            prefix_cache=setup.prefix_cache,
         )
+        self.prefix_cache = setup.prefix_cache
         self.metrics = EngineMetrics()
         self._requests: dict[str, Request] = {}
         self._pending_aborts: list[str] = []
@@ -116,7 +118,15 @@ class LLMEngine:
         if not sched.chunks:
             return outputs
         self.metrics.num_steps += 1
+        if sched.copies:
+            self.runner.copy_slots([s for s, _ in sched.copies], [d for _, d in sched.copies])
+            self.scheduler.copies_done(sched)
         rows = [self._row(c) for c in sched.chunks]
+        plans = None
+        if self.prefix_cache is not None:
+            plans = self.prefix_cache.plan([(c.request, c.start, c.num_tokens) for c in sched.chunks])
+            for row, plan in zip(rows, plans):
+                row.checkpoints = [(p.offset, p.slot) for p in plan] or None
         logits = self.runner.execute(rows)
         offsets, sample_rows = [], []
         offset = 0
@@ -143,9 +153,18 @@ class LLMEngine:
                 self.metrics.num_decode_tokens_computed += 1
             else:
                 self.metrics.num_prefill_tokens_computed += chunk.num_tokens
+        reasons = []
         for i, chunk in enumerate(sampled):
             lp = logprobs_list[i] if logprobs_list is not None else None
-            outputs.append(self._append_token(chunk.request, tokens_list[i], lp))
+            reasons.append(self.output.append_token(chunk.request, tokens_list[i], lp))
+            self.metrics.generation_tokens += 1
+        if plans is not None:
+            # Publication happens before any block of this step is released.
+            for chunk, plan in zip(sched.chunks, plans):
+                self.prefix_cache.finish(chunk.request, chunk.start, chunk.num_tokens, plan)
+        for chunk, reason in zip(sampled, reasons):
+            r = chunk.request
+            outputs.append(self._finish(r, reason) if reason is not None else make_output(r))
         self.metrics.peak_running_requests = max(
             self.metrics.peak_running_requests, len(self.scheduler.running)
         )
@@ -200,11 +219,6 @@ class LLMEngine:
         assert len(r.prompt_logprobs) == first + 1, "prompt logprobs must arrive in order"
         r.prompt_logprobs.extend(lp)
 
-    def _append_token(self, r: Request, token: int, logprob: float | None) -> RequestOutput:
-        reason = self.output.append_token(r, token, logprob)
-        self.metrics.generation_tokens += 1
-        return self._finish(r, reason) if reason is not None else make_output(r)
-
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(r, reason)
         del self._requests[r.request_id]
@@ -227,4 +241,16 @@ class LLMEngine:
             num_requests_fit=self.plan.num_requests_fit,
             cache_bytes=self.plan.total_bytes,
         )
+        pc = self.prefix_cache
+        if pc is not None:
+            m.update(
+                prefix_cache_query_tokens=pc.num_query_tokens,
+                prefix_cache_hit_tokens=pc.num_hit_tokens,
+                prefix_cache_hit_rate=pc.num_hit_tokens / max(1, pc.num_query_tokens),
+                prefix_checkpoints_published=pc.num_published,
+                prefix_checkpoints_cached=self.scheduler.slot_pool.num_cached,
+                prefix_checkpoint_evictions=self.scheduler.slot_pool.num_evictions,
+                kv_blocks_cached=self.scheduler.block_pool.num_cached,
+                kv_block_evictions=self.scheduler.block_pool.num_evictions,
+            )
         return m

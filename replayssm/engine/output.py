@@ -32,6 +32,7 @@ def make_output(r: Request) -> RequestOutput:
         text=r.text,
         finished=r.status is RequestStatus.FINISHED,
         finish_reason=r.finish_reason,
+        num_cached_tokens=r.num_cached_tokens,
         logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
         prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
     )

@@ -44,6 +44,12 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     text: str = ""
+    # Prefix caching: hashes of the full blocks of known tokens (tokens never change, so these
+    # survive preemption), how many of block_table's blocks carry theirs, and the prompt tokens
+    # served from the cache at first admission.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,8 @@ from typing import Any
 
 from replayssm.cache.block_pool import BlockPool
 from replayssm.cache.planner import CachePlan, plan_cache, slots_per_request
+from replayssm.cache.prefix_cache import PrefixCache
+from replayssm.cache.prefix_pools import CachingBlockPool, CachingSlotPool
 from replayssm.cache.slot_pool import SlotPool
 from replayssm.config import EngineConfig
 from replayssm.engine.tokenizer import Tokenizer, load_tokenizer, read_eos_token_ids
@@ -27,6 +29,7 @@ class RunnerSetup:
     eos_token_ids: list[int]
     block_pool: BlockPool
     slot_pool: SlotPool
+    prefix_cache: PrefixCache | None = None
 
 
 def resolve_model_dir(model: str) -> str:
@@ -75,6 +78,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         num_speculative_tokens=spec.num_speculative_tokens,
         kv_block_size=cache.kv_block_size,
     )
+    interval = cache.prefix_checkpoint_interval or cache.kv_block_size
     budget = cache.memory_budget or default_memory_budget(device, cache.gpu_memory_utilization, model_dir)
     plan = plan_cache(
         budget,
@@ -86,6 +90,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         max_num_seqs=config.scheduler.max_num_seqs,
         num_kv_blocks=cache.num_kv_blocks,
         num_slots=cache.num_slots,
+        checkpoint_interval=interval if cache.enable_prefix_caching else None,
     )
     runner = runner_cls(
         model_dir,
@@ -107,6 +112,15 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     name = "demo" if config.model == "demo" else os.path.basename(os.path.normpath(model_dir))
+    block_pool = BlockPool(plan.num_kv_blocks)
+    slot_pool = SlotPool(plan.num_slots, plan.slots_per_request)
+    prefix = None
+    if cache.enable_prefix_caching:
+        block_pool = CachingBlockPool(plan.num_kv_blocks)
+        slot_pool = CachingSlotPool(plan.num_slots, plan.slots_per_request)
+        prefix = PrefixCache(
+            block_pool, slot_pool, block_size=cache.kv_block_size, checkpoint_interval=interval
+        )
     return RunnerSetup(
         runner=runner,
         model_config=model_config,
@@ -115,6 +129,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         max_model_len=max_model_len,
         model_name=name,
         eos_token_ids=sorted(eos),
-        block_pool=BlockPool(plan.num_kv_blocks),
-        slot_pool=SlotPool(plan.num_slots, plan.slots_per_request),
+        block_pool=block_pool,
+        slot_pool=slot_pool,
+        prefix_cache=prefix,
     )

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from replayssm.cache.block_pool import BlockPool
+from replayssm.cache.prefix_cache import PrefixCache
 from replayssm.cache.slot_pool import SlotPool
 from replayssm.engine.request import Request, RequestStatus
 
@@ -29,6 +30,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Prefix hits: (checkpoint slot, live slot) copies to run before the forward; the
+    # checkpoints stay pinned until `Scheduler.copies_done`.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +50,9 @@ class Scheduler:
        for a younger one, so it always progresses.
     2. If nothing was preempted, waiting requests are admitted in arrival order while the
        budget, ``max_num_seqs``, a free slot group and KV blocks for their first chunk allow.
+       With a prefix cache, an admitted request (new or resumed) starts after its longest
+       cached prefix: it shares those KV blocks and gets the prefix's checkpoint copied into
+       its live slot. Cached entries count as free memory (they are evicted LRU on demand).
     Running requests stay sorted by arrival, so "newest" means latest arrival.
     """
 
@@ -57,7 +64,9 @@ class Scheduler:
         kv_block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
+        self.prefix_cache = prefix_cache
         self.block_pool = block_pool
         self.slot_pool = slot_pool
         self.kv_block_size = kv_block_size
@@ -81,6 +90,7 @@ class Scheduler:
         self.slot_pool.free(request.slots)
         request.block_table = []
         request.slots = []
+        request.num_registered_blocks = 0
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
@@ -121,18 +131,34 @@ class Scheduler:
             and self.slot_pool.can_allocate()
         ):
             request = self.waiting[0]
-            n = min(request.num_uncomputed_tokens, budget)
-            need = self._blocks_needed(request, n)
-            if not self.block_pool.can_allocate(need):
+            hit = self.prefix_cache.match(request) if self.prefix_cache else None
+            if hit:
+                self.prefix_cache.acquire(hit)  # nothing of the hit may be evicted below
+            start, cached = (hit.num_tokens, hit.blocks) if hit else (0, [])
+            n = min(request.num_tokens - start, budget)
+            need = -(-(start + n) // self.kv_block_size) - len(cached)
+            if not self.block_pool.can_allocate(need) or not self.slot_pool.can_allocate():
+                if hit:
+                    self.prefix_cache.release(hit)
                 break
             self.waiting.popleft()
             request.slots = self.slot_pool.allocate()
-            request.block_table = self.block_pool.allocate(need)
+            request.block_table = cached + self.block_pool.allocate(need)
+            request.num_computed_tokens = start
+            if self.prefix_cache:
+                self.prefix_cache.count_admission(request, hit)
+            if hit:
+                out.copies.append((hit.checkpoint, request.slots[0]))
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival)
-            out.chunks.append(ScheduledChunk(request, 0, n))
+            out.chunks.append(ScheduledChunk(request, start, n))
             budget -= n
         return out
+
+    def copies_done(self, out: SchedulerOutput) -> None:
+        """The runner copied every hit checkpoint of ``out``: unpin them (evictable again)."""
+        for src, _ in out.copies:
+            self.slot_pool.unpin(src)
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and free its memory (it may be running or waiting)."""
@@ -148,10 +174,14 @@ class Scheduler:
         """Assert that pool usage equals what running requests hold."""
         self.block_pool.check_integrity()
         self.slot_pool.check_integrity()
-        held_blocks = sum(len(r.block_table) for r in self.running)
+        refs = [0] * self.block_pool.num_blocks
+        for r in self.running:
+            for b in r.block_table:
+                refs[b] += 1
+        assert refs == self.block_pool.ref_counts, "block references differ from the running tables"
         held_slots = sum(len(r.slots) for r in self.running)
-        assert held_blocks == self.block_pool.num_used, (held_blocks, self.block_pool.num_used)
-        assert held_slots == self.slot_pool.num_slots - self.slot_pool.num_free
+        cached = getattr(self.slot_pool, "num_cached", 0)
+        assert held_slots == self.slot_pool.num_slots - self.slot_pool.num_free - cached
         assert all(not r.block_table and not r.slots for r in self.waiting)
         for r in self.running:
             assert len(r.block_table) * self.kv_block_size >= r.num_computed_tokens
