@@ -4,7 +4,15 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+CUDA_REASON = "needs CUDA"
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_REASON)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tag every CUDA-only test with the `gpu` marker, so `pytest -m gpu` runs just those."""
+    for item in items:
+        if any(m.name == "skipif" and m.kwargs.get("reason") == CUDA_REASON for m in item.iter_markers()):
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture(autouse=True)
