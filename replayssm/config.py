@@ -86,15 +86,49 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 2, allow_none=True)
 
 
+SPEC_METHODS = ("ngram", "mtp", "draft", "synthetic")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding. Only memory planning uses it so far (1 + k slots per request
-    with ReplaySSM off); no drafter runs yet, so every step is a plain decode."""
+    """Speculative decoding: a drafter proposes k tokens, one forward verifies them (``replayssm.spec``).
 
-    num_speculative_tokens: int = _doc(0, "draft tokens per verify step (k); needs 1 + k <= replay_window")
+    ``synthetic`` is for benchmarks only: it forces a configured mean acceptance length and its
+    output tokens are NOT the model's output (every output and the metrics say so).
+    """
+
+    num_speculative_tokens: int = _doc(
+        0, "draft tokens per verify step (k, 0 = off, at most 8); needs 1 + k <= replay_window"
+    )
+    speculative_method: str = _doc(
+        "ngram", "drafter: ngram (prompt lookup), mtp (the checkpoint's mtp.* layers), draft (a small draft "
+        "model, see draft_model) or synthetic (benchmarks only: forced acceptance, output is not the model's)"
+    )
+    draft_model: str | None = _doc(None, "checkpoint directory of the draft model (speculative_method=draft)")
+    ngram_min: int = _doc(1, "shortest suffix n-gram the ngram drafter looks up")
+    ngram_max: int = _doc(4, "longest suffix n-gram the ngram drafter looks up (tried first)")
+    synthetic_acceptance_length: float = _doc(
+        3.0, "synthetic drafter: mean tokens per verify step (accepted drafts + 1), in [1, k + 1]"
+    )
 
     def __post_init__(self) -> None:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        if self.num_speculative_tokens > 8:
+            raise ValueError(f"num_speculative_tokens must be at most 8, got {self.num_speculative_tokens}")
+        if self.speculative_method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPEC_METHODS}, got {self.speculative_method!r}"
+            )
+        _check_int("ngram_min", self.ngram_min, 1)
+        _check_int("ngram_max", self.ngram_max, self.ngram_min)
+        k = self.num_speculative_tokens
+        if k and self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method='draft' needs draft_model (a checkpoint directory)")
+        length = self.synthetic_acceptance_length
+        if not isinstance(length, (int, float)) or isinstance(length, bool) or length < 1.0:
+            raise ValueError(f"synthetic_acceptance_length must be a number >= 1, got {length!r}")
+        if k and self.speculative_method == "synthetic" and length > k + 1:
+            raise ValueError(f"synthetic_acceptance_length must be in [1, k + 1 = {k + 1}], got {length!r}")
 
 
 @dataclass(frozen=True)

@@ -46,12 +46,17 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
-def tiny_nemotron_h(path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+def tiny_nemotron_h(path: str | Path, seed: int = 0, max_shard_size: str | None = None, mtp: bool = False,
+                    **overrides):
     """Write a tiny NemotronHForCausalLM (Mamba, attention, MLP and MoE layers) to `path`.
 
     `overrides` replace NemotronHConfig fields; `max_shard_size` (e.g. "40KB") forces a sharded
-    checkpoint with an index file. Returns the transformers model (eval mode, fp32).
+    checkpoint with an index file. `mtp=True` also writes one MTP layer group (attention + MoE,
+    random `mtp.*` tensors, which transformers ignores). Returns the transformers model (eval, fp32).
     """
+    if mtp:
+        overrides = {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["full_attention", "moe"],
+                     **overrides}
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     fields = dict(
@@ -69,7 +74,30 @@ def tiny_nemotron_h(path: str | Path, seed: int = 0, max_shard_size: str | None 
     _randomize(model, seed)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
+    if mtp:
+        _write_mtp_weights(Path(path), seed)
     return model
+
+
+def _write_mtp_weights(path: Path, seed: int) -> None:
+    """Add random `mtp.*` tensors (checkpoint names, one tensor per expert) to model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    from replayssm.models.config import ModelConfig
+    from replayssm.spec.mtp_model import NemotronHMTP
+
+    mtp = NemotronHMTP(ModelConfig.from_hf(path), dtype=torch.float32)
+    _randomize(mtp, seed + 1)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    for name, t in mtp.state_dict().items():
+        stem, leaf = name.rsplit(".", 1)
+        if stem.endswith("mixer.experts"):
+            for e in range(t.shape[0]):
+                tensors[f"mtp.{stem}.{e}.{leaf}.weight"] = t[e].clone()
+        else:
+            tensors[f"mtp.{name}"] = t.clone()
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def tiny_mamba2(path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides):

@@ -37,6 +37,7 @@ class BatchInputs:
     logit_index: torch.Tensor  # (num_logits_total,) int64 packed positions, in the engine's row order
     prefill: list[RowView]
     decode: list[RowView]  # engine decode rows first, then forced rows
+    row_offsets: dict[int, int] | None = None  # engine row index -> its first packed token
 
 
 def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
@@ -106,4 +107,5 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
     for r in sorted(rows, key=lambda r: r.index):
         end = offset_of[r.index] + len(r.token_ids)
         logit_index.extend(range(end - r.num_logits, end))
-    return BatchInputs(dev(ids, torch.int64), attn, mamba, dev(logit_index, torch.int64), prefill, decode)
+    return BatchInputs(dev(ids, torch.int64), attn, mamba, dev(logit_index, torch.int64), prefill, decode,
+                       offset_of)

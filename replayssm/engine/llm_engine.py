@@ -45,8 +45,16 @@ class LLMEngine:
             max_num_seqs=min(config.scheduler.max_num_seqs, self.plan.num_requests_fit),
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             prefix_cache=setup.prefix_cache,
+            num_lookahead_tokens=config.spec.num_speculative_tokens,
+            max_model_len=self.max_model_len,
         )
         self.prefix_cache = setup.prefix_cache
+        self.spec = None
+        if config.spec.num_speculative_tokens:
+            from replayssm.engine.runner_setup import resolve_model_dir
+            from replayssm.spec.decode import SpecDecoder
+
+            self.spec = SpecDecoder(config, self.runner, resolve_model_dir(config.model))
         self.metrics = EngineMetrics()
         self._requests: dict[str, Request] = {}
         self._pending_aborts: list[str] = []
@@ -118,53 +126,91 @@ class LLMEngine:
         if not sched.chunks:
             return outputs
         self.metrics.num_steps += 1
+        chunks = sched.chunks
         if sched.copies:
             self.runner.copy_slots([s for s, _ in sched.copies], [d for _, d in sched.copies])
             self.scheduler.copies_done(sched)
-        rows = [self._row(c) for c in sched.chunks]
+        drafts = [None] * len(chunks)
+        if self.spec is not None:
+            drafts = self.spec.propose([c.request for c in chunks], [c.num_lookahead for c in chunks])
+        rows = [self._row(c, d) for c, d in zip(chunks, drafts)]
         plans = None
         if self.prefix_cache is not None:
-            plans = self.prefix_cache.plan([(c.request, c.start, c.num_tokens) for c in sched.chunks])
+            # A verify row may cross boundaries up to its last draft; only accepted ones publish.
+            plans = self.prefix_cache.plan(
+                [(c.request, c.start, len(row.token_ids)) for c, row in zip(chunks, rows)]
+            )
             for row, plan in zip(rows, plans):
                 row.checkpoints = [(p.offset, p.slot) for p in plan] or None
         logits = self.runner.execute(rows)
         offsets, sample_rows = [], []
         offset = 0
-        for chunk, row in zip(sched.chunks, rows):
+        for chunk, row, d in zip(chunks, rows, drafts):
             offsets.append(offset)
-            if chunk.samples:
+            if chunk.samples and d is None:
                 sample_rows.append(offset + row.num_logits - 1)
             offset += row.num_logits
         assert logits.shape[0] == offset, (logits.shape, offset)
-        sampled = [c for c in sched.chunks if c.samples]
+        sampled = [i for i, (c, d) in enumerate(zip(chunks, drafts)) if c.samples and d is None]
+        verified = [i for i, d in enumerate(drafts) if d is not None]
         tokens = logprobs = None
         if sampled:
-            tokens, logprobs = self._sample(logits[sample_rows], sampled)
+            tokens, logprobs = self._sample(logits[sample_rows], [chunks[i] for i in sampled])
+        emitted: dict[int, tuple[list[int], list[float] | None]] = {}
+        if verified:
+            out, lps = self.spec.verify(logits, [offsets[i] for i in verified],
+                                        [chunks[i].request for i in verified], [drafts[i] for i in verified])
+            emitted = {i: (out[j], lps[j] if lps is not None else None) for j, i in enumerate(verified)}
+        num_accepted = [len(emitted[i][0]) if i in emitted else 1 for i in range(len(rows))]
         # Queue the commit before reading tokens back, so it overlaps the device-to-host copy.
-        self.runner.commit(rows, [1] * len(rows))
+        live = self.runner.commit(rows, num_accepted)
         tokens_list = tokens.tolist() if tokens is not None else []  # the step's one sync
         logprobs_list = logprobs.tolist() if logprobs is not None else None
-        for chunk, row, off in zip(sched.chunks, rows, offsets):
-            if row.num_logits and chunk.request.wants_prompt_logprobs():
+        for j, i in enumerate(sampled):
+            emitted[i] = ([tokens_list[j]], [logprobs_list[j]] if logprobs_list is not None else None)
+        for chunk, row, off, slot, d in zip(chunks, rows, offsets, live, drafts):
+            if row.num_logits and d is None and chunk.request.wants_prompt_logprobs():
                 self._record_prompt_logprobs(chunk, logits[off : off + row.num_logits])
-        for chunk in sched.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            if chunk.request.slots and chunk.request.slots[0] != slot:
+                # Baseline verify: the state at the last accepted token lives in that spec slot.
+                chunk.request.slots.remove(slot)
+                chunk.request.slots.insert(0, slot)
+        for i, chunk in enumerate(chunks):
+            computed = num_accepted[i] if i in verified else chunk.num_tokens
+            chunk.request.num_computed_tokens += computed
             if chunk.num_tokens == 1 and chunk.start > 0:
-                self.metrics.num_decode_tokens_computed += 1
+                self.metrics.num_decode_tokens_computed += len(rows[i].token_ids)
             else:
                 self.metrics.num_prefill_tokens_computed += chunk.num_tokens
-        reasons = []
-        for i, chunk in enumerate(sampled):
-            lp = logprobs_list[i] if logprobs_list is not None else None
-            reasons.append(self.output.append_token(chunk.request, tokens_list[i], lp))
-            self.metrics.generation_tokens += 1
+        reasons: dict[int, str | None] = {}
+        for i in sorted(emitted):
+            r = chunks[i].request
+            toks, lps = emitted[i]
+            if i in verified:
+                self.metrics.spec_draft_tokens += len(drafts[i].tokens)
+                self.metrics.spec_accepted_tokens += len(toks) - 1
+            for j, t in enumerate(toks):
+                reason = self.output.append_token(r, t, lps[j] if lps is not None else None)
+                self.metrics.generation_tokens += 1
+                if reason is not None:
+                    # Tokens after a stop are dropped: computed positions end before the last token.
+                    r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens - 1)
+                    break
+            reasons[i] = reason
+        advanced = [c.request.num_computed_tokens - c.start for c in chunks]
         if plans is not None:
             # Publication happens before any block of this step is released.
-            for chunk, plan in zip(sched.chunks, plans):
-                self.prefix_cache.finish(chunk.request, chunk.start, chunk.num_tokens, plan)
-        for chunk, reason in zip(sampled, reasons):
-            r = chunk.request
-            outputs.append(self._finish(r, reason) if reason is not None else make_output(r))
+            for chunk, plan, n in zip(chunks, plans, advanced):
+                self.prefix_cache.finish(chunk.request, chunk.start, n, plan)
+        if self.spec is not None:
+            alive = [i for i in range(len(chunks)) if reasons.get(i) is None]
+            self.spec.observe([chunks[i].request for i in alive], alive, [chunks[i].start for i in alive],
+                              [advanced[i] for i in alive])
+        for i, reason in reasons.items():
+            r = chunks[i].request
+            out = self._finish(r, reason) if reason is not None else make_output(r)
+            out.synthetic_spec = self.spec is not None and not self.spec.produces_model_output
+            outputs.append(out)
         self.metrics.peak_running_requests = max(
             self.metrics.peak_running_requests, len(self.scheduler.running)
         )
@@ -173,8 +219,20 @@ class LLMEngine:
         )
         return outputs
 
-    def _row(self, chunk: ScheduledChunk) -> ScheduledRow:
+    def _row(self, chunk: ScheduledChunk, drafts: Any = None) -> ScheduledRow:
         r = chunk.request
+        if drafts is not None:
+            # Verify row: [last] + drafts; the baseline writes one state per token into spec slots.
+            q = 1 + len(drafts.tokens)
+            return ScheduledRow(
+                token_ids=r.token_slice(chunk.start, chunk.start + 1) + list(drafts.tokens),
+                start_pos=chunk.start,
+                block_table=list(r.block_table),
+                slot=r.slots[0],
+                is_prefill=False,
+                num_logits=q,
+                spec_slots=None if self.config.replayssm else list(r.slots[:q]),
+            )
         # A one-token chunk on top of existing state is a decode row (ReplaySSM path + commit).
         is_prefill = not (chunk.num_tokens == 1 and chunk.start > 0)
         if not is_prefill:
@@ -221,6 +279,8 @@ class LLMEngine:
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(r, reason)
+        if self.spec is not None:
+            self.spec.release(r)
         del self._requests[r.request_id]
         self.output.remove(r)
         self.metrics.num_requests_finished += 1
@@ -253,4 +313,6 @@ class LLMEngine:
                 kv_blocks_cached=self.scheduler.block_pool.num_cached,
                 kv_block_evictions=self.scheduler.block_pool.num_evictions,
             )
+        if self.spec is not None:
+            m.update(self.spec.metrics())
         return m

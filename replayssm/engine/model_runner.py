@@ -90,6 +90,8 @@ class ModelRunner:
         self._committed = [0] * (num_slots + 1)
         self._seed, self._step = seed, 0
         self._pending: BatchInputs | None = None
+        self._hidden: torch.Tensor | None = None
+        self._row_offsets: dict[int, int] = {}
 
     # ---- sizes (static: usable by the planner before allocation) ---------------------------------
 
@@ -147,6 +149,8 @@ class ModelRunner:
                              mamba_cache=self.mamba_cache, replayssm=self.replayssm, window=self.window,
                              rand_seed=self._next_seed())
         hidden = self.model(batch.input_ids, ctx)
+        # Kept until the next execute: model drafters (MTP) read the target's hidden states.
+        self._hidden, self._row_offsets = hidden, batch.row_offsets
         logits = self.model.compute_logits(hidden[batch.logit_index])
         forced = [r for r in batch.decode if r.forced]
         if forced:
@@ -181,6 +185,12 @@ class ModelRunner:
         self._pending = None
         self._commit_decode(batch, decode, accepted)
         return live
+
+    def row_hidden(self, index: int, num_tokens: int) -> torch.Tensor:
+        """Hidden states (num_tokens, hidden), before the final norm, of the first num_tokens
+        tokens of row `index` of the last execute()."""
+        start = self._row_offsets[index]
+        return self._hidden[start:start + num_tokens]
 
     def _commit_decode(self, batch: BatchInputs, rows: list[RowView], accepted: list[int]) -> None:
         """Cursor commit (once) and conv-window commit (per layer) for `rows`, a slice of batch.decode."""

@@ -21,6 +21,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs is set
     prompt_logprobs: list[float | None] | None = None  # per prompt token (first is None)
+    # True when the synthetic drafter (benchmarks only) forced acceptances: NOT the model's output.
+    synthetic_spec: bool = False
 
 
 def make_output(r: Request) -> RequestOutput:

@@ -19,6 +19,7 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    num_lookahead: int = 0  # KV room reserved past the chunk for speculative drafts (decode only)
 
     @property
     def samples(self) -> bool:
@@ -54,6 +55,8 @@ class Scheduler:
        cached prefix: it shares those KV blocks and gets the prefix's checkpoint copied into
        its live slot. Cached entries count as free memory (they are evicted LRU on demand).
     Running requests stay sorted by arrival, so "newest" means latest arrival.
+    Speculative decoding: a decode request also gets up to ``num_lookahead_tokens`` positions
+    of budget and KV blocks for its drafts (fewer near max_tokens / max_model_len).
     """
 
     def __init__(
@@ -65,6 +68,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.prefix_cache = prefix_cache
         self.block_pool = block_pool
@@ -72,6 +77,8 @@ class Scheduler:
         self.kv_block_size = kv_block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -84,6 +91,15 @@ class Scheduler:
     def _blocks_needed(self, request: Request, num_tokens: int) -> int:
         total = -(-(request.num_computed_tokens + num_tokens) // self.kv_block_size)
         return max(0, total - len(request.block_table))
+
+    def _lookahead(self, request: Request, n: int, budget: int) -> int:
+        """Draft positions for a decode step: never past max_tokens or max_model_len."""
+        if not self.num_lookahead_tokens or n != 1 or request.num_computed_tokens == 0:
+            return 0
+        room = request.params.max_tokens - len(request.output_token_ids) - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - request.num_tokens)
+        return max(0, min(self.num_lookahead_tokens, budget - 1, room))
 
     def _release(self, request: Request) -> None:
         self.block_pool.free(request.block_table)
@@ -107,7 +123,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_uncomputed_tokens, budget)
-            need = self._blocks_needed(request, n)
+            extra = self._lookahead(request, n, budget)
+            need = self._blocks_needed(request, n + extra)
             while not self.block_pool.can_allocate(need) and self.running[-1] is not request:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -120,8 +137,8 @@ class Scheduler:
                 out.preempted.append(request)
                 break
             request.block_table.extend(self.block_pool.allocate(need))
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
-            budget -= n
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n, extra))
+            budget -= n + extra
             i += 1
         while (
             self.waiting

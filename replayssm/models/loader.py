@@ -4,7 +4,8 @@ Checkpoint names map one to one onto our modules after three normalizations, whi
 names written by every transformers version and by NVIDIA's remote code:
   - the `model.` or `backbone.` prefix is dropped; legacy Mamba-2 `embedding.` -> `embeddings.`;
   - per-expert MoE weights `experts.{e}.up_proj.weight` fill row e of the stacked `experts.up_proj`;
-  - multi-token-prediction weights (`mtp.*`) are skipped (not served yet).
+  - multi-token-prediction weights (`mtp.*`) are skipped here; the MTP drafter
+    (replayssm/spec/mtp_model.py) loads them with its own mapping.
 Every parameter must be filled exactly; a missing tensor or a wrong shape raises ValueError
 naming the file and the tensor.
 """
@@ -60,8 +61,12 @@ def _our_name(key: str) -> str | None:
     return key
 
 
-def load_weights(model: nn.Module, path: str | Path) -> None:
-    """Copy every parameter of `model` from the checkpoint at `path` (dtype converted, shapes checked)."""
+def load_weights(model: nn.Module, path: str | Path, rename=None) -> None:
+    """Copy every parameter of `model` from the checkpoint at `path` (dtype converted, shapes checked).
+
+    rename: checkpoint name -> parameter name or None to skip (default: the decoder's mapping
+    above; the MTP drafter passes its own to read the `mtp.*` tensors)."""
+    rename = rename or _our_name
     params = dict(model.named_parameters())
     filled: set[str] = set()
     experts_filled: dict[str, set[int]] = {}
@@ -69,7 +74,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    name = _our_name(key)
+                    name = rename(key)
                     if name is None:
                         continue
                     m = _EXPERT.match(name)

@@ -1,0 +1,88 @@
+"""Nemotron-H multi-token-prediction (MTP) head, read from the checkpoint's `mtp.*` tensors.
+
+transformers has no MTP module (it ignores `mtp.*` on load), so this follows the public
+Nemotron-H MTP design. One MTP step at position i takes the target's final hidden state h_i
+(after norm_f) and the embedding of the next token x_{i+1}, and predicts x_{i+2}:
+
+    e = enorm(embed(x_{i+1}))          embed = the target's embedding (shared)
+    g = hnorm(h_i)
+    h = eh_proj([e, g])                (2*hidden -> hidden, no bias)
+    h = block(h) for each layer in mtp_layers_block_type   (pre-norm residual blocks)
+    out = final_layernorm(h);  logits = lm_head(out)        lm_head = the target's (shared)
+
+Checkpoint names: mtp.layers.{i}.{norm,mixer.*}, plus enorm / hnorm / eh_proj on layer 0 and
+final_layernorm on the last layer. The MTP attention layers keep their own paged KV cache,
+addressed with the request's block table (the same block ids as the target's KV).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from replayssm.models.config import ATTENTION, LAYER_TYPES, MAMBA, ModelConfig
+from replayssm.models.hybrid import HybridBlock
+from replayssm.models.layers.norm import RMSNorm
+from replayssm.models.loader import load_weights
+
+
+class MTPLayer(HybridBlock):
+    """A Nemotron-H block plus the MTP fusion (first layer) or the closing norm (last layer)."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, index_of_kind: int, *, first: bool, last: bool,
+                 device=None, dtype=None) -> None:
+        super().__init__(cfg, kind, index_of_kind, device=device, dtype=dtype)
+        kw = dict(device=device, dtype=dtype)
+        if first:
+            self.enorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
+            self.hnorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
+            self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False, **kw)
+        if last:
+            self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
+
+
+class NemotronHMTP(nn.Module):
+    """(next-token embeddings (T, hidden), normed target hidden (T, hidden), ctx) -> (T, hidden)."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        if cfg.num_nextn_predict_layers != 1 or not cfg.mtp_layer_types:
+            raise ValueError("speculative_method='mtp' needs a checkpoint with num_nextn_predict_layers=1 "
+                             "and mtp_layers_block_type; this one has num_nextn_predict_layers="
+                             f"{cfg.num_nextn_predict_layers}")
+        if MAMBA in cfg.mtp_layer_types:
+            raise ValueError("MTP layers of type mamba are not supported (attention, mlp and moe are)")
+        counts = dict.fromkeys(LAYER_TYPES, 0)
+        layers = []
+        n = len(cfg.mtp_layer_types)
+        for i, kind in enumerate(cfg.mtp_layer_types):
+            layers.append(MTPLayer(cfg, kind, counts[kind], first=i == 0, last=i == n - 1,
+                                   device=device, dtype=dtype))
+            counts[kind] += 1
+        self.layers = nn.ModuleList(layers)
+        self.num_attention_layers = counts[ATTENTION]
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        first = self.layers[0]
+        h = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(hidden)], dim=-1))
+        for layer in self.layers:
+            h = layer(h, ctx)
+        return self.layers[-1].final_layernorm(h)
+
+
+def mtp_tensor_name(key: str) -> str | None:
+    """Checkpoint name -> NemotronHMTP parameter name (None for non-MTP tensors)."""
+    for prefix in ("language_model.", "model.", "backbone."):
+        key = key.removeprefix(prefix)
+    return key[len("mtp."):] if key.startswith("mtp.") else None
+
+
+def load_mtp(cfg: ModelConfig, path: str | Path, *, device: torch.device, dtype: torch.dtype) -> NemotronHMTP:
+    """Build the MTP head and fill every parameter from the checkpoint's mtp.* tensors."""
+    with torch.device("meta"):
+        mtp = NemotronHMTP(cfg, dtype=dtype)
+    mtp = mtp.to_empty(device=device)
+    load_weights(mtp, path, rename=mtp_tensor_name)
+    return mtp.eval().requires_grad_(False)
