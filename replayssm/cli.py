@@ -44,7 +44,14 @@ ENGINE_FLAGS = {
         "prefix_checkpoint_interval",
     ),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "max_model_len"),
-    SpecConfig: ("num_speculative_tokens",),
+    SpecConfig: (
+        "num_speculative_tokens",
+        "speculative_method",
+        "draft_model",
+        "ngram_min",
+        "ngram_max",
+        "synthetic_acceptance_length",
+    ),
 }
 
 

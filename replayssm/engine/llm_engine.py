@@ -163,7 +163,7 @@ class LLMEngine:
             emitted = {i: (out[j], lps[j] if lps is not None else None) for j, i in enumerate(verified)}
         num_accepted = [len(emitted[i][0]) if i in emitted else 1 for i in range(len(rows))]
         # Queue the commit before reading tokens back, so it overlaps the device-to-host copy.
-        live = self.runner.commit(rows, num_accepted)
+        live = self.runner.commit(rows, num_accepted) or [row.slot for row in rows]
         tokens_list = tokens.tolist() if tokens is not None else []  # the step's one sync
         logprobs_list = logprobs.tolist() if logprobs is not None else None
         for j, i in enumerate(sampled):

@@ -8,8 +8,13 @@ V = 6
 
 
 def _params(b, temperature=1.0):
-    return (torch.full((b,), temperature), torch.full((b,), V, dtype=torch.int64), torch.ones(b),
-            torch.arange(b, dtype=torch.int64) * 7919 + 11, torch.full((b,), 40, dtype=torch.int64))
+    return (
+        torch.full((b,), temperature),
+        torch.full((b,), V, dtype=torch.int64),
+        torch.ones(b),
+        torch.arange(b, dtype=torch.int64) * 7919 + 11,
+        torch.full((b,), 40, dtype=torch.int64),
+    )
 
 
 def _draw(probs, gen):
