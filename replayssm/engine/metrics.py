@@ -21,8 +21,8 @@ class EngineMetrics:
     num_preemptions: int = 0
     prefix_cache_query_tokens: int = 0  # prefix caching is not implemented yet: stays 0
     prefix_cache_hit_tokens: int = 0
-    spec_draft_tokens: int = 0  # no drafter runs yet: stays 0
-    spec_accepted_tokens: int = 0
+    spec_draft_tokens: int = 0  # drafts proposed (see also the spec_* keys of get_metrics)
+    spec_accepted_tokens: int = 0  # drafts accepted (bonus / corrected tokens not counted)
     peak_running_requests: int = 0
     peak_kv_blocks_used: int = 0
 

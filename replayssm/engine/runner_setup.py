@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from dataclasses import dataclass
@@ -79,11 +80,16 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         kv_block_size=cache.kv_block_size,
     )
     interval = cache.prefix_checkpoint_interval or cache.kv_block_size
+    kv_block_bytes = runner_cls.kv_block_bytes(model_config, **sizes)
+    if spec.num_speculative_tokens and spec.speculative_method == "mtp" and model_config.mtp_layer_types:
+        # The MTP head's attention KV is addressed by the same block ids: it grows every block.
+        mtp_config = dataclasses.replace(model_config, layer_types=model_config.mtp_layer_types)
+        kv_block_bytes += runner_cls.kv_block_bytes(mtp_config, **sizes)
     budget = cache.memory_budget or default_memory_budget(device, cache.gpu_memory_utilization, model_dir)
     plan = plan_cache(
         budget,
         bytes_per_slot=runner_cls.slot_bytes(model_config, **sizes),
-        bytes_per_kv_block=runner_cls.kv_block_bytes(model_config, **sizes),
+        bytes_per_kv_block=kv_block_bytes,
         kv_block_size=cache.kv_block_size,
         max_model_len=max_model_len,
         slots_per_request=slots_per_request(config.replayssm, spec.num_speculative_tokens),

@@ -115,3 +115,10 @@ def test_cli_spec_flags_reach_the_engine():
     assert (
         build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"]).speculative_method == "ngram"
     )
+
+
+def test_planner_counts_the_mtp_kv_cache():
+    """The MTP head's attention KV (same block ids) is part of every planned KV block."""
+    plain = make_llm().engine.plan.bytes_per_kv_block
+    mtp = make_llm(num_speculative_tokens=1, speculative_method="mtp").engine.plan.bytes_per_kv_block
+    assert mtp * 2 == plain * 3  # the target has 2 attention layers, its MTP head 1
