@@ -150,6 +150,8 @@ def run_generate(args: argparse.Namespace) -> int:
                         "text": out.text,
                         "token_ids": out.token_ids,
                         "finish_reason": out.finish_reason,
+                        # Synthetic speculative runs force acceptances: the tokens are not the model's.
+                        **({"synthetic_spec": True} if out.synthetic_spec else {}),
                     }
                 )
             )
@@ -162,6 +164,13 @@ def run_generate(args: argparse.Namespace) -> int:
         f"({m['generation_tokens'] / max(elapsed, 1e-9):.1f} tok/s), preemptions: {m['num_preemptions']}",
         file=sys.stderr,
     )
+    if m.get("spec_verify_steps"):
+        note = "" if m["spec_output_is_model_output"] else " (synthetic: NOT the model's output)"
+        print(
+            f"speculative ({m['spec_method']}, k={m['spec_num_speculative_tokens']}): mean acceptance length "
+            f"{m['spec_mean_acceptance_length']:.3f} over {m['spec_verify_steps']} verify steps{note}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -122,3 +122,32 @@ def test_planner_counts_the_mtp_kv_cache():
     plain = make_llm().engine.plan.bytes_per_kv_block
     mtp = make_llm(num_speculative_tokens=1, speculative_method="mtp").engine.plan.bytes_per_kv_block
     assert mtp * 2 == plain * 3  # the target has 2 attention layers, its MTP head 1
+
+
+def test_cli_generate_marks_synthetic_output(capsys):
+    """`generate --speculative-method synthetic --json` flags each output and the summary line."""
+    import json
+
+    from replayssm.cli import main
+
+    argv = [
+        "generate",
+        "--model",
+        "demo",
+        "--device",
+        "cpu",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "8",
+        "--num-speculative-tokens",
+        "3",
+        "--speculative-method",
+        "synthetic",
+        "--json",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["synthetic_spec"] is True
+    assert "NOT the model's output" in err
