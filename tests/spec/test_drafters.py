@@ -1,7 +1,7 @@
 """Drafter units: n-gram lookup, the synthetic acceptance law, the MTP head's KV consistency, CLI flags."""
 
 import torch
-from spec_helpers import make_llm, target
+from spec_helpers import make_llm, one_thread, target  # noqa: F401 (autouse fixture)
 
 from replayssm.cli import build_parser, engine_kwargs
 from replayssm.engine.request import Request

@@ -5,7 +5,7 @@ import random
 from collections import Counter
 
 import pytest
-from spec_helpers import generate, make_llm, plain_greedy, prompts
+from spec_helpers import generate, make_llm, one_thread, plain_greedy, prompts  # noqa: F401 (autouse fixture)
 
 from replayssm.spec.proposer import Drafts, Proposer
 

@@ -1,7 +1,7 @@
 """ReplaySSM speculative decoding admits more requests than the 1 + k-slot baseline under one budget."""
 
 import pytest
-from spec_helpers import generate, make_llm, target
+from spec_helpers import generate, make_llm, one_thread, target  # noqa: F401 (autouse fixture)
 
 from replayssm import SamplingParams
 from replayssm.cache.planner import plan_cache, slots_per_request

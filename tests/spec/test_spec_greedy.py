@@ -1,7 +1,7 @@
 """Greedy speculative decoding equals plain greedy decoding, for every drafter, ReplaySSM on and off."""
 
 import pytest
-from spec_helpers import generate, make_llm, plain_greedy, target
+from spec_helpers import generate, make_llm, one_thread, plain_greedy, target  # noqa: F401 (autouse fixture)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -1,6 +1,6 @@
 """Speculative decoding above temperature 0: seeded, batch-independent, and accepting q = p drafts."""
 
-from spec_helpers import generate, make_llm, target
+from spec_helpers import generate, make_llm, one_thread, target  # noqa: F401 (autouse fixture)
 
 from replayssm import SamplingParams
 
