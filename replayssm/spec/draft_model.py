@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
-from replayssm.engine.request import Request
+from replayssm.engine.request import Request, RequestStatus
 from replayssm.spec.proposer import Drafts, Proposer, draw_drafts
 
 
@@ -40,13 +40,17 @@ class DraftModelProposer(Proposer):
                              f"target's {target.model_config.vocab_size}")
         self.q_max = 1 + k
         self._free = list(range(self.max_num_seqs))
-        # request_id -> (slot, preemptions seen, tokens the slot is exact at)
-        self._state: dict[str, tuple[int, int, int]] = {}
+        # request_id -> (request, slot, preemptions seen, tokens the slot is exact at)
+        self._state: dict[str, tuple[Request, int, int, int]] = {}
 
     def _slot(self, r: Request) -> tuple[int, int]:
         """The request's real slot and how many of its tokens it holds (0 after a preemption)."""
-        slot, preempted, done = self._state.get(r.request_id, (None, -1, 0))
+        _, slot, preempted, done = self._state.get(r.request_id, (r, None, -1, 0))
         if slot is None:
+            if not self._free:
+                # Preempted requests (waiting again) give their slot back; they start over.
+                rid = next(k for k, v in self._state.items() if v[0].status is RequestStatus.WAITING)
+                self._free.append(self._state.pop(rid)[1])
             slot = self._free.pop()
         if preempted != r.num_preemptions or done > r.num_computed_tokens + 1:
             done = 0  # its KV blocks were freed and re-allocated: start over
@@ -77,7 +81,7 @@ class DraftModelProposer(Proposer):
                 todo[i][1] += len(row.token_ids)
                 last[i] = logits[n]
         for r, (slot, done, _) in zip(requests, todo):
-            self._state[r.request_id] = (slot, r.num_preemptions, done)
+            self._state[r.request_id] = (r, slot, r.num_preemptions, done)
         return torch.stack(last)
 
     @torch.no_grad()
@@ -89,7 +93,7 @@ class DraftModelProposer(Proposer):
         more = [i for i, n in enumerate(num_drafts) if n > 1]
         if more:
             scratch = {i: self.max_num_seqs + n for n, i in enumerate(more)}
-            self.runner.copy_slots([self._state[requests[i].request_id][0] for i in more],
+            self.runner.copy_slots([self._state[requests[i].request_id][1] for i in more],
                                    [scratch[i] for i in more])
             for j in range(1, max(num_drafts)):
                 rows_i = [i for i in more if num_drafts[i] > j]
@@ -109,4 +113,4 @@ class DraftModelProposer(Proposer):
     def release(self, request: Request) -> None:
         state = self._state.pop(request.request_id, None)
         if state is not None:
-            self._free.append(state[0])
+            self._free.append(state[1])
