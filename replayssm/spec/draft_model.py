@@ -26,6 +26,8 @@ from replayssm.spec.proposer import Drafts, Proposer, draw_drafts
 
 
 class DraftModelProposer(Proposer):
+    """Drafts from a small checkpoint run in its own ModelRunner (see the module docstring)."""
+
     def __init__(self, draft_dir: str, target: Any, k: int, *, replay_window: int, seed: int = 0) -> None:
         self.max_num_seqs = target.max_num_seqs
         self.budget = target.max_num_batched_tokens + self.max_num_seqs * (k + 1)

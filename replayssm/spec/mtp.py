@@ -26,7 +26,9 @@ from replayssm.spec.proposer import Drafts, Proposer, draw_drafts
 
 
 class MTPProposer(Proposer):
-    needs_hidden = True
+    """Drafts from the checkpoint's MTP head, fed with the target's hidden states (module docstring)."""
+
+    needs_hidden = True  # the engine passes each row's target hidden states to observe()
 
     def __init__(self, runner: Any, model_dir: str) -> None:
         cfg = runner.model_config
