@@ -28,7 +28,7 @@ def test_synthetic_drafter_hits_the_configured_mean_length():
     reqs = [Request(f"r{i}", [5, 6], SamplingParams(), seed=i, arrival=i) for i in range(20000)]
     drafts = prop.propose(reqs, [3] * len(reqs))
     mean = sum(d.forced_accepted + 1 for d in drafts) / len(drafts)
-    assert abs(mean - 3.1151) < 0.02
+    assert abs(mean - 3.1151) < 0.03  # about 4 standard errors at 20000 draws
     assert all(len(d.tokens) == 3 and 0 <= d.forced_accepted <= 3 for d in drafts)
     assert prop.propose(reqs[:5], [3] * 5) == drafts[:5]
 
