@@ -1,4 +1,4 @@
-"""Command line: ``replayssm generate | serve`` (``bench`` plugs in the same way).
+"""Command line: ``replayssm generate | serve | bench``.
 
 Engine flags and their defaults come from the config dataclasses' fields (help text in
 ``metadata["help"]``), so the CLI and the Python API cannot drift apart. Each subcommand is
@@ -189,10 +189,64 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
+# ---- bench (workload and report live in benchmarks/, next to the package in a source checkout) ----
+
+
+def _load_benchmark(name: str) -> Any:
+    """Import benchmarks/<name>.py of the source checkout this package runs from."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    if not path.is_file():
+        raise ValueError(f"replayssm bench needs a source checkout: {path} not found")
+    spec = importlib.util.spec_from_file_location(f"replayssm_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model on the CPU, tiny workload: a smoke run in seconds")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")
+    parser.add_argument("--modes", default="abc",
+                        help="which modes to run: a decode, b speculative, c prefix caching (default: abc)")
+    parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    bench, report = _load_benchmark("bench_e2e"), _load_benchmark("report_e2e")
+    if not args.scale > 0:
+        raise ValueError(f"--scale must be > 0, got {args.scale}")
+    if not args.modes or set(args.modes) - set("abc"):
+        raise ValueError(f"--modes must be letters among a, b, c, got {args.modes!r}")
+    if args.quick:
+        workload = bench.quick_workload().scaled(args.scale)
+    elif torch.cuda.is_available():
+        workload = bench.h200_workload(args.scale)
+    else:
+        raise ValueError("the full benchmark needs a CUDA GPU; use --quick for the CPU smoke run")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    result = bench.run_benchmark(workload, args.modes, log=log)
+    out = args.out or str(report.ROOT / "benchmarks" / "results")
+    doc = report.write_results(result, out, ["replayssm", *sys.argv[1:]], bench.TARGETS)
+    print(report.render_markdown(doc))
+    if doc["plot_note"]:
+        log(f"bench: {doc['plot_note']}")
+    return 0
+
+
 Handler = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 SUBCOMMANDS: dict[str, Handler] = {
     "generate": ("generate text for one or more prompts", add_generate_args, run_generate),
     "serve": ("serve a checkpoint over an OpenAI-compatible HTTP API", add_serve_args, run_serve),
+    "bench": ("end-to-end speed: ReplaySSM, speculative and prefix-caching ON/OFF runs", add_bench_args,
+              run_bench),
 }
 
 

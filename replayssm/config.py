@@ -144,6 +144,10 @@ class EngineConfig:
         0, "engine seed: draws the seeds of requests that set none (and the runner's rounding seed)"
     )
     tokenizer: str | None = _doc(None, "tokenizer directory (default: the model directory)")
+    load_format: str = _doc(
+        "auto", "weights: auto (the checkpoint's safetensors) or dummy (seeded random weights from "
+        "config.json alone, for benchmarks)"
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -159,6 +163,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
         _check_int("replay_window", self.replay_window, 1)
         _check_int("seed", self.seed, 0)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         q_max = 1 + self.spec.num_speculative_tokens
         if q_max > self.replay_window:
             raise ValueError(

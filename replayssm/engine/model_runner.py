@@ -57,7 +57,7 @@ class ModelRunner:
                  dtype: str | torch.dtype | None = None, replayssm: bool = True, replay_window: int = 16,
                  state_dtype: str | torch.dtype = "float32", num_speculative_tokens: int = 0,
                  num_kv_blocks: int = 64, kv_block_size: int = 16, num_slots: int = 8, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 2048, seed: int = 0) -> None:
+                 max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto") -> None:
         for name, value, low in (("replay_window", replay_window, 1), ("num_speculative_tokens",
                                  num_speculative_tokens, 0), ("num_kv_blocks", num_kv_blocks, 1),
                                  ("kv_block_size", kv_block_size, 1), ("num_slots", num_slots, 1),
@@ -71,7 +71,8 @@ class ModelRunner:
                              f"({replay_window})")
         self.device = torch.device(device)
         self.model, self.model_config = load_model(model_path, device=self.device,
-                                                   dtype=None if dtype is None else as_dtype(dtype, "dtype"))
+                                                   dtype=None if dtype is None else as_dtype(dtype, "dtype"),
+                                                   load_format=load_format)
         cfg = self.model_config
         self.dtype = self.model.dtype
         self.state_dtype = as_dtype(state_dtype, "state_dtype")

@@ -33,8 +33,11 @@ class RunnerSetup:
     prefix_cache: PrefixCache | None = None
 
 
-def resolve_model_dir(model: str) -> str:
-    """A checkpoint directory, or the built-in demo checkpoint for ``"demo"``."""
+def resolve_model_dir(model: str, need_weights: bool = True) -> str:
+    """A checkpoint directory, or the built-in demo checkpoint for ``"demo"``.
+
+    need_weights=False (load_format "dummy") accepts a directory holding only config.json.
+    """
     if model == "demo":
         from replayssm.demo import demo_checkpoint
 
@@ -43,19 +46,23 @@ def resolve_model_dir(model: str) -> str:
         raise ValueError(f"model {model!r} is not a directory (pass a checkpoint directory or 'demo')")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model {model!r} has no config.json")
-    if not glob.glob(os.path.join(model, "*.safetensors")):
+    if need_weights and not glob.glob(os.path.join(model, "*.safetensors")):
         raise ValueError(f"model {model!r} has no *.safetensors weights")
     return model
 
 
-def default_memory_budget(device: str, gpu_memory_utilization: float, model_dir: str) -> int:
-    """CPU: 1 GiB. CUDA: the utilization share of free memory, minus the weights' file size."""
+def default_memory_budget(device: str, gpu_memory_utilization: float, model_dir: str,
+                          weight_bytes: int | None = None) -> int:
+    """CPU: 1 GiB. CUDA: the utilization share of free memory, minus the weights' file size
+    (or weight_bytes when given: dummy weights have no files)."""
     if not device.startswith("cuda"):
         return CPU_DEFAULT_BUDGET
     import torch
 
     free, _ = torch.cuda.mem_get_info(torch.device(device))
-    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    weights = weight_bytes
+    if weights is None:
+        weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
     return max(1, int(free * gpu_memory_utilization) - weights)
 
 
@@ -65,7 +72,8 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
 
     if runner_cls is None:
         from replayssm.engine.model_runner import ModelRunner as runner_cls
-    model_dir = resolve_model_dir(config.model)
+    dummy = config.load_format == "dummy"
+    model_dir = resolve_model_dir(config.model, need_weights=not dummy)
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     device, dtype = config.resolved_device(), config.resolved_dtype()
@@ -85,7 +93,14 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         # The MTP head's attention KV is addressed by the same block ids: it grows every block.
         mtp_config = dataclasses.replace(model_config, layer_types=model_config.mtp_layer_types)
         kv_block_bytes += runner_cls.kv_block_bytes(mtp_config, **sizes)
-    budget = cache.memory_budget or default_memory_budget(device, cache.gpu_memory_utilization, model_dir)
+    weight_bytes = None
+    if dummy and not cache.memory_budget and device.startswith("cuda"):
+        from replayssm.cache.mamba_cache import as_dtype
+        from replayssm.models.dummy import parameter_bytes
+
+        weight_bytes = parameter_bytes(model_config, as_dtype(dtype, "dtype"))
+    budget = cache.memory_budget or default_memory_budget(device, cache.gpu_memory_utilization, model_dir,
+                                                          weight_bytes)
     plan = plan_cache(
         budget,
         bytes_per_slot=runner_cls.slot_bytes(model_config, **sizes),
@@ -112,6 +127,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         max_num_seqs=min(config.scheduler.max_num_seqs, plan.num_requests_fit),
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         seed=config.seed,
+        **({"load_format": "dummy"} if dummy else {}),
     )
     # Stop at the tokenizer's eos and at every eos the generation config names.
     eos = set(read_eos_token_ids(model_dir) or model_config.eos_token_ids)

@@ -22,7 +22,9 @@ from torch import nn
 
 from replayssm.models import model_class
 from replayssm.models.config import ModelConfig
+from replayssm.models.dummy import init_dummy_weights
 
+LOAD_FORMATS = ("auto", "dummy")
 _EXPERT = re.compile(r"^(layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 
 
@@ -112,16 +114,22 @@ def _copy(param: torch.Tensor, row: int | None, tensor: torch.Tensor, file: Path
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> tuple[nn.Module, ModelConfig]:
+               dtype: torch.dtype | None = None, load_format: str = "auto") -> tuple[nn.Module, ModelConfig]:
     """Build the model for the checkpoint at `path` on `device` in `dtype` (default: the checkpoint's).
 
-    Parameters are allocated uninitialized and every one is then filled from the checkpoint.
+    Parameters are allocated uninitialized and every one is then filled from the checkpoint
+    (load_format "auto"), or with seeded random values from config.json alone ("dummy").
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     config = ModelConfig.from_hf(path)
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     with torch.device("meta"):
         model = model_class(config)(config, dtype=dtype or config.dtype)
     model = model.to_empty(device=device)
-    load_weights(model, path)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, path)
     return model.eval().requires_grad_(False), config

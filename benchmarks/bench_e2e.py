@@ -1,0 +1,296 @@
+"""End-to-end engine benchmark: ``replayssm bench`` (or ``python3 benchmarks/bench_e2e.py``).
+
+Model: a Nemotron-H-8B-shaped config (hidden 4096, the 52-layer M/-/* pattern) with seeded
+random bf16 weights made on the device (``load_format="dummy"``: only a config.json is
+written), fp32 Mamba state, W=16. Every mode runs its settings in OFF, ON, ON, OFF order in
+one process, so ON/OFF ratios come from one run with drift cancelled:
+
+    (a) decode   OFF = ReplaySSM off, ON = ReplaySSM on; short prompts, long outputs
+    (b) spec     k=3 synthetic drafts (acceptance length 3.1151); OFF = ReplaySSM off
+                 (baseline verify, 1 + k state slots per request), ON = ReplaySSM on
+    (c) prefix   multi-turn over one long shared context; OFF/ON = prefix caching off/on
+
+(c) is scaled from the seeds (51,200 shared tokens, 20 turns of 2,048 in / 1,024 out) to
+12,800 shared tokens and 4 turns of 1,024 in / 128 out (x `--scale`), so the whole
+benchmark fits one 10-minute command; the prefix share of a turn's prompt (which sets the
+TTFT saving) stays above 90%. Modes whose engine feature is not on this branch are skipped
+with a message. Per request the engine loop records the submit time and the step (and time)
+of its first and last token; see summarize() for the metrics. `--quick` runs a tiny model on
+the CPU in seconds (the CI smoke test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NEMOTRON_H_8B = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072,
+    "hidden_size": 4096, "num_hidden_layers": 52,
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+    "expand": 2, "chunk_size": 128, "use_conv_bias": True, "mamba_hidden_act": "silu",
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504,
+    "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+    # No positional encoding: the long multi-turn context only needs the limit raised.
+    "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16",
+}
+# A few layers of every kind (MoE included) for the CPU smoke run.
+TINY = {
+    **NEMOTRON_H_8B, "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 6,
+    "hybrid_override_pattern": "M-M*ME", "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
+    "n_groups": 2, "chunk_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 96, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32, "max_position_embeddings": 4096, "dtype": "float32",
+}
+ORDER = ("off", "on", "on", "off")
+ACCEPTANCE_LENGTH = 3.1151
+TARGETS = {"a": 1.45, "b": 2.2, "c": 0.88}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sizes of every mode (token counts are per request)."""
+
+    config: dict
+    device: str
+    dtype: str
+    decode_batch: int = 256
+    decode_prompt: int = 32
+    decode_output: int = 1000
+    spec_batches: tuple[int, ...] = (256, 512)
+    spec_prompt: int = 32
+    spec_output: int = 256
+    spec_k: int = 3
+    conversations: int = 1
+    shared_context: int = 12800
+    turns: int = 4
+    turn_input: int = 1024
+    turn_output: int = 128
+    max_num_batched_tokens: int = 8192
+    kv_block_size: int = 16
+    window: int = 16
+
+    def scaled(self, s: float) -> Workload:
+        """Output lengths and context sizes times s (batches unchanged)."""
+        n = lambda v: max(2, round(v * s))  # noqa: E731
+        return dataclasses.replace(self, decode_output=n(self.decode_output), spec_output=n(self.spec_output),
+                                   shared_context=n(self.shared_context), turn_input=n(self.turn_input),
+                                   turn_output=n(self.turn_output))
+
+
+def h200_workload(scale: float = 1.0) -> Workload:
+    return Workload(NEMOTRON_H_8B, "cuda", "bfloat16").scaled(scale)
+
+
+def quick_workload() -> Workload:
+    return Workload(TINY, "cpu", "float32", decode_batch=4, decode_prompt=6, decode_output=8,
+                    spec_batches=(4, 8), spec_prompt=6, spec_output=8, conversations=2, shared_context=48,
+                    turns=2, turn_input=8, turn_output=4, max_num_batched_tokens=64, kv_block_size=4)
+
+
+# ---- driving the engine -------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """Per-request timeline of one run (host clock after each step; step() syncs on the tokens)."""
+
+    submit: dict[str, float] = dataclasses.field(default_factory=dict)
+    first: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    last: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    turn: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps: int = 0
+    outputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
+def drive(engine, prompts: dict[str, list[int]], max_tokens: int, trace: Trace, turn: int = 0) -> None:
+    """Submit `prompts` at once (greedy, ignore_eos, exactly max_tokens each) and step until done."""
+    from replayssm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    now = time.perf_counter()
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+        trace.submit[rid], trace.turn[rid] = now, turn
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        trace.steps += 1
+        for out in outs:
+            if out.token_ids and out.request_id not in trace.first:
+                trace.first[out.request_id] = (trace.steps, now)
+            trace.last[out.request_id] = (trace.steps, now)
+            trace.tokens[out.request_id] = len(out.token_ids)
+            if out.finished:
+                trace.outputs[out.request_id] = list(out.token_ids)
+
+
+def _decode_workload(engine, w: Workload, batch: int, prompt: int, output: int, rng: random.Random) -> Trace:
+    trace = Trace()
+    vocab = w.config["vocab_size"]
+    drive(engine, {f"r{i}": [rng.randrange(3, vocab) for _ in range(prompt)] for i in range(batch)}, output,
+          trace)
+    return trace
+
+
+def _multiturn_workload(engine, w: Workload, rng: random.Random) -> Trace:
+    """Each conversation: shared context + turn input -> output; the next turn appends both."""
+    trace = Trace()
+    vocab = w.config["vocab_size"]
+    shared = [rng.randrange(3, vocab) for _ in range(w.shared_context)]
+    history = {f"c{c}": list(shared) for c in range(w.conversations)}
+    for t in range(w.turns):
+        prompts = {}
+        for c, h in history.items():
+            h.extend(rng.randrange(3, vocab) for _ in range(w.turn_input))
+            prompts[f"{c}t{t}"] = list(h)
+        drive(engine, prompts, w.turn_output, trace, turn=t)
+        for c in history:
+            history[c].extend(trace.outputs[f"{c}t{t}"])
+    return trace
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+def _median(v: list[float]) -> float:
+    v = sorted(v)
+    return 0.0 if not v else (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2)
+
+
+def summarize(trace: Trace, metrics: dict[str, Any], wall_s: float, *, ttft_from_turn: int = 0,
+              k: int = 0) -> dict[str, Any]:
+    """Output tok/s; per-request decode tok/s ((n-1) / (last - first token time)); TTFT (submit ->
+    first token; requests of turn >= ttft_from_turn); peak concurrent decoding requests (most
+    [first, last] token-step intervals covering one step); engine counters."""
+    rids = list(trace.first)
+    out_tokens = sum(trace.tokens.values())
+    per_req = [(trace.tokens[r] - 1) / (trace.last[r][1] - trace.first[r][1]) for r in rids
+               if trace.tokens[r] > 1 and trace.last[r][1] > trace.first[r][1]]
+    ttft = [trace.first[r][1] - trace.submit[r] for r in rids if trace.turn[r] >= ttft_from_turn]
+    events = sorted([(trace.first[r][0], 1) for r in rids] + [(trace.last[r][0] + 1, -1) for r in rids])
+    live = peak = 0
+    for _, d in events:  # ends (+1) sort before starts at the same step: half-open intervals
+        live += d
+        peak = max(peak, live)
+    drafts, accepted = metrics.get("spec_draft_tokens", 0), metrics.get("spec_accepted_tokens", 0)
+    verify_rows = drafts / k if k else 0  # every verify row carries k drafts
+    return {
+        "wall_s": wall_s, "steps": trace.steps, "num_requests": len(rids), "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "decode_tok_s_per_request": _median(per_req),
+        "ttft_s": sum(ttft) / len(ttft) if ttft else 0.0, "ttft_p50_s": _median(ttft),
+        "ttft_max_s": max(ttft, default=0.0),
+        "peak_decoding_requests": peak, "peak_running_requests": metrics.get("peak_running_requests", 0),
+        "preemptions": metrics.get("num_preemptions", 0),
+        "prefix_hit_tokens": metrics.get("prefix_cache_hit_tokens", 0),
+        "prefix_query_tokens": metrics.get("prefix_cache_query_tokens", 0),
+        "spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
+        # Tokens a request gains per verify step: 1 + accepted drafts per verify row.
+        "acceptance_length": 1.0 + accepted / verify_rows if verify_rows else 1.0,
+    }
+
+
+# ---- modes --------------------------------------------------------------------------------------
+
+
+def feature_missing(mode: str) -> str | None:
+    """Why `mode` cannot run on this branch (None when it can)."""
+    from replayssm.config import CacheConfig, SpecConfig
+
+    if mode == "b" and "speculative_method" not in {f.name for f in dataclasses.fields(SpecConfig)}:
+        return "speculative decoding with synthetic drafts (speculative_method='synthetic') is not on main"
+    if mode == "c":
+        if "enable_prefix_caching" not in {f.name for f in dataclasses.fields(CacheConfig)}:
+            return "prefix caching is not on main"
+        import inspect
+
+        from replayssm.engine import llm_engine
+
+        if "enable_prefix_caching=True is not implemented" in inspect.getsource(llm_engine):
+            return "prefix caching is not implemented in the engine yet"
+    return None
+
+
+def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
+    """(mode, label, engine kwargs, workload fn) for every run, OFF/ON/ON/OFF within each group."""
+    base = dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype="float32",
+                kv_block_size=w.kv_block_size, max_num_batched_tokens=w.max_num_batched_tokens,
+                load_format="dummy")
+    runs = []
+    for s in ORDER:
+        kw = dict(base, replayssm=s == "on", max_num_seqs=w.decode_batch,
+                  max_model_len=w.decode_prompt + w.decode_output + 1)
+        runs.append(("a", s, kw, lambda e, rng, b=w.decode_batch: _decode_workload(
+            e, w, b, w.decode_prompt, w.decode_output, rng)))
+    for b in w.spec_batches:
+        for s in ORDER:
+            kw = dict(base, replayssm=s == "on", max_num_seqs=b, num_speculative_tokens=w.spec_k,
+                      speculative_method="synthetic", synthetic_acceptance_length=ACCEPTANCE_LENGTH,
+                      max_model_len=w.spec_prompt + w.spec_output + w.spec_k + 1)
+            runs.append(("b", s, kw, lambda e, rng, b=b: _decode_workload(
+                e, w, b, w.spec_prompt, w.spec_output, rng)))
+    total = w.shared_context + w.turns * (w.turn_input + w.turn_output) + 1
+    for s in ORDER:
+        kw = dict(base, replayssm=True, enable_prefix_caching=s == "on", max_num_seqs=max(w.conversations, 1),
+                  max_model_len=total)
+        runs.append(("c", s, kw, lambda e, rng: _multiturn_workload(e, w, rng)))
+    return runs
+
+
+def run_benchmark(w: Workload, modes: str = "abc", log=print) -> dict[str, Any]:
+    """Run every selected mode; return {"rows": [...], "skipped": {mode: why}, "workload": ...}."""
+    import torch
+
+    from replayssm.config import EngineConfig
+    from replayssm.engine.llm_engine import LLMEngine
+
+    skipped = {m: why for m in modes if (why := feature_missing(m)) is not None}
+    for m, why in skipped.items():
+        log(f"bench: mode ({m}) skipped: {why}")
+    rows = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(w.config))
+        runs = [r for r in mode_runs(w) if r[0] in modes and r[0] not in skipped]
+        reps: dict[tuple, int] = {}
+        for order, (mode, setting, kw, workload) in enumerate(runs):
+            batch = kw["max_num_seqs"]
+            rep = reps[(mode, setting, batch)] = reps.get((mode, setting, batch), -1) + 1
+            t0 = time.perf_counter()
+            engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
+            build_s = time.perf_counter() - t0
+            rng = random.Random(f"{mode}-{batch}-{rep}")  # ON and OFF of one rep get the same prompts
+            t0 = time.perf_counter()
+            trace = workload(engine, rng)
+            wall = time.perf_counter() - t0
+            m = engine.get_metrics()
+            row = {"mode": mode, "setting": setting, "batch": batch, "rep": rep, "order": order,
+                   "build_s": build_s, "num_requests_fit": m.get("num_requests_fit"),
+                   "num_slots": m.get("num_slots"),
+                   **summarize(trace, m, wall, ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
+                               k=kw.get("num_speculative_tokens", 0))}
+            rows.append(row)
+            log(f"bench: ({mode}) {setting:3s} batch {batch:4d} rep {rep}: {row['output_tok_s']:.1f} tok/s, "
+                f"TTFT {row['ttft_s'] * 1e3:.1f} ms, peak decoding {row['peak_decoding_requests']}, "
+                f"{wall:.1f} s")
+            del engine
+            if torch.cuda.is_available():  # free this run's caches before the next engine allocates
+                gc.collect()
+                torch.cuda.empty_cache()
+    return {"rows": rows, "skipped": skipped, "workload": dataclasses.asdict(w)}
+
+
+if __name__ == "__main__":
+    from replayssm.cli import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))

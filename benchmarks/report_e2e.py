@@ -1,0 +1,140 @@
+"""Write the end-to-end benchmark's results: e2e.json, e2e.md (table + ON/OFF ratios), e2e.png.
+
+The JSON holds the commit, device, versions, command, workload, one row per (mode, setting,
+batch, repetition) and the ratios; the markdown and the plot are rendered from it alone.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# What each mode's ratio measures and the issue's target for it.
+RATIO_SPEC = {
+    "a": ("output_tok_s", "ON/OFF output tok/s (ReplaySSM on vs off, plain decode)", ">="),
+    "b": ("output_tok_s", "ON/OFF output tok/s (spec k=3, ReplaySSM on vs off)", ">="),
+    "c": ("ttft_s", "TTFT reduction, turns after the first (prefix caching on vs off)", ">="),
+}
+
+
+def run_meta(command: list[str]) -> dict[str, Any]:
+    """Commit (with '+dirty' when tracked files differ), device, versions and the command line."""
+    import torch
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return {"commit": commit, "device": device, "versions": versions, "command": " ".join(command)}
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def compute_ratios(rows: list[dict], targets: dict[str, float]) -> list[dict[str, Any]]:
+    """Per (mode, batch): ON and OFF means over the repetitions and their ratio vs the target."""
+    groups: dict[tuple[str, int], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        groups[(r["mode"], r["batch"])][r["setting"]].append(r)
+    out = []
+    for (mode, batch), by in sorted(groups.items()):
+        if not by["on"] or not by["off"]:
+            continue
+        key, what, _ = RATIO_SPEC[mode]
+        on, off = _mean(by["on"], key), _mean(by["off"], key)
+        if mode == "c":
+            value = 1.0 - on / off if off > 0 else 0.0
+        else:
+            value = on / off if off > 0 else 0.0
+        peak_on = _mean(by["on"], "peak_decoding_requests")
+        peak_off = _mean(by["off"], "peak_decoding_requests")
+        out.append({"mode": mode, "batch": batch, "metric": key, "what": what, "on": on, "off": off,
+                    "value": value, "target": targets[mode], "meets_target": value >= targets[mode],
+                    "peak_decoding_on": peak_on, "peak_decoding_off": peak_off})
+    return out
+
+
+COLUMNS = (("mode", "{}"), ("setting", "{}"), ("batch", "{}"), ("rep", "{}"), ("output_tok_s", "{:.1f}"),
+           ("decode_tok_s_per_request", "{:.2f}"), ("ttft_s", "{:.3f}"), ("peak_decoding_requests", "{}"),
+           ("preemptions", "{}"), ("prefix_hit_tokens", "{}"), ("acceptance_length", "{:.3f}"),
+           ("wall_s", "{:.1f}"))
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    """The table of every run, then the ratios with their targets."""
+    lines = ["# End-to-end benchmark", "",
+             f"- commit `{doc['commit']}`, device {doc['device']}, {doc['versions']}",
+             f"- command: `{doc['command']}`", ""]
+    for mode, why in doc["skipped"].items():
+        lines.append(f"- mode ({mode}) skipped: {why}")
+    lines += ["", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in doc["rows"]:
+        lines.append("| " + " | ".join(f.format(r[c]) for c, f in COLUMNS) + " |")
+    lines += ["", "## ON/OFF (means over repetitions, OFF/ON/ON/OFF order)", ""]
+    for q in doc["ratios"]:
+        verdict = "meets" if q["meets_target"] else "MISSES"
+        unit = "reduction" if q["mode"] == "c" else "x"
+        value = f"{q['value']:.1%}" if q["mode"] == "c" else f"{q['value']:.2f}x"
+        lines.append(f"- ({q['mode']}) batch {q['batch']}: {q['what']}: {value} (ON {q['on']:.4g}, OFF "
+                     f"{q['off']:.4g}); target {unit} >= {q['target']}: {verdict}; peak decoding requests "
+                     f"ON {q['peak_decoding_on']:.0f} vs OFF {q['peak_decoding_off']:.0f}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> str | None:
+    """Bar chart of output tok/s and TTFT per run; returns a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    rows = doc["rows"]
+    if not rows:
+        return "no rows: no plot"
+    labels = [f"{r['mode']} {r['setting']} b{r['batch']} #{r['rep']}" for r in rows]
+    colors = ["tab:green" if r["setting"] == "on" else "tab:gray" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, len(rows) * 0.6), 4.5))
+    panels = ((axes[0], "output_tok_s", "output tokens/s"), (axes[1], "ttft_s", "mean TTFT (s)"))
+    for ax, key, title in panels:
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+        ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
+        ax.set_title(title)
+    fig.suptitle(f"replayssm e2e, {doc['device']} ({doc['commit'][:12]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str],
+                  targets: dict[str, float]) -> dict[str, Any]:
+    """Write e2e.json, e2e.md and e2e.png under out_dir; return the document written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {**run_meta(command), **result, "ratios": compute_ratios(result["rows"], targets)}
+    doc["plot_note"] = plot(doc, out / "e2e.png")
+    (out / "e2e.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    (out / "e2e.md").write_text(render_markdown(doc))
+    return doc

@@ -1,0 +1,47 @@
+"""Dummy weights: a model from config.json alone, for benchmarks (``load_format="dummy"``).
+
+Every parameter is drawn on its own device from a seeded generator, at a scale that keeps
+activations finite through many layers (fan-in scaled matrices, unit norms, a few tokens of
+Mamba memory per head), so timing runs see real-looking data, never zeros or NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from replayssm.models import model_class
+from replayssm.models.config import ModelConfig
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill every parameter of `model` in place with seeded random values (see module docstring)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if p.device not in gens:
+            gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        g = gens[p.device]
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            p.uniform_(1.0, 8.0, generator=g).log_()  # A in [-8, -1]
+        elif leaf == "dt_bias":
+            p.normal_(-3.0, 0.5, generator=g)  # softplus(-3) ~ 0.05
+        elif leaf == "D" or (leaf == "weight" and "norm" in name):
+            p.normal_(1.0, 0.1, generator=g)
+        elif leaf == "e_score_correction_bias" or leaf.endswith("bias"):
+            p.normal_(0.0, 0.1, generator=g)
+        elif name.startswith("embeddings"):
+            p.normal_(0.0, 1.0, generator=g)
+        else:
+            # Matrices (and stacked experts, conv taps) keep unit output scale: std 1/sqrt(fan-in).
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+
+
+def parameter_bytes(config: ModelConfig, dtype: torch.dtype | None = None) -> int:
+    """Bytes the model's parameters take on the device (built on the meta device: nothing allocated)."""
+    with torch.device("meta"):
+        model = model_class(config)(config, dtype=dtype or config.dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
