@@ -78,6 +78,7 @@ class Workload:
     max_num_batched_tokens: int = 8192
     kv_block_size: int = 16
     window: int = 16
+    cuda_graphs: bool = False
 
     def scaled(self, s: float) -> Workload:
         """Output lengths and context sizes times s (batches unchanged)."""
@@ -226,7 +227,7 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     """(mode, label, engine kwargs, workload fn) for every run, OFF/ON/ON/OFF within each group."""
     base = dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype="float32",
                 kv_block_size=w.kv_block_size, max_num_batched_tokens=w.max_num_batched_tokens,
-                load_format="dummy")
+                load_format="dummy", cuda_graphs=w.cuda_graphs)
     runs = []
     for s in ORDER:
         kw = dict(base, replayssm=s == "on", max_num_seqs=w.decode_batch,

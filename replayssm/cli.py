@@ -32,7 +32,9 @@ _SIZE_UNITS = {
 
 # Engine fields exposed as flags (model is a flag of its own; each subcommand sets the seed).
 ENGINE_FLAGS = {
-    EngineConfig: ("device", "dtype", "replayssm", "replay_window", "tokenizer"),
+    EngineConfig: (
+        "device", "dtype", "replayssm", "replay_window", "tokenizer", "load_format", "cuda_graphs",
+    ),
     CacheConfig: (
         "memory_budget",
         "kv_block_size",
@@ -215,6 +217,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="abc",
                         help="which modes to run: a decode, b speculative, c prefix caching (default: abc)")
     parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay decode/verify steps as CUDA graphs (not yet verified on a GPU)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -231,6 +235,8 @@ def run_bench(args: argparse.Namespace) -> int:
         workload = bench.h200_workload(args.scale)
     else:
         raise ValueError("the full benchmark needs a CUDA GPU; use --quick for the CPU smoke run")
+    if args.cuda_graphs:
+        workload = dataclasses.replace(workload, cuda_graphs=True)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     result = bench.run_benchmark(workload, args.modes, log=log)
     out = args.out or str(report.ROOT / "benchmarks" / "results")

@@ -148,6 +148,10 @@ class EngineConfig:
         "auto", "weights: auto (the checkpoint's safetensors) or dummy (seeded random weights from "
         "config.json alone, for benchmarks)"
     )
+    cuda_graphs: bool = _doc(
+        False, "replay decode/verify steps as CUDA graphs (needs fp32 state; NOT yet verified on a GPU, "
+        "hence off by default)"
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

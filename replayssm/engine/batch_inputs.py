@@ -1,7 +1,8 @@
 """Turn the engine's rows into packed device inputs: token ids, ForwardContext metadata, logit rows.
 
 Built from Python lists on the host, then copied to the device once per tensor; nothing here
-reads device memory.
+reads device memory. On CUDA the copies go through pinned staging memory without blocking, so
+preparing a step never waits for the previous step's kernels.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class BatchInputs:
     row_offsets: dict[int, int] | None = None  # engine row index -> its first packed token
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor; on CUDA an asynchronous copy from pinned memory (no host sync)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t if device.type == "cpu" else t.to(device)
+    # The caching host allocator keeps the pinned block alive until the copy has run.
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
                  baseline: bool) -> BatchInputs:
     """Pack rows (prefill first, then decode: engine decode rows, then forced) into device inputs."""
@@ -62,7 +72,7 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
     padded_tables = [t + [-1] * (max_blocks - len(t)) for t in tables]
 
     def dev(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
 
     attn = AttentionMetadata(
         slot_mapping=dev(slot_mapping, torch.int64),

@@ -15,8 +15,9 @@ it as the request's slot. The conv window is committed into that slot too. `row.
 one of the spec_slots (the source is read before any write), so a request can own exactly
 1 + k slots.
 
-The host mirrors the cursors exactly (it knows q and a), so nothing here syncs with the device
-except the MoE routing counts inside the model.
+The host mirrors the cursors exactly (it knows q and a), so nothing here syncs with the device:
+inputs go up through pinned memory without blocking, and the model's decode path (MoE routing
+included) reads nothing back on CUDA.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from replayssm.cache.mamba_cache import KVCache, MambaCache, as_dtype
-from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs
+from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs, to_device
 from replayssm.engine.context import ForwardContext
 from replayssm.engine.publish import decode_publications, publish_conv_windows, publish_states
 from replayssm.models.config import MAMBA, ModelConfig
@@ -57,7 +58,8 @@ class ModelRunner:
                  dtype: str | torch.dtype | None = None, replayssm: bool = True, replay_window: int = 16,
                  state_dtype: str | torch.dtype = "float32", num_speculative_tokens: int = 0,
                  num_kv_blocks: int = 64, kv_block_size: int = 16, num_slots: int = 8, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto") -> None:
+                 max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
+                 cuda_graphs: bool = False) -> None:
         for name, value, low in (("replay_window", replay_window, 1), ("num_speculative_tokens",
                                  num_speculative_tokens, 0), ("num_kv_blocks", num_kv_blocks, 1),
                                  ("kv_block_size", kv_block_size, 1), ("num_slots", num_slots, 1),
@@ -83,8 +85,9 @@ class ModelRunner:
         self.mamba_cache = MambaCache(cfg, num_slots=num_slots, act_dtype=self.dtype,
                                       state_dtype=self.state_dtype, replayssm=replayssm, window=replay_window,
                                       q_max=self.q_max, max_num_seqs=max_num_seqs, device=self.device)
-        self.kv_cache = KVCache(cfg, num_blocks=num_kv_blocks, block_size=kv_block_size, dtype=self.dtype,
-                                device=self.device)
+        # CUDA graphs pad rows onto one extra block past the engine's (see engine/cuda_graph.py).
+        self.kv_cache = KVCache(cfg, num_blocks=num_kv_blocks + int(cuda_graphs), block_size=kv_block_size,
+                                dtype=self.dtype, device=self.device)
         self.mixers = [b.mixer for b, kind in zip(self.model.layers, cfg.layer_types) if kind == MAMBA]
         # Exact host mirror of ring_start / committed (index num_slots is the private scratch slot).
         self._ring_start = [0] * (num_slots + 1)
@@ -93,6 +96,14 @@ class ModelRunner:
         self._pending: BatchInputs | None = None
         self._hidden: torch.Tensor | None = None
         self._row_offsets: dict[int, int] = {}
+        self.graphs = None
+        if cuda_graphs:
+            from replayssm.engine.cuda_graph import CudaGraphRunner, graphs_supported
+
+            why = graphs_supported(self)
+            if why is not None:
+                raise ValueError(f"cuda_graphs=True: {why}")
+            self.graphs = CudaGraphRunner(self, dummy_block=num_kv_blocks)
 
     # ---- sizes (static: usable by the planner before allocation) ---------------------------------
 
@@ -149,10 +160,14 @@ class ModelRunner:
         ctx = ForwardContext(attn=batch.attn, mamba=batch.mamba, kv_cache=self.kv_cache,
                              mamba_cache=self.mamba_cache, replayssm=self.replayssm, window=self.window,
                              rand_seed=self._next_seed())
-        hidden = self.model(batch.input_ids, ctx)
+        replayed = self.graphs.run(batch) if self.graphs is not None else None
+        if replayed is not None:
+            logits, hidden = replayed
+        else:
+            hidden = self.model(batch.input_ids, ctx)
+            logits = self.model.compute_logits(hidden[batch.logit_index])
         # Kept until the next execute: model drafters (MTP) read the target's hidden states.
         self._hidden, self._row_offsets = hidden, batch.row_offsets
-        logits = self.model.compute_logits(hidden[batch.logit_index])
         forced = [r for r in batch.decode if r.forced]
         if forced:
             self._commit_decode(batch, forced, [1] * len(forced))
@@ -197,8 +212,8 @@ class ModelRunner:
         """Cursor commit (once) and conv-window commit (per layer) for `rows`, a slice of batch.decode."""
         first = batch.decode.index(rows[0])
         q = batch.mamba.decode_q
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.int32, device=self.device)
-        acc = torch.tensor(accepted, dtype=torch.int32, device=self.device)
+        slots = to_device([r.slot for r in rows], torch.int32, self.device)
+        acc = to_device(accepted, torch.int32, self.device)
         cache = self.mamba_cache
         # Checkpoint windows read the live window before its commit; states need the committed cursors.
         pubs = decode_publications(rows, accepted, first)
@@ -214,8 +229,8 @@ class ModelRunner:
                     self._committed[r.slot] = h + a
         dst = None
         if any(r.spec_slots is not None for r in rows):
-            dst = torch.tensor([r.spec_slots[a - 1] if r.spec_slots is not None else r.slot
-                                for r, a in zip(rows, accepted)], dtype=torch.int32, device=self.device)
+            dst = to_device([r.spec_slots[a - 1] if r.spec_slots is not None else r.slot
+                             for r, a in zip(rows, accepted)], torch.int32, self.device)
         for conv, scratch in zip(cache.conv, cache.conv_scratch):
             causal_conv1d_commit(conv, scratch[first:first + len(rows), :q], acc, slots, dst_indices=dst)
         publish_states(self, pubs, self._next_seed())

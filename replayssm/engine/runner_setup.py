@@ -128,6 +128,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         seed=config.seed,
         **({"load_format": "dummy"} if dummy else {}),
+        **({"cuda_graphs": True} if config.cuda_graphs else {}),
     )
     # Stop at the tokenizer's eos and at every eos the generation config names.
     eos = set(read_eos_token_ids(model_dir) or model_config.eos_token_ids)

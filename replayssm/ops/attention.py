@@ -1,4 +1,4 @@
-"""Paged attention over a block KV cache (PyTorch; a Triton/flash kernel can replace it later).
+"""Paged attention over a block KV cache (PyTorch reference; Triton for decode/verify rows on CUDA).
 
 Cache layout per attention layer: k_cache, v_cache (num_blocks, block_size, kv_heads, head_dim).
 Token t of a sequence lives at block_table[t // block_size], offset t % block_size; the flat
@@ -8,7 +8,9 @@ One call serves a packed batch of query chunks: row i has q_len_i = cu_seqlens_q
 cu_seqlens_q[i] new tokens at positions context_lens[i] - q_len_i .. context_lens[i] - 1, and
 attends causally to every cached key at positions 0 .. its own position (prior context,
 previous chunks and earlier tokens of this chunk). Prefill chunks, decode (q_len = 1) and
-speculative verify rows (q_len = 1 + k) are the same case.
+speculative verify rows (q_len = 1 + k) are the same case. On CUDA, batches whose rows all have
+q_len <= 16 (decode and verify steps) run `ops/triton/attention.py`; everything else runs
+`paged_attention_ref`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,43 @@ def paged_attention(
     max_query_len: int,
     max_context_len: int,
 ) -> torch.Tensor:
+    """Causal attention of packed query chunks against the paged cache (see paged_attention_ref)."""
+    args = (q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens)
+    kw = dict(scale=scale, max_query_len=max_query_len, max_context_len=max_context_len)
+    if q.is_cuda and max_query_len <= 16 and q.shape[0] and block_tables.shape[0]:
+        _check_shapes(*args)
+        try:
+            from replayssm.ops.triton.attention import paged_attention_triton
+        except ImportError:
+            pass
+        else:
+            return paged_attention_triton(*args, **kw)
+    return paged_attention_ref(*args, **kw)
+
+
+def _check_shapes(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens) -> None:
+    T, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    n = block_tables.shape[0]
+    if heads % kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q heads/head_dim {heads}/{head_dim} do not fit the cache {tuple(k_cache.shape)}")
+    if cu_seqlens_q.shape != (n + 1,) or context_lens.shape != (n,):
+        raise ValueError(f"cu_seqlens_q must be ({n + 1},) and context_lens ({n},), got "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(context_lens.shape)}")
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+) -> torch.Tensor:
     """Causal attention of packed query chunks against the paged cache (their own K/V already stored).
 
     q (T, heads, head_dim); cu_seqlens_q (n+1,) int32; block_tables (n, max_blocks) int32 (unused
@@ -60,14 +99,10 @@ def paged_attention(
     max_query_len / max_context_len are host ints (upper bounds) so nothing syncs. Returns
     (T, heads, head_dim) in q's dtype; softmax in fp32.
     """
+    _check_shapes(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens)
     T, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     n = block_tables.shape[0]
-    if heads % kv_heads or k_cache.shape[3] != head_dim:
-        raise ValueError(f"q heads/head_dim {heads}/{head_dim} do not fit the cache {tuple(k_cache.shape)}")
-    if cu_seqlens_q.shape != (n + 1,) or context_lens.shape != (n,):
-        raise ValueError(f"cu_seqlens_q must be ({n + 1},) and context_lens ({n},), got "
-                         f"{tuple(cu_seqlens_q.shape)} and {tuple(context_lens.shape)}")
     if T == 0 or n == 0:
         return q.new_zeros(q.shape)
     dev = q.device

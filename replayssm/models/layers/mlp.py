@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replayssm.models.config import ModelConfig
+from replayssm.ops.moe import expert_mlp
 
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:
@@ -80,23 +81,30 @@ class Experts(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x (T, in); weights, ids (T, k). Weighted sum over each token's experts, accumulated in fp32."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        """x (T, in); weights, ids (T, k). Weighted sum over each token's experts, accumulated in fp32.
+
+        Static shapes and no host read (on CUDA): the T*k assignments are grouped by expert
+        with device-side group ends, run through one grouped expert MLP, and summed per token
+        in ascending expert order (the order an expert-by-expert loop adds them in).
+        """
+        T, k = ids.shape
+        num_experts = self.up_proj.shape[0]
+        ids, perm = ids.sort(dim=1)
+        weights = weights.gather(1, perm)
         flat = ids.flatten()
+        # Stable: within one expert the tokens stay in ascending order.
         order = torch.argsort(flat, stable=True)
-        # One host read per layer for the per-expert token counts (the split sizes).
-        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
-        tokens = order // ids.shape[1]
-        token_w = weights.flatten()[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            t = tokens[start:start + n]
-            h = self.act(F.linear(x[t], self.up_proj[e]))
-            h = F.linear(h, self.down_proj[e]) * token_w[start:start + n, None]
-            out[t] += h.float()  # a token meets each expert at most once: no duplicate rows
-            start += n
+        # scatter_add, not bincount: CUDA bincount reads the max id back to size its output.
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+        ends = torch.cumsum(counts.scatter_add_(0, flat, torch.ones_like(flat)), 0)
+        h = expert_mlp(x[order // k], self.up_proj, self.down_proj, ends, self.act)
+        h = h * weights.flatten()[order, None]  # fp32 from here on
+        per_slot = torch.empty_like(h)
+        per_slot[order] = h
+        per_slot = per_slot.view(T, k, -1)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for j in range(k):
+            out += per_slot[:, j]
         return out.to(x.dtype)
 
 

@@ -1,0 +1,114 @@
+"""Paged attention for decode and speculative verify rows in Triton (twin of `ops/attention.py`).
+
+Grid (rows, kv heads): one program holds every query of its row that reads one KV head, the
+G query heads of the group times the row's q_len <= QP tokens, as the M rows of a tile:
+
+    m = h_local * QP + j      h_local < G (query head kvh * G + h_local), j < q_len (token)
+
+and streams the row's context through the block table in BLOCK_N-token tiles with an online
+(base-2) softmax in fp32. Query j sits at position context_len - q_len + j and sees keys at
+positions <= it. One pass over the row's K/V per KV head: the bytes the step must move.
+Rows with an empty context (no visible key) write zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_QUERY_LEN = 16  # decode (1) and verify (1 + k) rows; longer chunks take the PyTorch path
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bt_ptr, ctx_ptr, D, block_size, scale_log2,
+                         s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
+                         G: tl.constexpr, QP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q_start = tl.load(cu_ptr + row)
+    q_len = tl.load(cu_ptr + row + 1) - q_start
+    ctx = tl.load(ctx_ptr + row)
+    m = tl.arange(0, BLOCK_M)
+    j = m % QP
+    head = kvh * G + m // QP
+    m_ok = (m < G * QP) & (j < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    tok = (q_start + j).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = ctx - q_len + j
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(0, ctx, BLOCK_N):
+        p = start + n
+        p_ok = p < ctx
+        blk = tl.load(bt_ptr + row * s_bt + p // block_size, mask=p_ok, other=0).to(tl.int64)
+        off = p % block_size
+        kv_mask = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where((p[None, :] <= q_pos[:, None]) & p_ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pr.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           *, scale: float, max_query_len: int, max_context_len: int) -> torch.Tensor:
+    """Same contract as `ops.attention.paged_attention` for max_query_len <= MAX_QUERY_LEN.
+
+    q (T, heads, head_dim); k_cache, v_cache (num_blocks, block_size, kv_heads, head_dim) with
+    unit stride in head_dim; cu_seqlens_q (n+1,) int32; block_tables (n, max_blocks) int32;
+    context_lens (n,) int32. Returns (T, heads, head_dim) in q's dtype. fp32 inputs use IEEE
+    fp32 products (exact-ish); bf16/fp16 use the tensor cores with fp32 accumulation.
+    """
+    T, heads, D = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    n = block_tables.shape[0]
+    if max_query_len > MAX_QUERY_LEN:
+        raise ValueError(f"max_query_len={max_query_len} exceeds the decode kernel's {MAX_QUERY_LEN}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache need unit stride in head_dim")
+    out = torch.empty_like(q)
+    if T == 0 or n == 0:
+        return out.zero_()
+    G = heads // kv_heads
+    QP = triton.next_power_of_2(max(max_query_len, 1))
+    block_m = max(16, triton.next_power_of_2(G * QP))
+    block_d = max(16, triton.next_power_of_2(D))
+    block_n = 64 if block_m <= 64 else 32
+    bt = block_tables.contiguous()
+    _paged_decode_kernel[(n, kv_heads)](
+        q, k_cache, v_cache, out, cu_seqlens_q, bt, context_lens, D, block_size, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), bt.stride(0),
+        G=G, QP=QP, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,64 @@
+"""Paged decode attention cases shared by the interpreter run (subprocess) and the GPU test.
+
+    python3 tests/ops/attention_cases.py      (with TRITON_INTERPRET=1: CPU tensors, tiny shapes)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from replayssm.ops.attention import paged_attention_ref
+from replayssm.ops.triton.attention import paged_attention_triton
+
+
+def make_case(device, dtype, q_lens, ctx_lens, heads, kv_heads, D, block_size, gen):
+    """Random cache with spare blocks, permuted block tables padded with -1, packed queries."""
+    need = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(need) + 5
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(need) + 1
+    tables, at = [], 0
+    for k in need:
+        tables.append(perm[at:at + k] + [-1] * (max_blocks - k))
+        at += k
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, D, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, D, generator=gen).to(device, dtype)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, D, generator=gen).to(device, dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    bt = torch.tensor(tables, dtype=torch.int32, device=device)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, cu, bt, ctx
+
+
+def check_decode(device: str, dtype: torch.dtype, *, heads=4, kv_heads=2, D=16, block_size=4,
+                 q_lens=(1, 3, 1, 4, 2), ctx_lens=(1, 9, 17, 4, 30), tol=None) -> None:
+    """Triton paged decode attention vs the float64 PyTorch reference: rel. error under tol, all finite."""
+    gen = torch.Generator().manual_seed(len(q_lens) * 7 + heads)
+    case = make_case(device, dtype, list(q_lens), list(ctx_lens), heads, kv_heads, D, block_size, gen)
+    q, k_cache, v_cache, cu, bt, ctx = case
+    scale = D ** -0.5
+    got = paged_attention_triton(q, k_cache, v_cache, cu, bt, ctx, scale=scale, max_query_len=max(q_lens),
+                                 max_context_len=max(ctx_lens))
+    want = paged_attention_ref(*(t.cpu().double() if t.is_floating_point() else t.cpu() for t in case),
+                               scale=scale, max_query_len=max(q_lens), max_context_len=max(ctx_lens))
+    assert got.shape == q.shape and got.dtype == dtype
+    assert torch.isfinite(got).all(), "unwritten or NaN output"
+    err = ((got.cpu().double() - want).norm() / want.norm()).item()
+    tol = tol if tol is not None else (1e-5 if dtype == torch.float32 else 2e-2)
+    assert err < tol, (dtype, q_lens, ctx_lens, err)
+
+
+def main() -> None:
+    check_decode("cpu", torch.float32)
+    # Plain decode, GQA group of 4, block size 16 (the engine default), one long-ish row.
+    check_decode("cpu", torch.float32, heads=8, kv_heads=2, block_size=16, q_lens=(1, 1, 1),
+                 ctx_lens=(5, 70, 16))
+    check_decode("cpu", torch.float16, q_lens=(4, 4), ctx_lens=(4, 21))
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
