@@ -87,6 +87,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
              f"- command: `{doc['command']}`", ""]
     for mode, why in doc["skipped"].items():
         lines.append(f"- mode ({mode}) skipped: {why}")
+    lines += [f"- {note}" for note in doc.get("notes", [])]
     lines += ["", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in doc["rows"]:
         lines.append("| " + " | ".join(f.format(r[c]) for c, f in COLUMNS) + " |")
@@ -129,11 +130,23 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
 
 
 def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str],
-                  targets: dict[str, float]) -> dict[str, Any]:
-    """Write e2e.json, e2e.md and e2e.png under out_dir; return the document written."""
+                  targets: dict[str, float], merge: bool = False) -> dict[str, Any]:
+    """Write e2e.json, e2e.md and e2e.png under out_dir; return the document written.
+
+    merge: keep the rows of the modes this run did not select from an existing e2e.json (a
+    benchmark split over several commands); each row says which command produced it.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {**run_meta(command), **result, "ratios": compute_ratios(result["rows"], targets)}
+    meta = run_meta(command)
+    rows = [dict(r, command=meta["command"], commit=meta["commit"]) for r in result["rows"]]
+    skipped = dict(result["skipped"])
+    if merge and (out / "e2e.json").is_file():
+        old = json.loads((out / "e2e.json").read_text())
+        rows = [r for r in old["rows"] if r["mode"] not in result["modes"]] + rows
+        skipped = {**{m: w for m, w in old["skipped"].items() if m not in result["modes"]}, **skipped}
+    result = {**result, "rows": rows, "skipped": skipped}
+    doc = {**meta, **result, "ratios": compute_ratios(rows, targets)}
     doc["plot_note"] = plot(doc, out / "e2e.png")
     (out / "e2e.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (out / "e2e.md").write_text(render_markdown(doc))

@@ -217,6 +217,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="abc",
                         help="which modes to run: a decode, b speculative, c prefix caching (default: abc)")
     parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other modes' rows of an existing e2e.json (split one benchmark over "
+                        "several commands)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay decode/verify steps as CUDA graphs (not yet verified on a GPU)")
 
@@ -240,7 +243,7 @@ def run_bench(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     result = bench.run_benchmark(workload, args.modes, log=log)
     out = args.out or str(report.ROOT / "benchmarks" / "results")
-    doc = report.write_results(result, out, ["replayssm", *sys.argv[1:]], bench.TARGETS)
+    doc = report.write_results(result, out, ["replayssm", *args.argv], bench.TARGETS, merge=args.merge)
     print(report.render_markdown(doc))
     if doc["plot_note"]:
         log(f"bench: {doc['plot_note']}")
@@ -268,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return SUBCOMMANDS[args.command][2](args)
     except ValueError as e:

@@ -32,3 +32,32 @@ def test_bench_quick_writes_rows_in_off_on_on_off_order(tmp_path, capsys):
     md = (tmp_path / "e2e.md").read_text()
     assert "| mode | setting |" in md and "ON/OFF" in md
     assert "ON/OFF" in capsys.readouterr().out
+
+
+def _row(mode, setting, batch, rep, tok_s, ttft):
+    return {"mode": mode, "setting": setting, "batch": batch, "rep": rep, "output_tok_s": tok_s,
+            "ttft_s": ttft, "peak_decoding_requests": batch if setting == "on" else batch // 2,
+            "decode_tok_s_per_request": 1.0, "preemptions": 0, "prefix_hit_tokens": 0,
+            "acceptance_length": 1.0, "wall_s": 1.0}
+
+
+def test_ratios_and_merge(tmp_path):
+    """ON/OFF ratios average the repetitions ((c): TTFT reduction); --merge keeps other modes' rows."""
+    from replayssm.cli import _load_benchmark
+
+    report = _load_benchmark("report_e2e")
+    targets = {"a": 1.45, "b": 2.2, "c": 0.88}
+    first = {"rows": [_row("a", s, 8, i, t, 1.0) for s, i, t in (("off", 0, 10), ("on", 0, 16),
+                                                                   ("on", 1, 14), ("off", 1, 10))],
+             "skipped": {"b": "no spec"}, "modes": "ab"}
+    doc = report.write_results(first, tmp_path, ["replayssm", "bench"], targets)
+    (a,) = doc["ratios"]
+    assert a["value"] == 1.5 and a["meets_target"] and a["peak_decoding_on"] == 8
+    second = {"rows": [_row("c", s, 1, i, 1.0, t) for s, i, t in (("off", 0, 2.0), ("on", 0, 0.2),
+                                                                    ("on", 1, 0.2), ("off", 1, 2.0))],
+              "skipped": {}, "modes": "c"}
+    doc = report.write_results(second, tmp_path, ["replayssm", "bench", "--modes", "c"], targets, merge=True)
+    assert [r["mode"] for r in doc["rows"]] == ["a"] * 4 + ["c"] * 4
+    assert doc["skipped"] == {"b": "no spec"}
+    c = next(q for q in doc["ratios"] if q["mode"] == "c")
+    assert abs(c["value"] - 0.9) < 1e-12 and c["meets_target"]
