@@ -93,9 +93,9 @@ def h200_workload(scale: float = 1.0) -> Workload:
 
 
 def quick_workload() -> Workload:
-    return Workload(TINY, "cpu", "float32", decode_batch=4, decode_prompt=6, decode_output=8,
-                    spec_batches=(4, 8), spec_prompt=6, spec_output=8, conversations=2, shared_context=48,
-                    turns=2, turn_input=8, turn_output=4, max_num_batched_tokens=64, kv_block_size=4)
+    return Workload(TINY, "cpu", "float32", decode_batch=4, decode_prompt=5, decode_output=6,
+                    spec_batches=(2, 4), spec_prompt=5, spec_output=6, conversations=2, shared_context=24,
+                    turns=2, turn_input=6, turn_output=3, max_num_batched_tokens=64, kv_block_size=4)
 
 
 # ---- driving the engine -------------------------------------------------------------------------
