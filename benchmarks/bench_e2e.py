@@ -185,7 +185,7 @@ def summarize(trace: Trace, metrics: dict[str, Any], wall_s: float, *, ttft_from
         live += d
         peak = max(peak, live)
     drafts, accepted = metrics.get("spec_draft_tokens", 0), metrics.get("spec_accepted_tokens", 0)
-    verify_rows = drafts / k if k else 0  # every verify row carries k drafts
+    verify_rows = metrics.get("spec_verify_steps") or (drafts / k if k else 0)
     return {
         "wall_s": wall_s, "steps": trace.steps, "num_requests": len(rids), "output_tokens": out_tokens,
         "output_tok_s": out_tokens / wall_s if wall_s > 0 else 0.0,

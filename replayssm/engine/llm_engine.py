@@ -54,7 +54,8 @@ class LLMEngine:
             from replayssm.engine.runner_setup import resolve_model_dir
             from replayssm.spec.decode import SpecDecoder
 
-            self.spec = SpecDecoder(config, self.runner, resolve_model_dir(config.model))
+            model_dir = resolve_model_dir(config.model, need_weights=config.load_format != "dummy")
+            self.spec = SpecDecoder(config, self.runner, model_dir)
         self.metrics = EngineMetrics()
         self._requests: dict[str, Request] = {}
         self._pending_aborts: list[str] = []
