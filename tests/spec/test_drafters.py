@@ -19,6 +19,25 @@ def test_ngram_lookup_prefers_longest_and_latest_match():
     assert ngram_lookup(toks, 2, 3, 4) == []  # "5 2 3" never occurred before
 
 
+def test_ngram_index_equals_the_plain_scan():
+    """The incremental n-gram index proposes what the plain scan finds, step after step."""
+    import random
+
+    from replayssm.spec.ngram import NgramProposer
+
+    rng = random.Random(0)
+    for ngram_min, ngram_max in ((1, 4), (2, 3)):
+        prop = NgramProposer(ngram_min, ngram_max)
+        r = Request("a", [rng.randrange(6) for _ in range(9)], SamplingParams(), seed=0, arrival=0)
+        for _ in range(60):
+            n = rng.randint(1, 5)
+            got = prop.propose([r], [n])[0].tokens
+            assert got == ngram_lookup(r.prompt_token_ids + r.output_token_ids, n, ngram_min, ngram_max)
+            r.output_token_ids.extend(rng.randrange(6) for _ in range(rng.randint(1, 3)))
+        prop.release(r)
+        assert not prop._index
+
+
 def test_synthetic_drafter_hits_the_configured_mean_length():
     """k = 3 at mean length 3.1151: seeded draws average 3.1151 tokens per verify step."""
     alpha = acceptance_probability(3.1151, 3)
