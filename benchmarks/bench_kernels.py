@@ -40,11 +40,32 @@ WINDOW = 16
 ACT = torch.bfloat16
 ROTATE_BYTES = 240e6  # 4x the H200's 60 MB L2
 MAX_SETS = 512
-SWEEP = {
-    "baseline": [LaunchConfig(p, w) for p, w in ((32, 4), (64, 4), (64, 8))],
-    "replay": [LaunchConfig(p, w) for p, w in ((32, 4), (64, 4), (64, 8))],
-}
 IMPLS = ("baseline", "replay")
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A replay route ("" for the baseline, else fused | split | mma) and its tile config."""
+
+    route: str
+    config: LaunchConfig
+
+    @staticmethod
+    def parse(text: str) -> Tile:
+        route, _, cfg = text.rpartition(":")
+        return Tile(route, LaunchConfig(*map(int, cfg.split("x"))))
+
+    @property
+    def name(self) -> str:
+        prefix = f"{self.route}:" if self.route else ""
+        return f"{prefix}{self.config.block_p}x{self.config.num_warps}w"
+
+
+TILES = ((32, 4), (64, 4), (64, 8))
+SWEEP = {
+    "baseline": [Tile("", LaunchConfig(p, w)) for p, w in TILES],
+    "replay": [Tile(r, LaunchConfig(p, w)) for r in ("fused", "split") for p, w in TILES],
+}
 
 
 @dataclass(frozen=True)
@@ -132,7 +153,9 @@ class Bench:
                    + q * (H * P * a + H * 4 + G * N * a))  # + history reads, + appends
         return tokens + float(per_row.sum(1).mean()) / self.n_sets
 
-    def body(self, impl: str, config: LaunchConfig):
+    def body(self, impl: str, tile: Tile):
+        config, route = tile.config, tile.route or "auto"
+
         def run():
             for k in range(WINDOW):
                 start, comm = self.cursors[k]
@@ -144,7 +167,7 @@ class Bench:
                         treplay.launch_replay_forward(
                             self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.state,
                             self.ring_x, self.ring_B, self.ring_dt, start, comm, self.idx[j], WINDOW, True, k,
-                            self.y, config)
+                            self.y, config, route)
         return run
 
 
@@ -177,14 +200,15 @@ def time_graph(run, steps: int) -> tuple[float, int]:
     return statistics.median(times) * 1e3 / steps, reps
 
 
-def measure(bench: Bench, impl: str, config: LaunchConfig, sweep: bool = False) -> dict:
-    us, reps = time_graph(bench.body(impl, config), WINDOW * bench.n_sets)
+def measure(bench: Bench, impl: str, tile: Tile, sweep: bool = False) -> dict:
+    us, reps = time_graph(bench.body(impl, tile), WINDOW * bench.n_sets)
     assert not bench.y.isnan().any(), f"{impl}: NaN output"
     nbytes = bench.bytes_per_step(impl)
     H, P, N, G = SHAPES[bench.case.shape]
     return dict(asdict(bench.case), H=H, P=P, N=N, G=G, window=WINDOW, act_dtype="bf16", impl=impl,
-                block_p=config.block_p, num_warps=config.num_warps, us_per_step=us, bytes_per_step=nbytes,
-                gbps=nbytes / us / 1e3, n_sets=bench.n_sets, reps=reps, sweep=sweep)
+                route=tile.route, block_p=tile.config.block_p, num_warps=tile.config.num_warps,
+                us_per_step=us, bytes_per_step=nbytes, gbps=nbytes / us / 1e3, n_sets=bench.n_sets, reps=reps,
+                sweep=sweep)
 
 
 def git_commit() -> str:
@@ -204,11 +228,14 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--dtypes", default=",".join(STATE_DTYPES))
-    ap.add_argument("--configs", default="", help="tile sweep override, e.g. replay=64x4,baseline=64x8")
+    ap.add_argument("--configs", default="",
+                    help="sweep override, e.g. replay=fused:64x8+split:32x4,baseline=64x8")
+    ap.add_argument("--qs", default=",".join(map(str, QS)))
     args = ap.parse_args()
     for item in filter(None, args.configs.split(",")):
         impl, cfg = item.split("=")
-        SWEEP[impl] = [LaunchConfig(*map(int, c.split("x"))) for c in cfg.split("+")]
+        SWEEP[impl] = [Tile.parse(c) for c in cfg.split("+")]
+    qs = [int(v) for v in args.qs.split(",")]
     import triton
 
     out = Path(args.out)
@@ -219,27 +246,30 @@ def main() -> None:
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
     rows = []
     best = {}
-    for q in QS:  # tile sweep at the headline case
+    for q in qs:  # tile sweep at the headline case
         bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
         for impl in IMPLS:
             trials = [measure(bench, impl, c, sweep=True) for c in SWEEP[impl]]
             rows += trials
             top = min(trials, key=lambda r: r["us_per_step"])
-            best[(impl, q)] = LaunchConfig(top["block_p"], top["num_warps"])
-            desc = ", ".join(f"{r['block_p']}x{r['num_warps']}w {r['us_per_step']:.1f}" for r in trials)
+            best[(impl, q)] = Tile(top["route"], LaunchConfig(top["block_p"], top["num_warps"]))
+            desc = ", ".join(f"{t.name} {r['us_per_step']:.1f}" for t, r in zip(SWEEP[impl], trials))
             print(f"sweep q={q} {impl}: {desc}", flush=True)
         del bench
         torch.cuda.empty_cache()
-    meta["chosen_configs"] = {f"{k[0]} q={k[1]}": asdict(v) for k, v in best.items()}
+    meta["chosen_configs"] = {f"{k[0]} q={k[1]}": v.name for k, v in best.items()}
     shapes = args.shapes.split(",")
     batches = [int(v) for v in args.batches.split(",")]
     for shape in shapes:
         for sd in args.dtypes.split(","):
-            for q in QS:
+            for q in qs:
                 for b in batches:
                     bench = Bench(Case(shape, b, sd, q))
                     for impl in IMPLS:
-                        r = measure(bench, impl, best[(impl, q)])
+                        tile = best[(impl, q)]
+                        if tile.route == "fused" and sd != "fp32":  # as the "auto" route picks
+                            tile = Tile("split", tile.config)
+                        r = measure(bench, impl, tile)
                         rows.append(r)
                         print(f"{shape} {sd} q={q} b={b} {impl}: {r['us_per_step']:.2f} us "
                               f"{r['gbps']:.0f} GB/s", flush=True)

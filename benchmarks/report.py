@@ -66,14 +66,15 @@ def _tables(by: dict) -> list[str]:
 
 
 def _sweep(rows: list[dict]) -> list[str]:
-    cols = sorted({f"{r['block_p']}x{r['num_warps']}w" for r in rows if r["sweep"]})
+    key = lambda r: (f"{r['route']}:" if r.get("route") else "") + f"{r['block_p']}x{r['num_warps']}w"
+    cols = sorted({key(r) for r in rows if r["sweep"]})
     out = ["### Tile sweep (nemotron-h-8b, batch 256, fp32): us per step", "",
            "| impl | q | " + " | ".join(cols) + " |"]
     out.append("|---|---|" + "---|" * len(cols))
     cells = defaultdict(dict)
     for r in rows:
         if r["sweep"]:
-            cells[(r["impl"], r["q"])][f"{r['block_p']}x{r['num_warps']}w"] = r["us_per_step"]
+            cells[(r["impl"], r["q"])][key(r)] = r["us_per_step"]
     for (impl, q), c in sorted(cells.items()):
         out.append(f"| {impl} | {q} | " + " | ".join(f"{c.get(k, float('nan')):.1f}" for k in cols) + " |")
     return out + [""]

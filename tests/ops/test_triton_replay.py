@@ -24,7 +24,7 @@ def _cycle_gpu(**kw):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("q", [1, 2, 4])
-@pytest.mark.parametrize("route", ["reduce", "mma"])
+@pytest.mark.parametrize("route", ["fused", "split", "mma"])
 def test_replay_cycle_gpu(state_dtype, q, route):
     """On the GPU: W=16 cycles with every accept count, flushes and ring wrap match the reference."""
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
@@ -39,7 +39,7 @@ def test_replay_cycle_fp32_act_gpu():
 
 
 @requires_cuda
-@pytest.mark.parametrize("route", ["reduce", "mma"])
+@pytest.mark.parametrize("route", ["fused", "split", "mma"])
 @pytest.mark.parametrize("block", [(32, 4), (64, 4), (64, 8)])
 def test_replay_cycle_tiles_gpu(route, block):
     """On the GPU: the other tile configs the benchmark sweeps compute the same cycles."""

@@ -251,11 +251,12 @@ def run_interpreter(part: str) -> None:
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
     elif part == "replay":
-        for q, route in ((1, "auto"), (1, "mma"), (2, "mma"), (3, "reduce")):
+        for q, route in ((1, "auto"), (3, "auto"), (2, "split"), (2, "mma")):
             check_replay_cycle("cpu", q=q, config=small, route=route, steps=6)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
-        check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6)
+        check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,
+                           route="fused")
         check_materialize("cpu", state_dtype=torch.float16)
         check_materialize("cpu")
     elif part == "conv":

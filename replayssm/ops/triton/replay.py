@@ -6,16 +6,13 @@ Forward of a row with slot s, h_c = committed[s], o = ring_start[s], q new token
     Λ = A * cumsum([Δ_hist, Δ_new])                (fp32, recomputed every step, all <= 0)
     y_t = e^{Λ_t} (S0 C_t) + Σ_j Δ_j e^{Λ_t-Λ_j} (B_j·C_t) x_j + Σ_{k<=t} (same, new) + D x_t
 
-Outputs take one of two routes, both reading S0 once and never writing it:
-- q <= REDUCE_MAX_Q: one launch of `replay_reduce.py` (element-wise products, row reductions).
-- larger q, the tensor-core route in two launches:
-  1. B·C, grid (b, G): B_j·C_t for history and new tokens, once per group, into a small
-     scratch (q x (16 + 16) fp32 per group); appends the new B rows.
-  2. outputs, grid (P tiles, H, b): per head the weights w[t, j] = Δ_j e^{Λ_t-Λ_j} (B_j·C_t),
-     then S0 Cᵀ, X_hist W_histᵀ and X_new W_newᵀ as small matrix products (split-TF32 or
-     3xTF32: fp32-level accuracy, no cross-lane reductions); appends x and Δ.
-Then, for either route, the fold (`replay_fold.py`): rows with h_c + q > W advance S0 by their
-h_c history entries in plain fp32 and write it; other rows exit at once.
+Routes (all read S0 once per row and write it only on flush rows):
+- "fused" (`replay_step.py`): a per-group weights launch (B·C once per group, closed-form
+  coefficients per head), then one output launch per (P tile, head, row) that also folds and
+  writes the flush rows from the tile already in registers. Default for fp32 states.
+- "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
+  of flush rows only). Default for 16-bit states.
+- "mma": tensor-core outputs (split-TF32 / 3xTF32 products) + `replay_fold.py`.
 Appended rows never overlap history rows (h_c + q <= R), so no launch reads what it writes.
 """
 
@@ -26,18 +23,15 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_fold import launch_fold, replay_materialize_triton
-from replayssm.ops.triton.replay_reduce import launch_out_reduce
+from replayssm.ops.triton.replay_step import launch_step
 from replayssm.ops.triton.ssu import LaunchConfig, softplus_dt
 
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
-# From the H200 runs of benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md): q <=
-# REDUCE_MAX_Q takes the CUDA-core route (replay_reduce.py; 32x4 is the GPU-verified tile,
-# 1.5% behind 64x4), larger q the tensor-core route (64x4 measured; 32x4 once faulted there).
-CONFIG = LaunchConfig(block_p=64, num_warps=4)
-REDUCE_CONFIG = LaunchConfig(block_p=32, num_warps=4)
+# Tiles from the H200 runs of benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md).
+CONFIG = LaunchConfig(block_p=64, num_warps=8)
+MMA_CONFIG = LaunchConfig(block_p=64, num_warps=4)
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
-REDUCE_MAX_Q = 1
 BC_WARPS = 2
 
 
@@ -168,7 +162,11 @@ def _replay_out_kernel(
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                           state_indices, window, dt_softplus, rand_seed, out,
                           config: LaunchConfig | None = None, route: str = "auto") -> torch.Tensor:
-    """Launch outputs (route "reduce" or "mma"; "auto" picks by q) and the fold, explicit tile configs."""
+    """Launch one forward step with an explicit tile config.
+
+    route "fused" (= "auto"): `replay_step.py`, flush folded in the output launch; "split": the same
+    outputs, flush rows folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`.
+    """
     b, q = x.shape[:2]
     assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
     assert ring_dt.is_contiguous() and x.stride(3) == 1 and B.stride(3) == 1 and C.stride(3) == 1
@@ -176,14 +174,19 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if b == 0:
         return y
     if route == "auto":
-        route = "reduce" if q <= REDUCE_MAX_Q else "mma"
-    if route == "reduce":
-        cfg = config or REDUCE_CONFIG
-        launch_out_reduce(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                          state_indices, window, dt_softplus, y, cfg.block_p, cfg.num_warps)
+        # The fused fold's stochastic rounding costs registers every program pays for (see
+        # NOTES-kernels.md), so 16-bit states fold in their own launch.
+        route = "fused" if state.dtype == torch.float32 else "split"
+    if route in ("fused", "split"):
+        cfg = config or CONFIG
+        launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
+                    fuse_flush=route != "split")
+        if route != "split":
+            return y
     else:
         _launch_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, y, config or CONFIG)
+                    state_indices, window, dt_softplus, y, config or MMA_CONFIG)
     launch_fold(state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_indices, window, q, rand_seed,
                 FOLD_CONFIG.block_p, FOLD_CONFIG.num_warps)
     return y

@@ -1,0 +1,193 @@
+"""ReplaySSM forward step in two launches: per-group weights, then per-head outputs (+ flush).
+
+1. Weights, grid (b, G): B_j·C_t once per group (history j < h_c and new tokens), then for each
+   head of the group the closed-form coefficients, into a small fp32 scratch (b, H, Q+1, HB+QB):
+       row t < Q:  [Δ_j e^{Λ_t-Λ_j} (B_j·C_t) for history j | same for new k <= t]
+       row Q:      [Δ_j e^{Λ_h-Λ_j} for history j]   (fold coefficients; Λ_h = end of history)
+   and scale (b, H, Q+1) = [e^{Λ_t} for t < Q | e^{Λ_h}]. Appends the new B rows and Δ.
+2. Outputs, grid (P tiles, H, b) like the baseline: load the S0 tile once, then per token
+       y_t = scale_t (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t
+   (one reduction over N per token, as in the baseline; no B·C and no cumulative sums here).
+   Appends x. Flush rows (h_c + Q > W) also fold their history into the same registers,
+   S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in plain fp32, and write it: the state is read once per
+   step and written only on flush. With FUSE_FLUSH off the caller folds in a separate launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.ssu import softplus_dt
+
+
+@triton.jit
+def _weights_kernel(
+    dt_ptr, A_ptr, B_ptr, C_ptr, dt_bias_ptr, rB_ptr, rdt_ptr, ring_start_ptr, committed_ptr, idx_ptr,
+    w_ptr, sc_ptr,
+    sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, HPB: tl.constexpr, N: tl.constexpr,
+    BLOCK_N: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.load(idx_ptr + i)
+    s64 = tl.maximum(s, 0).to(tl.int64)
+    hc = tl.where(s >= 0, tl.load(committed_ptr + s64), 0)  # padding rows: no history
+    o = tl.load(ring_start_ptr + s64)
+    n = tl.arange(0, BLOCK_N)
+    nm = n < N
+    j = tl.arange(0, HB)
+    jm = j < hc
+    t = tl.arange(0, QB)
+    tm = t < Q
+    rows = (o + j) % R
+    Brow0 = s64 * G * R + g * R
+    Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
+                 other=0.0).to(tl.float32)
+    tn = tm[:, None] & nm[None, :]
+    Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
+    C = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
+    C = C.to(tl.float32)
+    Bn = Bn_raw.to(tl.float32)
+    # B·C in fp32 on the CUDA cores: (QB, HB) history and (QB, QB) new (tiny: once per group).
+    bch = tl.sum(C[:, None, :] * Bh[None, :, :], axis=2)
+    bcn = tl.sum(C[:, None, :] * Bn[None, :, :], axis=2)
+    # Heads of this group: Λ from the stored history Δ and the new Δ, all exponents <= 0
+    # (clamped so masked entries cannot overflow before being zeroed).
+    hpg = H // G
+    hh = tl.arange(0, HPB)
+    hm = hh < hpg
+    head = g * hpg + hh
+    A = tl.load(A_ptr + head, mask=hm, other=0.0)
+    xrow0 = s64 * H * R + head.to(tl.int64) * R  # ring_dt rows of (s, head)
+    dth = tl.load(rdt_ptr + xrow0[:, None] + rows[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
+    cumh = tl.cumsum(dth, axis=1) * A[:, None]  # (HPB, HB)
+    lam_h = tl.sum(dth, axis=1) * A  # (HPB,)
+    ht = hm[:, None] & tm[None, :]
+    dtn = tl.load(dt_ptr + i * sdt_b + t[None, :] * sdt_t + head[:, None] * sdt_h, mask=ht, other=0.0)
+    dtn = dtn.to(tl.float32)
+    bias = tl.load(dt_bias_ptr + head, mask=hm, other=0.0)
+    dtn = tl.where(tm[None, :], softplus_dt(dtn, bias[:, None], DT_SOFTPLUS), 0.0)
+    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, QB)
+    wh = dth[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumh[:, None, :], 0.0)) * bch[None, :, :]
+    wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
+    wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
+    fh = dth * tl.exp(tl.minimum(lam_h[:, None] - cumh, 0.0))  # fold coefficients (HPB, HB)
+    JB: tl.constexpr = HB + QB
+    wbase = (i.to(tl.int64) * H + head) * ((Q + 1) * JB)  # (HPB,)
+    hq = hm[:, None, None] & tm[None, :, None]
+    wrow = wbase[:, None, None] + t[None, :, None] * JB
+    tl.store(w_ptr + wrow + j[None, None, :], wh, mask=hq)
+    tl.store(w_ptr + wrow + HB + t[None, None, :], wn, mask=hq)
+    tl.store(w_ptr + wbase[:, None] + Q * JB + j[None, :], fh, mask=hm[:, None])
+    sbase = (i.to(tl.int64) * H + head) * (Q + 1)
+    tl.store(sc_ptr + sbase[:, None] + t[None, :], tl.exp(cumn), mask=ht)
+    tl.store(sc_ptr + sbase + Q, tl.exp(lam_h), mask=hm)
+    # Appends after the history (never a history row): Δ of each head, B of the group.
+    ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
+    arow = (o + hc + t) % R
+    tl.store(rdt_ptr + xrow0[:, None] + arow[None, :], dtn, mask=hm[:, None] & ok[None, :])
+    tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=ok[:, None] & nm[None, :])
+
+
+@triton.jit
+def _out_kernel(
+    x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
+    w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, FUSE_FLUSH: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.program_id(2)
+    s = tl.load(idx_ptr + i)
+    valid = s >= 0
+    s64 = tl.maximum(s, 0).to(tl.int64)
+    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
+    o = tl.load(ring_start_ptr + s64)
+    g = h // (H // G)
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = p < P
+    nm = n < N
+    pmv = pm & ((p * 0 + s) >= 0)
+    tile = p[:, None] * N + n[None, :]
+    tmask = pmv[:, None] & nm[None, :]
+    sbase = (s64 * H + h) * (P * N)
+    if EVEN:
+        # Padding rows read slot 0 (valid memory) and are zeroed below: no masks on the big load.
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+    else:
+        S0 = tl.load(state_ptr + sbase + tile, mask=tmask, other=0.0).to(tl.float32)
+    xrow0 = s64 * H * R + h * R
+    j = tl.arange(0, HB)
+    jm = j < hc
+    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[:, None] * P + p[None, :], mask=jm[:, None] & pm[None, :],
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
+    k = tl.arange(0, QB)
+    km = k < Q
+    kp = km[:, None] & pm[None, :]
+    xn_raw = tl.load(x_ptr + i * sx_b + k[:, None] * sx_t + h * sx_h + p[None, :], mask=kp, other=0.0)
+    xn = xn_raw.to(tl.float32)  # (QB, BLOCK_P)
+    JB: tl.constexpr = HB + QB
+    wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
+    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+    Dh = tl.load(D_ptr + h)
+    for t in tl.static_range(Q):
+        Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + n, mask=nm, other=0.0).to(tl.float32)
+        yt = tl.load(sc_ptr + scbase + t) * tl.sum(S0 * Ct[None, :], axis=1)
+        wh = tl.load(w_ptr + wbase + t * JB + j, mask=jm, other=0.0)
+        wn = tl.load(w_ptr + wbase + t * JB + HB + k, mask=km, other=0.0)
+        yt += tl.sum(wh[:, None] * xh, axis=0) + tl.sum(wn[:, None] * xn, axis=0)
+        xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p, mask=pm, other=0.0).to(tl.float32)
+        yt = tl.where(valid, yt + Dh * xt, 0.0)
+        tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty), mask=pm)
+    arow = (o + hc + k) % R
+    kv = km & ((k * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
+    tl.store(rx_ptr + (xrow0 + arow)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None] & pm[None, :])
+    if FUSE_FLUSH:
+        if valid & (hc + Q > window):
+            # Closed-form fold of the h_c history entries into the tile already in registers.
+            S = S0 * tl.load(sc_ptr + scbase + Q)
+            Brow0 = s64 * G * R + g * R
+            for jj in range(0, hc):
+                r = (o + jj) % R
+                f = tl.load(w_ptr + wbase + Q * JB + jj)
+                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=pm, other=0.0).to(tl.float32)
+                Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=nm, other=0.0).to(tl.float32)
+                S += (f * xj)[:, None] * Bj[None, :]
+            val = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
+            tl.store(state_ptr + sbase + tile, val, mask=tmask)
+
+
+def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
+                fuse_flush: bool = True) -> None:
+    """Weights launch, then the output launch (which also folds flush rows when fuse_flush)."""
+    S, H, P, N = state.shape
+    b, q = x.shape[:2]
+    G, R = B.shape[2], ring_x.shape[2]
+    QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
+    BN = triton.next_power_of_2(N)
+    w = torch.empty(b, H, q + 1, HB + QB, device=x.device, dtype=torch.float32)
+    sc = torch.empty(b, H, q + 1, device=x.device, dtype=torch.float32)
+    _weights_kernel[(b, G)](
+        dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
+        dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        C.stride(0), C.stride(1), C.stride(2), H, G, R,
+        Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=BN, DT_SOFTPLUS=bool(dt_softplus),
+        num_warps=4,
+    )
+    block_p = min(block_p, triton.next_power_of_2(P))
+    sdt = tl_dtype(state.dtype)
+    _out_kernel[(triton.cdiv(P, block_p), H, b)](
+        x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
+        seed_mix(rand_seed), int(window), x.stride(0), x.stride(1), x.stride(2),
+        C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2), H, G, R,
+        Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, BLOCK_N=BN, EVEN=(P % block_p == 0) and BN == N,
+        FUSE_FLUSH=fuse_flush, STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
+    )
