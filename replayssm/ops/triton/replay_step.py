@@ -98,7 +98,8 @@ def _out_kernel(
     x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
     w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, FUSE_FLUSH: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, EVEN: tl.constexpr,
+    FUSE_FLUSH: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
@@ -111,12 +112,16 @@ def _out_kernel(
     o = tl.load(ring_start_ptr + s64)
     g = h // (H // G)
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
     pm = p < P
-    nm = n < N
     pmv = pm & ((p * 0 + s) >= 0)
-    tile = p[:, None] * N + n[None, :]
-    tmask = pmv[:, None] & nm[None, :]
+    # The tile as (NC, BLOCK_P, NS): N cut into NC chunks of NS contiguous columns, chunks
+    # outermost, so a warp spans several P rows and one chunk width: the reduction over N is
+    # mostly in-thread (over chunks) plus a short cross-lane tree over NS.
+    NC: tl.constexpr = BLOCK_N // NS
+    ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]  # (NC, NS)
+    nm = ncol < N
+    tile = p[None, :, None] * N + ncol[:, None, :]
+    tmask = pmv[None, :, None] & nm[:, None, :]
     sbase = (s64 * H + h) * (P * N)
     if EVEN:
         # Padding rows read slot 0 (valid memory) and are zeroed below: no masks on the big load.
@@ -138,8 +143,8 @@ def _out_kernel(
     scbase = (i.to(tl.int64) * H + h) * (Q + 1)
     Dh = tl.load(D_ptr + h)
     for t in tl.static_range(Q):
-        Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + n, mask=nm, other=0.0).to(tl.float32)
-        yt = tl.load(sc_ptr + scbase + t) * tl.sum(S0 * Ct[None, :], axis=1)
+        Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol, mask=nm, other=0.0).to(tl.float32)
+        yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
         wh = tl.load(w_ptr + wbase + t * JB + j, mask=jm, other=0.0)
         wn = tl.load(w_ptr + wbase + t * JB + HB + k, mask=km, other=0.0)
         yt += tl.sum(wh[:, None] * xh, axis=0) + tl.sum(wn[:, None] * xn, axis=0)
@@ -158,8 +163,8 @@ def _out_kernel(
                 r = (o + jj) % R
                 f = tl.load(w_ptr + wbase + Q * JB + jj)
                 xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=pm, other=0.0).to(tl.float32)
-                Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=nm, other=0.0).to(tl.float32)
-                S += (f * xj)[:, None] * Bj[None, :]
+                Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=nm, other=0.0).to(tl.float32)
+                S += (f * xj)[None, :, None] * Bj[:, None, :]
             val = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
             tl.store(state_ptr + sbase + tile, val, mask=tmask)
 
@@ -188,6 +193,7 @@ def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
         seed_mix(rand_seed), int(window), x.stride(0), x.stride(1), x.stride(2),
         C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2), H, G, R,
-        Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, BLOCK_N=BN, EVEN=(P % block_p == 0) and BN == N,
+        Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, BLOCK_N=BN, NS=min(BN, 32),
+        EVEN=(P % block_p == 0) and BN == N,
         FUSE_FLUSH=fuse_flush, STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
     )
