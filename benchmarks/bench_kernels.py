@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from replayssm.ops.replay import replay_commit_ref
 from replayssm.ops.triton import replay as treplay
@@ -89,6 +91,34 @@ def copy_bandwidth_gbps() -> float:
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) / 1e3)
     return 2 * a.numel() * 4 / statistics.median(times[2:]) / 1e9
+
+
+def read_bandwidth_gbps() -> float:
+    """Read-only bandwidth: a full reduction over 2 GiB (bytes read only)."""
+    a = torch.randn(2**29, device="cuda")
+    out = torch.empty((), device="cuda")
+    times = []
+    for _ in range(12):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.sum(a, out=out)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return a.numel() * 4 / statistics.median(times[2:]) / 1e9
+
+
+@triton.jit
+def _slot_read_kernel(state_ptr, idx_ptr, out_ptr, H, P: tl.constexpr, N: tl.constexpr,
+                      BLOCK_P: tl.constexpr):
+    # The ReplaySSM output launch's state traffic alone: gather each row's (BLOCK_P, N) tile by
+    # slot index, reduce it over N, write BLOCK_P floats. A ceiling for that launch.
+    pid_p, h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s = tl.load(idx_ptr + i).to(tl.int64)
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, N)
+    S0 = tl.load(state_ptr + (s * H + h) * (P * N) + p[:, None] * N + n[None, :])
+    tl.store(out_ptr + (i * H + h) * P + p, tl.sum(S0, axis=1))
 
 
 class Bench:
@@ -157,6 +187,14 @@ class Bench:
         config, route = tile.config, tile.route or "auto"
 
         def run():
+            if impl == "slot_read":
+                sums = torch.empty(self.case.batch, self.H, self.P, device=self.state.device)
+                for _ in range(WINDOW):
+                    for j in range(self.n_sets):
+                        _slot_read_kernel[(self.P // 32, self.H, self.case.batch)](
+                            self.state, self.idx[j], sums, self.H, P=self.P, N=self.N, BLOCK_P=32,
+                            num_warps=4)
+                return
             for k in range(WINDOW):
                 start, comm = self.cursors[k]
                 for j in range(self.n_sets):
@@ -201,9 +239,15 @@ def time_graph(run, steps: int) -> tuple[float, int]:
 
 
 def measure(bench: Bench, impl: str, tile: Tile, sweep: bool = False) -> dict:
+    bench.y.fill_(float("nan"))
     us, reps = time_graph(bench.body(impl, tile), WINDOW * bench.n_sets)
-    assert not bench.y.isnan().any(), f"{impl}: NaN output"
-    nbytes = bench.bytes_per_step(impl)
+    diag = impl == "slot_read" or tile.route == "weights"
+    assert diag or not bench.y.isnan().any(), f"{impl}: NaN output"
+    c = bench.case
+    if impl == "slot_read":
+        nbytes = c.batch * bench.H * bench.P * (bench.N * STATE_DTYPES[c.state_dtype].itemsize + 4)
+    else:
+        nbytes = bench.bytes_per_step(impl)
     H, P, N, G = SHAPES[bench.case.shape]
     return dict(asdict(bench.case), H=H, P=P, N=N, G=G, window=WINDOW, act_dtype="bf16", impl=impl,
                 route=tile.route, block_p=tile.config.block_p, num_warps=tile.config.num_warps,
@@ -236,8 +280,6 @@ def main() -> None:
         impl, cfg = item.split("=")
         SWEEP[impl] = [Tile.parse(c) for c in cfg.split("+")]
     qs = [int(v) for v in args.qs.split(",")]
-    import triton
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -258,6 +300,17 @@ def main() -> None:
         del bench
         torch.cuda.empty_cache()
     meta["chosen_configs"] = {f"{k[0]} q={k[1]}": v.name for k, v in best.items()}
+    meta["read_gbps"] = read_bandwidth_gbps()
+    for q in qs:  # where the time goes at the headline: weights launch alone, state reads alone
+        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
+        diags = (("replay", Tile("weights", LaunchConfig())), ("slot_read", Tile("", LaunchConfig())))
+        for impl, tile in diags:
+            r = dict(measure(bench, impl, tile), diag=True, sweep=False)
+            rows.append(r)
+            print(f"diag q={q} {impl} {tile.route}: {r['us_per_step']:.1f} us {r['gbps']:.0f} GB/s",
+                  flush=True)
+        del bench
+    print(f"read-only bandwidth {meta['read_gbps']:.0f} GB/s", flush=True)
     shapes = args.shapes.split(",")
     batches = [int(v) for v in args.batches.split(",")]
     for shape in shapes:
@@ -275,8 +328,8 @@ def main() -> None:
                               f"{r['gbps']:.0f} GB/s", flush=True)
                     del bench
                     torch.cuda.empty_cache()
-                # Written after every group, so a run cut short still leaves its numbers.
-                (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+                    # Written after every case, so a run cut short still leaves its numbers.
+                    (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     from report import write_report  # benchmarks/ is the script's own folder on sys.path
 

@@ -18,7 +18,7 @@ HEADLINE = ("nemotron-h-8b", 256, "fp32")
 def _index(rows: list[dict]) -> dict:
     by = {}
     for r in rows:
-        if not r["sweep"]:
+        if not r["sweep"] and not r.get("diag"):
             by[(r["shape"], r["batch"], r["state_dtype"], r["q"], r["impl"])] = r
     return by
 
@@ -80,6 +80,19 @@ def _sweep(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def _diagnostics(meta: dict, rows: list[dict]) -> list[str]:
+    diag = [r for r in rows if r.get("diag")]
+    if not diag:
+        return []
+    out = ["### Where the time goes (nemotron-h-8b, batch 256, fp32)", "",
+           f"Read-only bandwidth (torch.sum over 2 GiB): {meta.get('read_gbps', float('nan')):.0f} GB/s.", ""]
+    for r in diag:
+        what = ("weights launch alone" if r["impl"] == "replay"
+                else "state-tile gather + reduce alone (the output launch's state reads)")
+        out.append(f"- q={r['q']}: {what}: {r['us_per_step']:.1f} us ({r['gbps']:.0f} GB/s of its bytes)")
+    return out + [""]
+
+
 def _plot(by: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -127,6 +140,7 @@ def write_report(results: Path) -> str:
     targets = _targets(meta, by)
     plotted = _plot(by, results / "kernels.png")
     body = head + targets + (["![speedup](kernels.png)", ""] if plotted else []) + _tables(by) + _sweep(rows)
+    body += _diagnostics(meta, rows)
     (results / "kernels.md").write_text("\n".join(body))
     return "\n".join(targets)
 

@@ -251,7 +251,7 @@ def run_interpreter(part: str) -> None:
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
     elif part == "replay":
-        for q, route in ((1, "auto"), (3, "auto"), (2, "split"), (2, "mma")):
+        for q, route in ((1, "auto"), (3, "auto"), (2, "split"), (2, "fused")):
             check_replay_cycle("cpu", q=q, config=small, route=route, steps=6)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)

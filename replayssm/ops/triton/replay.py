@@ -28,8 +28,9 @@ from replayssm.ops.triton.ssu import LaunchConfig, softplus_dt
 
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
-# Tiles from the H200 runs of benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md).
-CONFIG = LaunchConfig(block_p=64, num_warps=8)
+# Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md): q = 1
+# takes replay_step.py (fused for fp32 states), larger q the tensor-core route.
+CONFIG = LaunchConfig(block_p=32, num_warps=4)
 MMA_CONFIG = LaunchConfig(block_p=64, num_warps=4)
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 BC_WARPS = 2
@@ -164,8 +165,10 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                           config: LaunchConfig | None = None, route: str = "auto") -> torch.Tensor:
     """Launch one forward step with an explicit tile config.
 
-    route "fused" (= "auto"): `replay_step.py`, flush folded in the output launch; "split": the same
-    outputs, flush rows folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`.
+    route "fused": `replay_step.py`, flush folded in the output launch; "split": the same outputs,
+    flush rows folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`; "auto":
+    "mma" for q > 1, else "fused" (fp32 state) or "split"; "weights": the weights launch alone
+    (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
     assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
@@ -176,12 +179,12 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if route == "auto":
         # The fused fold's stochastic rounding costs registers every program pays for (see
         # NOTES-kernels.md), so 16-bit states fold in their own launch.
-        route = "fused" if state.dtype == torch.float32 else "split"
-    if route in ("fused", "split"):
+        route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
+    if route in ("fused", "split", "weights"):
         cfg = config or CONFIG
         launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                    fuse_flush=route != "split")
+                    fuse_flush=route == "fused", outputs=route != "weights")
         if route != "split":
             return y
     else:

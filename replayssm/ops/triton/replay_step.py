@@ -171,8 +171,11 @@ def _out_kernel(
 
 def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                fuse_flush: bool = True) -> None:
-    """Weights launch, then the output launch (which also folds flush rows when fuse_flush)."""
+                fuse_flush: bool = True, outputs: bool = True) -> None:
+    """Weights launch, then the output launch (which also folds flush rows when fuse_flush).
+
+    outputs=False stops after the weights launch (the benchmark times it alone).
+    """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -187,6 +190,8 @@ def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=BN, DT_SOFTPLUS=bool(dt_softplus),
         num_warps=4,
     )
+    if not outputs:
+        return
     block_p = min(block_p, triton.next_power_of_2(P))
     sdt = tl_dtype(state.dtype)
     _out_kernel[(triton.cdiv(P, block_p), H, b)](
