@@ -15,9 +15,9 @@ if [ "$1" = 1 ]; then
     --configs "baseline=64x8,replay=fused:32x4+fused:64x4+fused:64x8+split:32x4+split:64x8+mma:64x4" \
     2>&1 | tee "$OUT/bench.log"
 else
-  timeout 190 python3 benchmarks/bench_kernels.py --out "$OUT" --batches 256,32,1,512 \
+  timeout 180 python3 benchmarks/bench_kernels.py --out "$OUT" --batches 256,32,1,512 \
     --configs "baseline=64x8,replay=fused:32x4+fused:16x2+mma:64x4" 2>&1 | tee "$OUT/bench.log"
   python3 benchmarks/report.py "$OUT" > /dev/null
-  timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   grep -E "^(copy|read|sweep|diag|- )" "$OUT/bench.log"; grep -E "b=256" "$OUT/bench.log"
 fi
