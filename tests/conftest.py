@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+# Tiny models on a shared 2-core CI box: one thread is several times faster than two
+# (oversubscription under load), and results do not depend on the thread count.
+torch.set_num_threads(1)
+
 HAS_CUDA = torch.cuda.is_available()
 CUDA_REASON = "needs CUDA"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_REASON)
