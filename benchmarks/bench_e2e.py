@@ -291,8 +291,10 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print) -> dict[str, Any]:
     note = (f"(c) scaled from the seeds: {w.shared_context} shared tokens (seeds: 51,200), {w.turns} turns "
             f"(seeds: 20) of {w.turn_input} in / {w.turn_output} out (seeds: 2,048 / 1,024), "
             f"{w.conversations} conversation(s); TTFT over turns 2..{w.turns}")
+    spec_note = ("(b) drafts are synthetic (forced acceptance, speculative_method='synthetic'): its output "
+                 "tokens are not the model's; only the speed counts")
     return {"rows": rows, "skipped": skipped, "modes": modes, "workload": dataclasses.asdict(w),
-            "notes": [note]}
+            "notes": [note, spec_note]}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from replayssm.config import EngineConfig
+from replayssm.engine.batch_inputs import to_device
 from replayssm.engine.metrics import EngineMetrics
 from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
@@ -156,7 +157,9 @@ class LLMEngine:
         verified = [i for i, d in enumerate(drafts) if d is not None]
         tokens = logprobs = None
         if sampled:
-            tokens, logprobs = self._sample(logits[sample_rows], [chunks[i] for i in sampled])
+            # A device index (pinned, asynchronous): a Python list index would copy and sync.
+            rows_idx = to_device(sample_rows, torch.int64, logits.device)
+            tokens, logprobs = self._sample(logits[rows_idx], [chunks[i] for i in sampled])
         emitted: dict[int, tuple[list[int], list[float] | None]] = {}
         if verified:
             out, lps = self.spec.verify(logits, [offsets[i] for i in verified],

@@ -43,3 +43,32 @@ def test_decode_step_has_no_host_sync(tmp_path, replayssm):
             torch.cuda.set_sync_debug_mode("default")
         assert torch.isfinite(logits).all()
         pos = [n + 1 for n in pos]
+
+
+@requires_cuda
+def test_engine_decode_step_syncs_once(tmp_path):
+    """A warm greedy LLMEngine decode step syncs with the device once: reading the sampled tokens."""
+    import warnings
+
+    from replayssm.config import EngineConfig
+    from replayssm.engine.llm_engine import LLMEngine
+    from replayssm.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    engine = LLMEngine(EngineConfig.from_kwargs(str(tmp_path), device="cuda", dtype="bfloat16",
+                                                load_format="dummy", max_num_seqs=4, memory_budget=1 << 28))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, n in enumerate((5, 3, 7)):
+        engine.add_request(f"r{i}", [3 + (i * 5 + j) % 200 for j in range(n)], params)
+    engine.step()  # prefill
+    engine.step()  # first decode step compiles the kernels
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            outs = engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(outs) == 3 and len(syncs) <= 1, [str(w.message) for w in syncs]
