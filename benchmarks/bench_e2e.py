@@ -249,8 +249,11 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     return runs
 
 
-def run_benchmark(w: Workload, modes: str = "abc", log=print) -> dict[str, Any]:
-    """Run every selected mode; return {"rows": [...], "skipped": {mode: why}, "workload": ...}."""
+def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> dict[str, Any]:
+    """Run every selected mode; return {"rows": [...], "skipped": {mode: why}, "workload": ...}.
+
+    on_row(partial result) runs after every run, so a command cut short keeps what it measured.
+    """
     import torch
 
     from replayssm.config import EngineConfig
@@ -281,6 +284,8 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print) -> dict[str, Any]:
                    **summarize(trace, m, wall, ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
                                k=kw.get("num_speculative_tokens", 0))}
             rows.append(row)
+            if on_row is not None:
+                on_row(_result(w, modes, rows, skipped))
             log(f"bench: ({mode}) {setting:3s} batch {batch:4d} rep {rep}: {row['output_tok_s']:.1f} tok/s, "
                 f"TTFT {row['ttft_s'] * 1e3:.1f} ms, peak decoding {row['peak_decoding_requests']}, "
                 f"{wall:.1f} s")
@@ -288,14 +293,17 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print) -> dict[str, Any]:
             if torch.cuda.is_available():  # free this run's caches before the next engine allocates
                 gc.collect()
                 torch.cuda.empty_cache()
+    return _result(w, modes, rows, skipped)
+
+
+def _result(w: Workload, modes: str, rows: list[dict], skipped: dict[str, str]) -> dict[str, Any]:
     note = (f"(c) scaled from the seeds: {w.shared_context} shared tokens (seeds: 51,200), {w.turns} turns "
             f"(seeds: 20) of {w.turn_input} in / {w.turn_output} out (seeds: 2,048 / 1,024), "
             f"{w.conversations} conversation(s); TTFT over turns 2..{w.turns}")
     spec_note = ("(b) drafts are synthetic (forced acceptance, speculative_method='synthetic'): its output "
                  "tokens are not the model's; only the speed counts")
-    return {"rows": rows, "skipped": skipped, "modes": modes, "workload": dataclasses.asdict(w),
+    return {"rows": list(rows), "skipped": skipped, "modes": modes, "workload": dataclasses.asdict(w),
             "notes": [note, spec_note]}
-
 
 if __name__ == "__main__":
     from replayssm.cli import main

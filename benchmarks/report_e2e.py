@@ -130,7 +130,7 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
 
 
 def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str],
-                  targets: dict[str, float], merge: bool = False) -> dict[str, Any]:
+                  targets: dict[str, float], merge: bool = False, with_plot: bool = True) -> dict[str, Any]:
     """Write e2e.json, e2e.md and e2e.png under out_dir; return the document written.
 
     merge: keep the rows of the modes this run did not select from an existing e2e.json (a
@@ -147,7 +147,7 @@ def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str
         skipped = {**{m: w for m, w in old["skipped"].items() if m not in result["modes"]}, **skipped}
     result = {**result, "rows": rows, "skipped": skipped}
     doc = {**meta, **result, "ratios": compute_ratios(rows, targets)}
-    doc["plot_note"] = plot(doc, out / "e2e.png")
+    doc["plot_note"] = plot(doc, out / "e2e.png") if with_plot else "plot written at the end"
     (out / "e2e.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (out / "e2e.md").write_text(render_markdown(doc))
     return doc

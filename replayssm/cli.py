@@ -241,9 +241,14 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.cuda_graphs:
         workload = dataclasses.replace(workload, cuda_graphs=True)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    result = bench.run_benchmark(workload, args.modes, log=log)
     out = args.out or str(report.ROOT / "benchmarks" / "results")
-    doc = report.write_results(result, out, ["replayssm", *args.argv], bench.TARGETS, merge=args.merge)
+    command = ["replayssm", *args.argv]
+
+    def save(partial: dict, with_plot: bool = False) -> dict:
+        return report.write_results(partial, out, command, bench.TARGETS, merge=args.merge,
+                                    with_plot=with_plot)
+
+    doc = save(bench.run_benchmark(workload, args.modes, log=log, on_row=save), with_plot=True)
     print(report.render_markdown(doc))
     if doc["plot_note"]:
         log(f"bench: {doc['plot_note']}")

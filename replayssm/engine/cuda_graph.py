@@ -29,8 +29,8 @@ from replayssm.engine.batch_inputs import BatchInputs
 from replayssm.engine.context import AttentionMetadata, ForwardContext, MambaMetadata
 from replayssm.models.config import MOE
 
-# Mamba metadata a graph step may carry; any other field (e.g. prefill publication) must be None.
 Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]  # graph, its logits and hidden outputs
+# Mamba metadata a graph step may carry; any other field (e.g. prefill publication) must be None.
 _DECODE_FIELDS = {"num_prefill_tokens", "prefill_cu_seqlens", "prefill_slots", "has_initial_state",
                   "num_decode_rows", "decode_q", "decode_slots", "decode_token_index", "decode_dst_slots"}
 
