@@ -157,13 +157,14 @@ class PrefixCache:
         """After the step's tokens are appended to ``request`` (and before anything is released):
         publish the checkpoints it reached, discard the rest, hash its newly full KV blocks."""
         for p in planned:
-            if p.offset <= num_accepted:
+            # A request that stopped inside its accepted drafts knows fewer tokens: skip past them.
+            if p.offset <= num_accepted and c0 + p.offset <= request.num_tokens:
                 t = c0 + p.offset
                 if self.slot_pool.publish(p.slot, self.block_hashes(request, t // self.block_size)[-1]):
                     self.num_published += 1
             else:
                 self.slot_pool.discard(p.slot)
-        full = request.num_computed_tokens // self.block_size
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if full > request.num_registered_blocks:
             hashes = self.block_hashes(request, full)
             for j in range(request.num_registered_blocks, full):
