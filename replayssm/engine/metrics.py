@@ -19,7 +19,7 @@ class EngineMetrics:
     num_prefill_tokens_computed: int = 0  # includes recomputed tokens after preemption
     num_decode_tokens_computed: int = 0
     num_preemptions: int = 0
-    prefix_cache_query_tokens: int = 0  # prefix caching is not implemented yet: stays 0
+    prefix_cache_query_tokens: int = 0  # with prefix caching, get_metrics() reports the cache's counters
     prefix_cache_hit_tokens: int = 0
     spec_draft_tokens: int = 0  # drafts proposed (see also the spec_* keys of get_metrics)
     spec_accepted_tokens: int = 0  # drafts accepted (bonus / corrected tokens not counted)
