@@ -1,4 +1,5 @@
-"""Seeded lifecycle fuzzer: shared prefixes, tight memory (preemptions, evictions), waves of arrivals."""
+"""Seeded lifecycle fuzzer: shared prefixes, tight memory (preemptions, evictions), waves of arrivals,
+speculative decoding with random acceptance."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "prefix"))
-from prefix_helpers import small_checkpoint  # noqa: E402
+from prefix_helpers import OracleDrafter, one_thread, small_checkpoint  # noqa: E402, F401 (autouse fixture)
 
 from replayssm import LLM, SamplingParams  # noqa: E402
 
@@ -55,19 +56,29 @@ def drive(llm: LLM, reqs, *, check: bool, at_once: bool = False) -> dict[str, li
     return done
 
 
-@pytest.mark.parametrize(("replayssm", "num_requests"), [(True, 200), (False, 60)])
-def test_fuzzed_lifecycles_match_a_plain_run(replayssm, num_requests):
-    """Hundreds of requests under tight memory with prefix caching: tokens equal an unconstrained plain run,
-    pool integrity holds after every step, and preemptions, hits and evictions all happened."""
+@pytest.mark.parametrize(("replayssm", "num_requests", "spec"),
+                         [(True, 300, False), (True, 200, True), (False, 150, False), (False, 150, True)])
+def test_fuzzed_lifecycles_match_a_plain_run(replayssm, num_requests, spec):
+    """Hundreds of requests under tight memory with prefix caching (and k = 3 drafts with random
+    acceptance): tokens equal an unconstrained plain run, pool integrity holds after every step, and
+    preemptions, hits and evictions all happened."""
     reqs = workload(5, num_requests)
     base = dict(device="cpu", kv_block_size=4, replay_window=4, replayssm=replayssm, max_model_len=48)
     plain = drive(LLM(small_checkpoint(), max_num_seqs=32, max_num_batched_tokens=1024, **base), reqs,
                   check=False, at_once=True)
     # 14 blocks of 4 tokens for up to 6 requests of up to 38 tokens: preemptions and evictions.
+    kw = dict(num_speculative_tokens=3, speculative_method="ngram") if spec else {}
+    # The baseline verify holds 1 + k slots per request.
     llm = LLM(small_checkpoint(), enable_prefix_caching=True, prefix_checkpoint_interval=4, num_kv_blocks=14,
-              num_slots=12, max_num_seqs=6, max_num_batched_tokens=14, **base)
+              num_slots=12 if replayssm or not spec else 24, max_num_seqs=6, max_num_batched_tokens=14, **kw,
+              **base)
+    if spec:
+        drafter = llm.engine.spec.proposer = OracleDrafter(plain, seed=6)
     tight = drive(llm, reqs, check=True)
     assert tight == plain
     m = llm.get_metrics()
+    if spec:
+        assert m["spec_draft_tokens"] > m["spec_accepted_tokens"] > 0
+        assert len(set(drafter.accepted)) == 4  # every acceptance count 0..k happened
     assert m["num_preemptions"] > 0 and m["prefix_cache_hit_tokens"] > 0
     assert m["kv_block_evictions"] > 0 and m["prefix_checkpoint_evictions"] > 0

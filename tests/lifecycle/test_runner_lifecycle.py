@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "prefix"))
-from prefix_helpers import (  # noqa: E402
+from prefix_helpers import (  # noqa: E402, F401 (autouse fixture)
     assert_checkpoint,
     blocks_for,
     fresh_prefill_state,
     make_runner,
+    one_thread,
     random_ids,
     small_checkpoint,
 )

@@ -2,15 +2,48 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 from checkpoints import cached_checkpoint
 
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
+from replayssm.spec.proposer import Drafts, Proposer
 
 BLOCK = 4
 SMALL = dict(hybrid_override_pattern="M*M-M", hidden_size=32, mamba_num_heads=4, mamba_head_dim=8,
              ssm_state_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
              intermediate_size=32, chunk_size=4)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models step fastest on one thread (and CI jobs do not oversubscribe the cores).
+    Import it into a test module to make it autouse there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class OracleDrafter(Proposer):
+    """Drafts the plain run's continuation, keeps a seeded random number of them correct and
+    corrupts the next: each verify step accepts a random count (greedy stays lossless)."""
+
+    def __init__(self, reference: dict[str, list[int]], seed: int) -> None:
+        self.reference, self.rng = reference, random.Random(seed)
+        self.accepted: list[int] = []
+
+    def propose(self, requests, num_drafts):
+        out = []
+        for r, n in zip(requests, num_drafts):
+            done = len(r.output_token_ids)
+            true = self.reference[r.request_id][done : done + n]
+            m = self.rng.randint(0, len(true))
+            self.accepted.append(m)
+            out.append(Drafts(true[:m] + [(t + 1) % 256 for t in true[m : m + 1]]))
+        return out
 
 
 def small_checkpoint(seed: int = 0) -> str:

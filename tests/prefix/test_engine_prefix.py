@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from prefix_helpers import random_ids, small_checkpoint
+from prefix_helpers import OracleDrafter, one_thread, random_ids, small_checkpoint  # noqa: F401 (autouse fixture)
 
 from replayssm import LLM, SamplingParams
 
@@ -24,16 +24,20 @@ def run(llm: LLM, batches: list[list[list[int]]], params=GREEDY):
 
 
 @pytest.mark.parametrize("replayssm", [True, False])
-@pytest.mark.parametrize("interval", [4, 8])
-def test_hits_equal_misses(replayssm, interval):
-    """Prompts sharing prefixes give the same greedy tokens with the cache on (hits counted) and off."""
+@pytest.mark.parametrize(("interval", "spec"), [(4, False), (8, False), (4, True)])
+def test_hits_equal_misses(replayssm, interval, spec):
+    """Prompts sharing prefixes give the same greedy tokens with the cache on (hits counted) and off,
+    also with k = 3 drafts accepted at random."""
     shared = random_ids(22, seed=1)
     other = random_ids(9, seed=2)
     batches = [[shared + random_ids(3, 3)],
                [shared + random_ids(5, 4), shared[:13] + other, shared, shared + random_ids(1, 5)],
                [shared[:17] + other + random_ids(6, 6)]]
     off = run(make_llm(replayssm=replayssm), batches)
-    llm = make_llm(replayssm=replayssm, enable_prefix_caching=True, prefix_checkpoint_interval=interval)
+    kw = dict(num_speculative_tokens=3, num_slots=40) if spec else {}
+    llm = make_llm(replayssm=replayssm, enable_prefix_caching=True, prefix_checkpoint_interval=interval, **kw)
+    if spec:
+        llm.engine.spec.proposer = OracleDrafter({o.request_id: o.token_ids for o in off}, seed=interval)
     on = run(llm, batches)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     cached = [o.num_cached_tokens for o in on]
@@ -42,6 +46,7 @@ def test_hits_equal_misses(replayssm, interval):
     m = llm.get_metrics()
     assert m["prefix_cache_hit_tokens"] == sum(cached) > 0
     assert m["prefix_cache_query_tokens"] == sum(len(o.prompt_token_ids) for o in on)
+    assert not spec or m["spec_accepted_tokens"] > 0
 
 
 def test_multi_turn_chat_hits_previous_turn():

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from prefix_helpers import (
+from prefix_helpers import (  # noqa: F401 (autouse fixture)
     assert_checkpoint,
     blocks_for,
     fresh_prefill_state,
     make_runner,
+    one_thread,
     random_ids,
     small_checkpoint,
 )
