@@ -256,7 +256,7 @@ class ModelRunner:
     def _reset_cursors(self, slots: list[int]) -> None:
         """ring_start = committed = 0 on the device and in the host mirror."""
         if slots:
-            self.mamba_cache.reset_cursors(torch.tensor(slots, dtype=torch.int64, device=self.device))
+            self.mamba_cache.reset_cursors(to_device(slots, torch.int64, self.device))
         for s in slots:
             self._ring_start[s] = self._committed[s] = 0
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replayssm.engine.batch_inputs import to_device
 from replayssm.ops.conv1d import causal_conv1d_commit
 from replayssm.ops.replay import replay_materialize
 
@@ -51,8 +52,8 @@ def publish_conv_windows(cache, pubs: list[Publication], q: int, device: torch.d
     """conv[dst] = the window at each boundary, from the (uncommitted) live window + step inputs."""
     if not pubs:
         return
-    idx = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-    grid = torch.tensor([p.grid_row for p in pubs], dtype=torch.int64, device=device)
+    idx = lambda v: to_device(v, torch.int32, device)  # noqa: E731
+    grid = to_device([p.grid_row for p in pubs], torch.int64, device)
     b, src, dst = idx([p.offset for p in pubs]), idx([p.live for p in pubs]), idx([p.dst for p in pubs])
     for conv, scratch in zip(cache.conv, cache.conv_scratch):
         causal_conv1d_commit(conv, scratch[grid, :q], b, src, dst_indices=dst)
@@ -63,9 +64,9 @@ def publish_states(runner, pubs: list[Publication], seed: int) -> None:
     if not pubs:
         return
     cache, device = runner.mamba_cache, runner.device
-    dst = torch.tensor([p.dst for p in pubs], dtype=torch.int64, device=device)
+    dst = to_device([p.dst for p in pubs], torch.int64, device)
     if not runner.replayssm:
-        src = torch.tensor([p.source for p in pubs], dtype=torch.int64, device=device)
+        src = to_device([p.source for p in pubs], torch.int64, device)
         for state in cache.state:
             state[dst] = state[src]
         return
@@ -74,8 +75,8 @@ def publish_states(runner, pubs: list[Publication], seed: int) -> None:
     # cache/prefix_cache.py).
     n = [p.offset - p.accepted + runner.cursors(p.live)[1] for p in pubs]
     assert all(0 <= k <= runner.cursors(p.live)[1] for k, p in zip(n, pubs)), n
-    src = torch.tensor([p.live for p in pubs], dtype=torch.int32, device=device)
-    num = torch.tensor(n, dtype=torch.int32, device=device)
+    src = to_device([p.live for p in pubs], torch.int32, device)
+    num = to_device(n, torch.int32, device)
     for layer, (mixer, state) in enumerate(zip(runner.mixers, cache.state)):
         A = -torch.exp(mixer.A_log.float())
         replay_materialize(A, state, cache.ring_x[layer], cache.ring_B[layer], cache.ring_dt[layer],
