@@ -152,6 +152,10 @@ class EngineConfig:
         False, "replay decode/verify steps as CUDA graphs (needs fp32 state; NOT yet verified on a GPU, "
         "hence off by default)"
     )
+    tensor_parallel_size: int = _doc(
+        1, "GPUs (CPU processes with device cpu) that split every layer's heads and weights; "
+        "N > 1 spawns N - 1 worker processes, or runs under torchrun with N processes"
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -169,6 +173,10 @@ class EngineConfig:
         _check_int("seed", self.seed, 0)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.cuda_graphs:
+            raise ValueError("cuda_graphs=True does not support tensor_parallel_size > 1 yet "
+                             "(graphs with NCCL collectives are untested)")
         q_max = 1 + self.spec.num_speculative_tokens
         if q_max > self.replay_window:
             raise ValueError(

@@ -65,6 +65,16 @@ class LLM:
                 bar.set_postfix(tokens=self.engine.metrics.generation_tokens, refresh=False)
         return [finished[rid] for rid in ids]
 
+    def close(self) -> None:
+        """Free the engine (with tensor_parallel_size > 1: the workers' shards); also on ``with`` exit."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_metrics(self) -> dict[str, Any]:
         """Engine counters: preemptions, prefix-cache and spec counts, tokens generated, ..."""
         return self.engine.get_metrics()

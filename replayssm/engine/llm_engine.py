@@ -292,6 +292,12 @@ class LLMEngine:
             self.metrics.num_requests_aborted += 1
         return make_output(r)
 
+    def close(self) -> None:
+        """Release the runner's resources (tensor-parallel workers drop their shard); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def get_metrics(self) -> dict[str, Any]:
         """Counters since start plus current occupancy and the cache plan."""
         m: dict[str, Any] = self.metrics.as_dict()

@@ -18,6 +18,10 @@ one of the spec_slots (the source is read before any write), so a request can ow
 The host mirrors the cursors exactly (it knows q and a), so nothing here syncs with the device:
 inputs go up through pinned memory without blocking, and the model's decode path (MoE routing
 included) reads nothing back on CUDA.
+
+Tensor parallelism (tp_size > 1, process group already up): this runner holds rank tp_rank's
+shard of the weights and of every cache; every rank must receive the same calls in the same
+order (distributed/runner.py mirrors rank 0's calls), so cursors stay identical everywhere.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from pathlib import Path
 import torch
 
 from replayssm.cache.mamba_cache import KVCache, MambaCache, as_dtype
+from replayssm.distributed.parallel import TensorParallel
+from replayssm.distributed.sharding import local_config
 from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs, to_device
 from replayssm.engine.context import ForwardContext
 from replayssm.engine.publish import decode_publications, publish_conv_windows, publish_states
@@ -59,7 +65,7 @@ class ModelRunner:
                  state_dtype: str | torch.dtype = "float32", num_speculative_tokens: int = 0,
                  num_kv_blocks: int = 64, kv_block_size: int = 16, num_slots: int = 8, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
         for name, value, low in (("replay_window", replay_window, 1), ("num_speculative_tokens",
                                  num_speculative_tokens, 0), ("num_kv_blocks", num_kv_blocks, 1),
                                  ("kv_block_size", kv_block_size, 1), ("num_slots", num_slots, 1),
@@ -72,21 +78,25 @@ class ModelRunner:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs 1 + k <= replay_window "
                              f"({replay_window})")
         self.device = torch.device(device)
+        self.tp = TensorParallel(tp_rank, tp_size)
+        self.tp.check_group()
         self.model, self.model_config = load_model(model_path, device=self.device,
                                                    dtype=None if dtype is None else as_dtype(dtype, "dtype"),
-                                                   load_format=load_format)
+                                                   load_format=load_format, tp=self.tp)
         cfg = self.model_config
+        # Caches hold this rank's heads only: they are sized from the shard's config.
+        self.shard_config = local = local_config(cfg, tp_size)
         self.dtype = self.model.dtype
         self.state_dtype = as_dtype(state_dtype, "state_dtype")
         self.replayssm, self.window = replayssm, replay_window
         self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
         self.num_kv_blocks, self.kv_block_size = num_kv_blocks, kv_block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.mamba_cache = MambaCache(cfg, num_slots=num_slots, act_dtype=self.dtype,
+        self.mamba_cache = MambaCache(local, num_slots=num_slots, act_dtype=self.dtype,
                                       state_dtype=self.state_dtype, replayssm=replayssm, window=replay_window,
                                       q_max=self.q_max, max_num_seqs=max_num_seqs, device=self.device)
         # CUDA graphs pad rows onto one extra block past the engine's (see engine/cuda_graph.py).
-        self.kv_cache = KVCache(cfg, num_blocks=num_kv_blocks + int(cuda_graphs), block_size=kv_block_size,
+        self.kv_cache = KVCache(local, num_blocks=num_kv_blocks + int(cuda_graphs), block_size=kv_block_size,
                                 dtype=self.dtype, device=self.device)
         self.mixers = [b.mixer for b, kind in zip(self.model.layers, cfg.layer_types) if kind == MAMBA]
         # Exact host mirror of ring_start / committed (index num_slots is the private scratch slot).
@@ -109,39 +119,43 @@ class ModelRunner:
 
     @staticmethod
     def slot_bytes(model_config: ModelConfig, *, dtype: str | torch.dtype, state_dtype: str | torch.dtype,
-                   replayssm: bool, replay_window: int, num_speculative_tokens: int, **_: object) -> int:
-        """Bytes of one Mamba slot (all layers; ring only with ReplaySSM)."""
-        return MambaCache.bytes_per_slot(model_config, act_dtype=as_dtype(dtype, "dtype"),
+                   replayssm: bool, replay_window: int, num_speculative_tokens: int,
+                   tensor_parallel_size: int = 1, **_: object) -> int:
+        """Bytes of one Mamba slot (all layers; ring only with ReplaySSM) on one tensor-parallel rank."""
+        return MambaCache.bytes_per_slot(local_config(model_config, tensor_parallel_size),
+                                         act_dtype=as_dtype(dtype, "dtype"),
                                          state_dtype=as_dtype(state_dtype, "state_dtype"),
                                          replayssm=replayssm, window=replay_window,
                                          q_max=1 + num_speculative_tokens)
 
     @staticmethod
     def kv_block_bytes(model_config: ModelConfig, *, dtype: str | torch.dtype, kv_block_size: int,
-                       **_: object) -> int:
-        """Bytes of one KV block (K and V of every attention layer)."""
-        return KVCache.bytes_per_block(model_config, block_size=kv_block_size, dtype=as_dtype(dtype, "dtype"))
+                       tensor_parallel_size: int = 1, **_: object) -> int:
+        """Bytes of one KV block (K and V of every attention layer) on one tensor-parallel rank."""
+        return KVCache.bytes_per_block(local_config(model_config, tensor_parallel_size),
+                                       block_size=kv_block_size, dtype=as_dtype(dtype, "dtype"))
 
     @staticmethod
     def fixed_bytes(model_config: ModelConfig, *, dtype: str | torch.dtype, state_dtype: str | torch.dtype,
                     replayssm: bool, replay_window: int, num_speculative_tokens: int, max_num_seqs: int,
-                    **_: object) -> int:
+                    tensor_parallel_size: int = 1, **_: object) -> int:
         """Cache bytes not proportional to slots or blocks: the private scratch slot + decode conv scratch."""
         act = as_dtype(dtype, "dtype")
         k = num_speculative_tokens
         slot = ModelRunner.slot_bytes(model_config, dtype=act, state_dtype=state_dtype, replayssm=replayssm,
-                                      replay_window=replay_window, num_speculative_tokens=k)
-        scratch = MambaCache.scratch_bytes(model_config, act_dtype=act, q_max=1 + k,
-                                           max_num_seqs=max_num_seqs)
+                                      replay_window=replay_window, num_speculative_tokens=k,
+                                      tensor_parallel_size=tensor_parallel_size)
+        scratch = MambaCache.scratch_bytes(local_config(model_config, tensor_parallel_size), act_dtype=act,
+                                           q_max=1 + k, max_num_seqs=max_num_seqs)
         return slot + scratch
 
     def bytes_per_slot(self) -> int:
-        return MambaCache.bytes_per_slot(self.model_config, act_dtype=self.dtype,
+        return MambaCache.bytes_per_slot(self.shard_config, act_dtype=self.dtype,
                                          state_dtype=self.state_dtype, replayssm=self.replayssm,
                                          window=self.window, q_max=self.q_max)
 
     def bytes_per_kv_block(self) -> int:
-        return KVCache.bytes_per_block(self.model_config, block_size=self.kv_block_size, dtype=self.dtype)
+        return KVCache.bytes_per_block(self.shard_config, block_size=self.kv_block_size, dtype=self.dtype)
 
     # ---- one step ---------------------------------------------------------------------------------
 

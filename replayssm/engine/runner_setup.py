@@ -52,9 +52,9 @@ def resolve_model_dir(model: str, need_weights: bool = True) -> str:
 
 
 def default_memory_budget(device: str, gpu_memory_utilization: float, model_dir: str,
-                          weight_bytes: int | None = None) -> int:
-    """CPU: 1 GiB. CUDA: the utilization share of free memory, minus the weights' file size
-    (or weight_bytes when given: dummy weights have no files)."""
+                          weight_bytes: int | None = None, tensor_parallel_size: int = 1) -> int:
+    """CPU: 1 GiB. CUDA: the utilization share of free memory, minus this GPU's share of the weights'
+    file size (or of weight_bytes when given: dummy weights have no files)."""
     if not device.startswith("cuda"):
         return CPU_DEFAULT_BUDGET
     import torch
@@ -63,14 +63,17 @@ def default_memory_budget(device: str, gpu_memory_utilization: float, model_dir:
     weights = weight_bytes
     if weights is None:
         weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
-    return max(1, int(free * gpu_memory_utilization) - weights)
+    return max(1, int(free * gpu_memory_utilization) - weights // tensor_parallel_size)
 
 
 def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
     """Load the config and tokenizer, plan the cache from the memory budget, build the runner."""
     from replayssm.models.config import ModelConfig
 
-    if runner_cls is None:
+    tp = config.tensor_parallel_size
+    if runner_cls is None and tp > 1:
+        from replayssm.distributed.runner import TPModelRunner as runner_cls
+    elif runner_cls is None:
         from replayssm.engine.model_runner import ModelRunner as runner_cls
     dummy = config.load_format == "dummy"
     model_dir = resolve_model_dir(config.model, need_weights=not dummy)
@@ -86,6 +89,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         replay_window=config.replay_window,
         num_speculative_tokens=spec.num_speculative_tokens,
         kv_block_size=cache.kv_block_size,
+        tensor_parallel_size=tp,  # sizes per GPU: each rank holds 1/tp of the heads
     )
     interval = cache.prefix_checkpoint_interval or cache.kv_block_size
     kv_block_bytes = runner_cls.kv_block_bytes(model_config, **sizes)
@@ -100,7 +104,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
 
         weight_bytes = parameter_bytes(model_config, as_dtype(dtype, "dtype"))
     budget = cache.memory_budget or default_memory_budget(device, cache.gpu_memory_utilization, model_dir,
-                                                          weight_bytes)
+                                                          weight_bytes, tp)
     plan = plan_cache(
         budget,
         bytes_per_slot=runner_cls.slot_bytes(model_config, **sizes),
@@ -129,6 +133,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         seed=config.seed,
         **({"load_format": "dummy"} if dummy else {}),
         **({"cuda_graphs": True} if config.cuda_graphs else {}),
+        **({"tensor_parallel_size": tp} if tp > 1 else {}),
     )
     # Stop at the tokenizer's eos and at every eos the generation config names.
     eos = set(read_eos_token_ids(model_dir) or model_config.eos_token_ids)

@@ -2,7 +2,8 @@
 
 Module names mirror the checkpoints (after the `model.`/`backbone.` prefix), so the loader maps
 names one to one: embeddings, layers.{i}.norm, layers.{i}.mixer.*, norm_f, lm_head.
-The block's mixer comes from `layer_types[i]`.
+The block's mixer comes from `layer_types[i]`. Under tensor parallelism every mixer holds its
+rank's shard (distributed/sharding.py) and the block all-reduces the mixer output once.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.distributed.sharding import local_config
 from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from replayssm.models.layers.attention import Attention
 from replayssm.models.layers.mamba2 import Mamba2Mixer
 from replayssm.models.layers.mlp import MLP as DenseMLP
 from replayssm.models.layers.mlp import MoE
 from replayssm.models.layers.norm import RMSNorm
+from replayssm.models.layers.vocab import VocabParallelEmbedding, parallel_logits
 
 
 def _mamba2_norms(cfg: ModelConfig) -> bool:
@@ -26,22 +30,25 @@ def _mamba2_norms(cfg: ModelConfig) -> bool:
 class HybridBlock(nn.Module):
     """h <- h + mixer(norm(h)); the residual stays fp32 when the config asks (Mamba-2 default)."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, index_of_kind: int, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str, index_of_kind: int, *, device=None, dtype=None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.kind = kind
+        self.tp = tp
+        local = local_config(cfg, tp.size)  # head / intermediate counts of this rank's shard
         self.residual_in_fp32 = cfg.residual_in_fp32
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=_mamba2_norms(cfg),
                             device=device, dtype=dtype)
         kw = dict(device=device, dtype=dtype)
         if kind == MAMBA:
-            self.mixer = Mamba2Mixer(cfg, index_of_kind, **kw)
+            self.mixer = Mamba2Mixer(cfg, index_of_kind, tp=tp, **kw)
         elif kind == ATTENTION:
-            self.mixer = Attention(cfg, index_of_kind, **kw)
+            self.mixer = Attention(local, index_of_kind, **kw)
         elif kind == MLP:
-            self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_bias, **kw)
+            self.mixer = DenseMLP(cfg.hidden_size, local.intermediate_size, cfg.mlp_act, cfg.mlp_bias, **kw)
         else:
             assert kind == MOE, kind
-            self.mixer = MoE(cfg, **kw)
+            self.mixer = MoE(local, **kw)
 
     def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
         residual = h.float() if self.residual_in_fp32 else h
@@ -50,28 +57,29 @@ class HybridBlock(nn.Module):
             x = self.mixer(x, ctx)
         else:
             x = self.mixer(x)
-        return residual + x
+        return residual + self.tp.all_reduce(x)
 
 
 class HybridForCausalLM(nn.Module):
     """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them."""
 
-    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         self.dtype = dtype or cfg.dtype
         kw = dict(device=device, dtype=self.dtype)
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, **kw)
         counts = {kind: 0 for kind in (MAMBA, ATTENTION, MLP, MOE)}
         blocks = []
         for kind in cfg.layer_types:
-            blocks.append(HybridBlock(cfg, kind, counts[kind], **kw))
+            blocks.append(HybridBlock(cfg, kind, counts[kind], tp=tp, **kw))
             counts[kind] += 1
         self.layers = nn.ModuleList(blocks)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=_mamba2_norms(cfg), **kw)
         # Tied checkpoints store no lm_head; the logits then reuse the embedding matrix.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
-                                                                      bias=False, **kw)
+        rows = self.embeddings.weight.shape[0]  # this rank's vocab rows
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, **kw)
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids (T,) int64 -> final hidden states (T, hidden) before the final norm."""
@@ -83,5 +91,4 @@ class HybridForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (n, hidden) -> fp32 logits (n, vocab)."""
         weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        h = self.norm_f(h)
-        return torch.nn.functional.linear(h.to(weight.dtype), weight).float()
+        return parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp)

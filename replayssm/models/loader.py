@@ -7,19 +7,24 @@ names written by every transformers version and by NVIDIA's remote code:
   - multi-token-prediction weights (`mtp.*`) are skipped here; the MTP drafter
     (replayssm/spec/mtp_model.py) loads them with its own mapping.
 Every parameter must be filled exactly; a missing tensor or a wrong shape raises ValueError
-naming the file and the tensor.
+naming the file and the tensor. Under tensor parallelism each rank reads only its slices
+(`safe_open(...).get_slice`, see distributed/sharding.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.distributed.sharding import check_shardable, read_shard
 from replayssm.models import model_class
 from replayssm.models.config import ModelConfig
 from replayssm.models.dummy import init_dummy_weights
@@ -63,11 +68,18 @@ def _our_name(key: str) -> str | None:
     return key
 
 
-def load_weights(model: nn.Module, path: str | Path, rename=None) -> None:
+def _read_whole(f, key: str, name: str) -> torch.Tensor:
+    return f.get_tensor(key)
+
+
+def load_weights(model: nn.Module, path: str | Path, rename=None,
+                 read: Callable[..., torch.Tensor] = _read_whole) -> None:
     """Copy every parameter of `model` from the checkpoint at `path` (dtype converted, shapes checked).
 
     rename: checkpoint name -> parameter name or None to skip (default: the decoder's mapping
-    above; the MTP drafter passes its own to read the `mtp.*` tensors)."""
+    above; the MTP drafter passes its own to read the `mtp.*` tensors). read(f, key, our_name)
+    returns the part of checkpoint tensor `key` this process holds (tensor parallelism).
+    """
     rename = rename or _our_name
     params = dict(model.named_parameters())
     filled: set[str] = set()
@@ -85,10 +97,10 @@ def load_weights(model: nn.Module, path: str | Path, rename=None) -> None:
                         if target not in params:
                             continue
                         e = int(m.group(2))
-                        _copy(params[target], e, f.get_tensor(key), file, key)
+                        _copy(params[target], e, read(f, key, name), file, key)
                         experts_filled.setdefault(target, set()).add(e)
                     elif name in params:
-                        _copy(params[name], None, f.get_tensor(key), file, key)
+                        _copy(params[name], None, read(f, key, name), file, key)
                         filled.add(name)
         except (OSError, SafetensorError) as e:
             raise ValueError(f"{file}: unreadable safetensors file ({e})") from e
@@ -113,23 +125,26 @@ def _copy(param: torch.Tensor, row: int | None, tensor: torch.Tensor, file: Path
     dst.copy_(tensor.to(dst.dtype))
 
 
-def load_model(path: str | Path, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, load_format: str = "auto") -> tuple[nn.Module, ModelConfig]:
+def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               load_format: str = "auto", tp: TensorParallel = SINGLE) -> tuple[nn.Module, ModelConfig]:
     """Build the model for the checkpoint at `path` on `device` in `dtype` (default: the checkpoint's).
 
     Parameters are allocated uninitialized and every one is then filled from the checkpoint
-    (load_format "auto"), or with seeded random values from config.json alone ("dummy").
+    (load_format "auto"), or with seeded random values from config.json alone ("dummy"); with
+    tp.size > 1 the model holds (and reads) only rank tp.rank's shard.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     config = ModelConfig.from_hf(path)
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    check_shardable(config, tp.size)
     with torch.device("meta"):
-        model = model_class(config)(config, dtype=dtype or config.dtype)
+        model = model_class(config)(config, dtype=dtype or config.dtype, tp=tp)
     model = model.to_empty(device=device)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        load_weights(model, path)
+        read = _read_whole if tp.size == 1 else functools.partial(read_shard, config, tp)
+        load_weights(model, path, read=read)
     return model.eval().requires_grad_(False), config

@@ -9,13 +9,19 @@ Tokens arrive packed, prefill rows first, then decode rows (see engine/context.p
     decode rows:    causal_conv1d_update (window unchanged; inputs parked in the conv scratch
                     for the commit) -> replay_forward (ReplaySSM) | selective_state_update (off)
     -> rms_norm_gated(y, z) -> out_proj
+
+Under tensor parallelism the mixer holds its rank's heads and groups (distributed/sharding.py);
+out_proj's output is a partial sum that the block all-reduces.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.distributed.sharding import MambaShard
 from replayssm.models.config import ModelConfig
 from replayssm.ops.common import store_states
 from replayssm.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -36,12 +42,16 @@ class GatedNormWeight(nn.Module):
 class Mamba2Mixer(nn.Module):
     """x (T, hidden) -> (T, hidden); reads and writes the layer's slots in ctx.mamba_cache."""
 
-    def __init__(self, cfg: ModelConfig, mamba_index: int, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, mamba_index: int, *, device=None, dtype=None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.mamba_index = mamba_index  # which per-layer Mamba cache tensors this layer owns
-        self.H, self.P = cfg.mamba_num_heads, cfg.mamba_head_dim
-        self.G, self.N = cfg.mamba_n_groups, cfg.ssm_state_size
-        self.I, self.conv_dim = cfg.mamba_intermediate_size, cfg.conv_dim
+        self.tp, self.shard = tp, MambaShard.of(cfg, tp)
+        # Local sizes: this rank's heads and groups (everything when tp.size == 1).
+        self.H, self.P = cfg.mamba_num_heads // tp.size, cfg.mamba_head_dim
+        self.G, self.N = self.shard.groups[1] - self.shard.groups[0], cfg.ssm_state_size
+        self.I = self.H * self.P
+        self.conv_dim = self.I + 2 * self.G * self.N
         self.chunk_size = cfg.chunk_size
         self.eps = cfg.norm_eps
         self.in_proj = nn.Linear(cfg.hidden_size, self.I + self.conv_dim + self.H, bias=cfg.mamba_proj_bias,
@@ -69,8 +79,21 @@ class Mamba2Mixer(nn.Module):
         if md.num_decode_rows:
             parts.append(self._decode(xBC[Tp:], dt[Tp:], A, weight, ctx, seed))
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        y = rms_norm_gated(y, z, self.norm.weight, self.eps, self.I // self.G)
+        y = self._gated_norm(y, z)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """rms_norm_gated over I / G channels; a group split across ranks sums its squares over them."""
+        sh = self.shard
+        if sh.norm_group is None:
+            return rms_norm_gated(y, z, self.norm.weight, self.eps, sh.norm_group_size)
+        g = y.float() * F.silu(z.float())
+        # One column per global group so that ranks sharing a group add up and others stay apart.
+        sq = g.new_zeros(g.shape[0], sh.num_norm_groups)
+        sq[:, sh.norm_group] = g.pow(2).sum(-1)
+        self.tp.all_reduce(sq)
+        g = g * torch.rsqrt(sq[:, sh.norm_group:sh.norm_group + 1] / sh.norm_group_size + self.eps)
+        return self.norm.weight * g.to(y.dtype)
 
     def _split(self, xbc: torch.Tensor, lead: tuple[int, ...]):
         # Contiguous copies: the Triton kernels index x, B and C with dense strides.

@@ -1,0 +1,198 @@
+"""Which slice of every weight and cache a tensor-parallel rank holds.
+
+    tensor (checkpoint name)                      split                     rank r keeps
+    ---------------------------------------------------------------------------------------------
+    mamba in_proj  rows [z | x | B | C | dt]      heads; B, C by group      z_r, x_r, B_g, C_g, dt_r
+    mamba conv1d   channels [x | B | C]           same as in_proj           x_r, B_g, C_g
+    mamba A_log, D, dt_bias, norm.weight          heads                     its heads' entries
+    mamba out_proj (hidden, H*P)                  columns (row-parallel)    its heads' columns
+    attention q / k / v                           heads / kv heads          its heads (kv replicated
+                                                                            when kv heads < ranks)
+    attention o_proj, mlp down, expert down       columns (row-parallel)    its intermediate slice
+    mlp up, expert up (every expert)              rows (column-parallel)    its intermediate slice
+    embeddings, lm_head                           vocab rows (padded)       ceil(V / size) rows
+    norms, router, latent projections             replicated                everything
+    bias of a row-parallel projection             rank 0 only               zeros elsewhere
+
+Groups (g): with G >= size each rank keeps G / size whole groups; with G < size the ranks that
+share a group each keep a copy of it (G must divide size). The gated RMSNorm normalizes over a
+group's I / G channels; with G < size those channels span ranks, and the mixer all-reduces the
+sum of squares (see MambaShard.norm_group). Every row-parallel output is a partial sum that the
+block all-reduces once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+
+from replayssm.distributed.parallel import TensorParallel
+from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """Raise ValueError naming the field that does not split over `size` ranks."""
+    if size == 1:
+        return
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model: {what}")
+
+    kinds = set(cfg.layer_types)
+    if MAMBA in kinds:
+        H, G = cfg.mamba_num_heads, cfg.mamba_n_groups
+        need(H % size == 0, f"mamba_num_heads={H} must be a multiple of {size}")
+        need(G % size == 0 or size % G == 0, f"n_groups={G} must divide or be a multiple of {size}")
+    if ATTENTION in kinds:
+        nh, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        need(nh % size == 0, f"num_attention_heads={nh} must be a multiple of {size}")
+        need(kv % size == 0 or size % kv == 0,
+             f"num_key_value_heads={kv} must divide or be a multiple of {size}")
+    if MLP in kinds:
+        need(cfg.intermediate_size % size == 0, f"intermediate_size={cfg.intermediate_size} "
+             f"must be a multiple of {size}")
+    if MOE in kinds:
+        for name in ("moe_intermediate_size", "moe_shared_intermediate_size"):
+            value = getattr(cfg, name)
+            need(value % size == 0, f"{name}={value} must be a multiple of {size}")
+
+
+def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config of one rank's shard (head, group and intermediate counts divided); same on every rank."""
+    if size == 1:
+        return cfg
+    check_shardable(cfg, size)
+    return dataclasses.replace(
+        cfg,
+        mamba_num_heads=cfg.mamba_num_heads // size,
+        mamba_n_groups=max(cfg.mamba_n_groups // size, 1),
+        num_attention_heads=cfg.num_attention_heads // size,
+        num_key_value_heads=max(cfg.num_key_value_heads // size, 1) if cfg.num_key_value_heads else 0,
+        intermediate_size=cfg.intermediate_size // size,
+        moe_intermediate_size=cfg.moe_intermediate_size // size,
+        moe_shared_intermediate_size=cfg.moe_shared_intermediate_size // size,
+    )
+
+
+def _owned(n: int, tp: TensorParallel) -> tuple[int, int]:
+    """[start, stop) of n items split over ranks, or the one item shared by this rank when n < size."""
+    if n >= tp.size:
+        return tp.split(n)
+    g = tp.rank // (tp.size // n)
+    return g, g + 1
+
+
+@dataclass(frozen=True)
+class MambaShard:
+    """One rank's Mamba heads and groups (see the module docstring)."""
+
+    heads: tuple[int, int]
+    groups: tuple[int, int]
+    norm_group_size: int  # I / G channels per gated-norm group (global)
+    norm_group: int | None  # global group index when the group spans ranks (sum of squares all-reduced)
+    num_norm_groups: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: TensorParallel) -> MambaShard:
+        H, G = cfg.mamba_num_heads, cfg.mamba_n_groups
+        groups = _owned(G, tp)
+        spans = G < tp.size
+        return cls(tp.split(H), groups, cfg.mamba_intermediate_size // G, groups[0] if spans else None, G)
+
+
+def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
+    """(start, stop, rows): rank r holds ids [start, stop) in `rows` = ceil(V / size) rows (zero padded)."""
+    rows = -(-vocab_size // tp.size)
+    start = min(tp.rank * rows, vocab_size)
+    return start, min(start + rows, vocab_size), rows
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.mixer\.(.+)$")
+_EXPERT = re.compile(r"^experts\.\d+\.(up_proj|down_proj)\.weight$")
+
+
+def _rules(cfg: ModelConfig, kind: str, leaf: str, tp: TensorParallel):
+    """(dim, ranges) to read, "rank0" for a row-parallel bias, or None when replicated."""
+    if kind == MAMBA:
+        sh = MambaShard.of(cfg, tp)
+        I, N, P = cfg.mamba_intermediate_size, cfg.ssm_state_size, cfg.mamba_head_dim
+        GN = cfg.mamba_n_groups * N
+        (h0, h1), (g0, g1) = sh.heads, sh.groups
+        x = (h0 * P, h1 * P)  # also z's rows and the norm weight's entries
+        b = (g0 * N, g1 * N)
+        conv = [x, (I + b[0], I + b[1]), (I + GN + b[0], I + GN + b[1])]  # channels [x | B | C]
+        if leaf in ("in_proj.weight", "in_proj.bias"):
+            # rows [z | x B C | dt]: conv's ranges shifted past z
+            return 0, [x] + [(I + s, I + e) for s, e in conv] + [(2 * I + 2 * GN + h0, 2 * I + 2 * GN + h1)]
+        if leaf in ("conv1d.weight", "conv1d.bias"):
+            return 0, conv
+        if leaf in ("A_log", "D", "dt_bias"):
+            return 0, [(h0, h1)]
+        if leaf == "norm.weight":
+            return 0, [x]
+        if leaf == "out_proj.weight":
+            return 1, [x]
+        return "rank0" if leaf == "out_proj.bias" else None
+    if kind == ATTENTION:
+        d = cfg.head_dim
+        q = tuple(d * i for i in tp.split(cfg.num_attention_heads))
+        kv = tuple(d * i for i in _owned(cfg.num_key_value_heads, tp))
+        table = {"q_proj": (0, [q]), "k_proj": (0, [kv]), "v_proj": (0, [kv])}
+        proj, _, what = leaf.partition(".")
+        if proj in table:
+            return table[proj]
+        if proj == "o_proj":
+            return (1, [q]) if what == "weight" else "rank0"
+        return None
+    if kind == MLP:
+        return _mlp_rule(leaf, cfg.intermediate_size, tp)
+    assert kind == MOE, kind
+    m = _EXPERT.match(leaf)
+    if m:
+        r = tp.split(cfg.moe_intermediate_size)
+        return (0, [r]) if m.group(1) == "up_proj" else (1, [r])
+    if leaf.startswith("shared_experts."):
+        return _mlp_rule(leaf[len("shared_experts."):], cfg.moe_shared_intermediate_size, tp)
+    return "rank0" if leaf == "fc2_latent_proj.bias" else None
+
+
+def _mlp_rule(leaf: str, intermediate: int, tp: TensorParallel):
+    r = tp.split(intermediate)
+    if leaf.startswith("up_proj."):
+        return 0, [r]
+    if leaf == "down_proj.weight":
+        return 1, [r]
+    return "rank0" if leaf == "down_proj.bias" else None
+
+
+def read_shard(cfg: ModelConfig, tp: TensorParallel, f, key: str, name: str) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `key` (our name `name`), read with safetensors get_slice.
+
+    f is an open `safe_open(..., framework="pt")` handle; only the slices this rank keeps are read.
+    """
+    if name in ("embeddings.weight", "lm_head.weight"):
+        start, stop, rows = vocab_range(cfg.vocab_size, tp)
+        part = f.get_slice(key)[start:stop]
+        pad = part.new_zeros(rows - part.shape[0], *part.shape[1:])
+        return torch.cat([part, pad]) if pad.shape[0] else part
+    m = _LAYER.match(name)
+    rule = _rules(cfg, cfg.layer_types[int(m.group(1))], m.group(2), tp) if m else None
+    if rule is None:
+        return f.get_tensor(key)
+    sl = f.get_slice(key)
+    if rule == "rank0":
+        return f.get_tensor(key) if tp.rank == 0 else torch.zeros(sl.get_shape(), dtype=_dtype(sl))
+    dim, ranges = rule
+    parts = [sl[s:e] if dim == 0 else sl[:, s:e] for s, e in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _dtype(sl) -> torch.dtype:
+    return _ST_DTYPES.get(sl.get_dtype(), torch.float32)
