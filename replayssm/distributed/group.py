@@ -68,6 +68,7 @@ class TPGroup:
     device: str  # rank 0's device
     control: Any  # gloo ProcessGroup for pickled control messages
     processes: list  # spawned worker processes (empty under torchrun)
+    num_runners: int = 0  # TPModelRunners alive on this group
 
     def send(self, message: tuple) -> None:
         """Broadcast one control message to every worker (raises if a worker is gone)."""
@@ -98,6 +99,9 @@ _GROUP: TPGroup | None = None
 def acquire_group(size: int, device: str) -> TPGroup:
     """The process's group of `size` ranks on `device`, started on first use (rank 0 only returns)."""
     global _GROUP
+    if _GROUP is not None and _GROUP.num_runners == 0 and not under_torchrun() \
+            and (_GROUP.size, _GROUP.device) != (size, rank_device(device, 0)):
+        shutdown()  # an idle group of another shape: replace it
     if _GROUP is not None:
         if (_GROUP.size, _GROUP.device) != (size, rank_device(device, 0)):
             raise ValueError(f"a tensor-parallel group of {_GROUP.size} on {_GROUP.device} is already "
@@ -193,6 +197,9 @@ def _spawned_main(rank: int, size: int, device: str, init_method: str, pipe: Any
     except BaseException:
         pipe.send(traceback.format_exc())
         raise
+    if device == "cpu":
+        # CPU ranks share the cores instead of each spinning up a full thread pool.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     pipe.send("joining")
     control = _init(rank, size, device, init_method)
     try:

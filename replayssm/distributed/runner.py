@@ -55,6 +55,7 @@ class TPModelRunner:
                 raise error
             raise RuntimeError("tensor-parallel worker failed to load the model:\n" + failures[0])
         self.local = local
+        self.group.num_runners += 1
 
     def __getattr__(self, name: str) -> Any:
         if name in ("local", "group"):
@@ -90,6 +91,7 @@ class TPModelRunner:
     def close(self) -> None:
         """Free this runner on every rank; the worker processes stay for the next LLM in this process."""
         if self.group is not None:
+            self.group.num_runners -= 1
             self.group.send(("release",))
             self.group = None
             self.local = None

@@ -1,0 +1,123 @@
+"""Tensor parallelism: shards reassemble the checkpoint, and TP=2 (gloo, CPU) generates what TP=1 does.
+
+One spawned worker serves every TP=2 engine of this module (the group outlives each LLM);
+the last test kills it on purpose and checks that the engine fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import cached_checkpoint
+from conftest import requires_cuda
+
+from replayssm import LLM, SamplingParams
+from replayssm.distributed import group as tp_group
+from replayssm.distributed.parallel import TensorParallel
+from replayssm.distributed.sharding import local_config
+from replayssm.models.loader import load_model
+
+# 8 Mamba heads, 4 attention heads over 2 KV heads; n_groups 1 (replicated, norm group spans
+# both ranks), 2 (one group per rank) and 4 (two per rank).
+GROUPS = [1, 2, 4]
+ENGINE = dict(device="cpu", dtype="float32", replay_window=4, kv_block_size=4, num_kv_blocks=96,
+              num_slots=8, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=96)
+
+
+def _checkpoint(n_groups: int) -> str:
+    return cached_checkpoint("nemotron_h", n_groups=n_groups)[0]
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 19, 37)]
+
+
+def _generate(path: str, **kw) -> tuple[list[list[int]], list[list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
+    with LLM(path, **{**ENGINE, **kw}) as llm:
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
+    return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+
+@pytest.mark.parametrize("n_groups", GROUPS)
+def test_shards_reassemble_checkpoint(n_groups):
+    """Each rank's weights are slices of the TP=1 weights, and the slices of all ranks cover them."""
+    path = _checkpoint(n_groups)
+    model, cfg = load_model(path)
+    full = dict(model.named_parameters())
+    shards = [dict(load_model(path, tp=TensorParallel(r, 2))[0].named_parameters()) for r in range(2)]
+    local = local_config(cfg, 2)
+    HP, H = local.mamba_intermediate_size, local.mamba_num_heads
+    GN = local.mamba_n_groups * local.ssm_state_size
+    for name, w in full.items():
+        a, b = shards[0][name], shards[1][name]
+        if name.endswith(("in_proj.weight", "conv1d.weight", "conv1d.bias")):
+            # rows [z | x | B | C | dt] (in_proj) or [x | B | C] (conv): heads split; groups split
+            # (n_groups >= 2) or the one group kept whole by both ranks (n_groups = 1).
+            proj = "in_proj" in name
+            sizes = [HP] * proj + [HP, GN, GN] + [H] * proj
+            parts = list(zip(a.split(sizes), b.split(sizes)))
+            bc = {2, 3} if proj else {1, 2}
+            if n_groups == 1:
+                assert all(torch.equal(*parts[i]) for i in bc), name
+            rebuilt = [p[0] if i in bc and n_groups == 1 else torch.cat(p) for i, p in enumerate(parts)]
+            assert torch.equal(torch.cat(rebuilt), w), name
+        elif a.shape == w.shape:
+            assert torch.equal(a, w) and torch.equal(b, w), name  # replicated: norms, router, one KV head
+        else:
+            dim = next(d for d in range(w.dim()) if a.shape[d] != w.shape[d])
+            assert torch.equal(torch.cat([a, b], dim=dim).narrow(dim, 0, w.shape[dim]), w), name
+
+
+def test_caches_hold_half_the_heads():
+    """A TP=2 rank sizes its Mamba and KV caches from half the heads (and half the groups)."""
+    cfg = load_model(_checkpoint(4))[1]
+    local = local_config(cfg, 2)
+    assert (local.mamba_num_heads, local.mamba_n_groups) == (cfg.mamba_num_heads // 2, 2)
+    assert local.num_key_value_heads == cfg.num_key_value_heads // 2
+    assert local_config(load_model(_checkpoint(1))[1], 2).mamba_n_groups == 1
+
+
+def test_unshardable_model_fails_before_spawning():
+    """tensor_parallel_size that does not divide the heads raises ValueError naming the field."""
+    with pytest.raises(ValueError, match="mamba_num_heads"):
+        LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=3)
+    assert tp_group._GROUP is None or tp_group._GROUP.size == 2
+
+
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+@pytest.mark.parametrize("n_groups", GROUPS)
+def test_tp2_tokens_equal_tp1(n_groups, replayssm):
+    """Greedy TP=2 (gloo) tokens equal TP=1 over 32 tokens with chunked prefill; logprobs agree."""
+    path = _checkpoint(n_groups)
+    ref_tokens, ref_lp = _generate(path, replayssm=replayssm)
+    tokens, lp = _generate(path, replayssm=replayssm, tensor_parallel_size=2)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), rtol=1e-4, atol=1e-4)
+
+
+def test_dead_worker_raises_clear_error():
+    """Killing the worker makes the next step raise a RuntimeError naming the group (no hang)."""
+    llm = LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=2)
+    group = tp_group._GROUP
+    group.processes[0].kill()
+    group.processes[0].join(timeout=30)
+    with pytest.raises(RuntimeError, match="tensor-parallel group of 2 is broken"):
+        llm.generate(_prompts(), SamplingParams(max_tokens=4), use_tqdm=False)
+    tp_group.shutdown()
+    assert tp_group._GROUP is None
+
+
+@requires_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+def test_tp2_tokens_equal_tp1_cuda(replayssm):
+    """On two GPUs (NCCL, Triton kernels, fp32) greedy TP=2 tokens equal TP=1."""
+    path = _checkpoint(2)
+    cuda = dict(device="cuda", replayssm=replayssm)
+    ref_tokens, ref_lp = _generate(path, **cuda)
+    tokens, lp = _generate(path, **cuda, tensor_parallel_size=2)
+    tp_group.shutdown()
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), rtol=1e-3, atol=1e-3)
