@@ -121,3 +121,14 @@ def test_tp2_tokens_equal_tp1_cuda(replayssm):
     tp_group.shutdown()
     assert tokens == ref_tokens
     torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), rtol=1e-3, atol=1e-3)
+
+
+def test_cli_flag_reaches_engine_kwargs():
+    """--tensor-parallel-size is a generate flag and lands in the engine keyword arguments."""
+    from replayssm.cli import build_parser, engine_kwargs
+
+    argv = ["generate", "--model", "demo", "--prompt", "x", "--tensor-parallel-size", "2"]
+    args = build_parser().parse_args(argv)
+    assert engine_kwargs(args)["tensor_parallel_size"] == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=0)
