@@ -1,6 +1,7 @@
 """Tensor parallelism on one host: TP=1 vs TP=2 on the same random-weight Nemotron-H-shaped model.
 
-    python3 benchmarks/bench_tp.py            # needs 2 GPUs; about 2-4 minutes on 2 x H200
+    PYTHONPATH=. python3 benchmarks/bench_tp.py    # needs 2 GPUs; a few minutes on 2 x H200
+    PYTHONPATH=. python3 benchmarks/bench_tp.py --smoke    # tiny model, CPU processes (gloo)
 
 1. Writes a ~1.5B-parameter bf16 checkpoint with seeded random weights (Mamba-2, attention,
    MLP and MoE layers; no tokenizer, prompts are token ids) into a temp dir.
@@ -28,9 +29,13 @@ import time
 
 import torch
 
-from replayssm import LLM, SamplingParams
-from replayssm.demo import DEMO_CONFIG, demo_weights
-from replayssm.distributed import group as tp_group
+# The shared GPU machines forbid NVLink multicast (it can take their GPUs down); keep it off.
+for _name in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+    os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")
+
+from replayssm import LLM, SamplingParams  # noqa: E402
+from replayssm.demo import DEMO_CONFIG, demo_weights  # noqa: E402
+from replayssm.distributed import group as tp_group  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # 5 x "M-M-M*-ME": 20 Mamba-2, 15 MLP, 5 attention, 5 MoE layers; about 1.5B parameters.
@@ -66,11 +71,11 @@ SMOKE = {"hidden_size": 128, "vocab_size": 512, "mamba_num_heads": 8, "mamba_hea
          "num_hidden_layers": 9}
 
 
-def write_checkpoint(path: str, seed: int = 0) -> int:
-    """config.json + model.safetensors (bf16); returns the parameter count."""
+def write_checkpoint(path: str, device: str, seed: int = 0) -> int:
+    """config.json + model.safetensors (bf16, drawn on `device`); returns the parameter count."""
     from safetensors.torch import save_file
 
-    weights = {k: v.to(torch.bfloat16) for k, v in demo_weights(CONFIG, seed).items()}
+    weights = {k: v.to(torch.bfloat16).cpu() for k, v in demo_weights(CONFIG, seed, device).items()}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(CONFIG, f, indent=2)
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -121,6 +126,8 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int] | None
 
 
 def commit() -> str:
+    if os.environ.get("REPLAYSSM_COMMIT"):
+        return os.environ["REPLAYSSM_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
@@ -187,7 +194,7 @@ def main() -> int:
         return 2
     root = tempfile.mkdtemp(prefix="replayssm-tp-bench-")
     try:
-        params = write_checkpoint(root)
+        params = write_checkpoint(root, args.device)
         check = [prompts(4, 64, seed=1)]
         fp32 = {tp: run(root, tp, "float32", check, 32, args)[0] for tp in (1, 2)}
         work = [prompts(4, 32, seed=2), prompts(args.num_requests, args.prompt_len, seed=3)]

@@ -114,10 +114,11 @@ def _layer_weights(i: int, kind: str, c: dict, rand) -> dict[str, torch.Tensor]:
     return w
 
 
-def demo_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random fp32 weights for ``config`` under Hugging Face Nemotron-H names."""
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+def demo_weights(config: dict, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Seeded random fp32 weights for ``config`` under Hugging Face Nemotron-H names, on ``device``
+    (a CUDA generator draws large models much faster; its stream differs from the CPU one)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
     h, v = config["hidden_size"], config["vocab_size"]
     weights = {"backbone.embeddings.weight": rand(v, h)}
     for i, kind in enumerate(config["hybrid_override_pattern"]):
