@@ -97,6 +97,22 @@ def test_tp2_tokens_equal_tp1(n_groups, replayssm):
     torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), rtol=1e-4, atol=1e-4)
 
 
+def test_tp2_prefix_cache_hits_equal_tp1():
+    """With prefix caching, TP=2 publishes and restores its shard's checkpoints: hits give TP=1's tokens."""
+    path = _checkpoint(1)
+    shared = _prompts()[2][:24]
+    prompts = [shared + [7, 8, 9], shared + [10]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(path, **ENGINE).generate(prompts, params, use_tqdm=False)]
+    # Room for spare checkpoint slots (the planner sizes the pools per rank from the budget).
+    roomy = {**ENGINE, "num_slots": None, "memory_budget": 4_000_000}
+    with LLM(path, **roomy, tensor_parallel_size=2, enable_prefix_caching=True) as llm:
+        first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        second = llm.generate(prompts, params, use_tqdm=False)
+    assert first == ref and [o.token_ids for o in second] == ref
+    assert all(o.num_cached_tokens > 0 for o in second)
+
+
 def test_dead_worker_raises_clear_error():
     """Killing the worker makes the next step raise a RuntimeError naming the group (no hang)."""
     llm = LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=2)
