@@ -68,7 +68,7 @@ class TPGroup:
     device: str  # rank 0's device
     control: Any  # gloo ProcessGroup for pickled control messages
     processes: list  # spawned worker processes (empty under torchrun)
-    num_runners: int = 0  # TPModelRunners alive on this group
+    owner: object | None = None  # the TPModelRunner whose shards the workers hold now
 
     def send(self, message: tuple) -> None:
         """Broadcast one control message to every worker (raises if a worker is gone)."""
@@ -99,7 +99,7 @@ _GROUP: TPGroup | None = None
 def acquire_group(size: int, device: str) -> TPGroup:
     """The process's group of `size` ranks on `device`, started on first use (rank 0 only returns)."""
     global _GROUP
-    if _GROUP is not None and _GROUP.num_runners == 0 and not under_torchrun() \
+    if _GROUP is not None and _GROUP.owner is None and not under_torchrun() \
             and (_GROUP.size, _GROUP.device) != (size, rank_device(device, 0)):
         shutdown()  # an idle group of another shape: replace it
     if _GROUP is not None:
@@ -111,6 +111,7 @@ def acquire_group(size: int, device: str) -> TPGroup:
         raise ValueError("torch.distributed is already initialized by someone else; cannot start "
                          "a tensor-parallel group")
     _GROUP = _start_torchrun(size, device) if under_torchrun() else _start_spawned(size, device)
+    atexit.unregister(shutdown)
     atexit.register(shutdown)
     return _GROUP
 

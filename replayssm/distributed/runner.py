@@ -40,6 +40,8 @@ class TPModelRunner:
         # Fail before starting any process when the model does not split.
         check_shardable(ModelConfig.from_hf(model_path), tensor_parallel_size)
         self.group: TPGroup | None = acquire_group(tensor_parallel_size, str(device))
+        # The workers are about to drop any older runner's shards: that runner becomes stale.
+        self.group.owner = self
         self.group.send(("init", str(model_path), kwargs))
         local, error = None, None
         try:
@@ -49,13 +51,13 @@ class TPModelRunner:
             error = e
         failures = [s for s in self.group.gather_status() if s is not None]
         if error is not None or failures:
+            self.group.owner = None
             self.group.send(("release",))
             self.group = None
             if error is not None:
                 raise error
             raise RuntimeError("tensor-parallel worker failed to load the model:\n" + failures[0])
         self.local = local
-        self.group.num_runners += 1
 
     def __getattr__(self, name: str) -> Any:
         if name in ("local", "group"):
@@ -68,6 +70,9 @@ class TPModelRunner:
     def _mirror(self, name: str, args: tuple, kwargs: dict) -> Any:
         if self.group is None:
             raise ValueError("this runner is closed")
+        if self.group.owner is not self:
+            raise ValueError("a newer tensor-parallel LLM in this process replaced this one's workers; "
+                             "close() an LLM before building the next")
         self.group.send(("call", name, args, kwargs))
         try:
             return getattr(self.local, name)(*args, **kwargs)
@@ -90,8 +95,8 @@ class TPModelRunner:
 
     def close(self) -> None:
         """Free this runner on every rank; the worker processes stay for the next LLM in this process."""
-        if self.group is not None:
-            self.group.num_runners -= 1
+        if self.group is not None and self.group.owner is self:
+            self.group.owner = None
             self.group.send(("release",))
-            self.group = None
-            self.local = None
+        self.group = None
+        self.local = None

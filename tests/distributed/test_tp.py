@@ -113,6 +113,16 @@ def test_tp2_prefix_cache_hits_equal_tp1():
     assert all(o.num_cached_tokens > 0 for o in second)
 
 
+def test_replaced_runner_refuses_to_run():
+    """A TP LLM whose workers were taken over by a newer one raises ValueError instead of diverging."""
+    old = LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=2)
+    with LLM(_checkpoint(4), **ENGINE, tensor_parallel_size=2) as new:
+        with pytest.raises(ValueError, match="replaced"):
+            old.generate(_prompts(), SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(new.generate(_prompts(), SamplingParams(max_tokens=2), use_tqdm=False)) == 3
+    old.close()
+
+
 def test_dead_worker_raises_clear_error():
     """Killing the worker makes the next step raise a RuntimeError naming the group (no hang)."""
     llm = LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=2)
