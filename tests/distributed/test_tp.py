@@ -113,6 +113,18 @@ def test_tp2_prefix_cache_hits_equal_tp1():
     assert all(o.num_cached_tokens > 0 for o in second)
 
 
+def test_tp2_ngram_speculation_equals_tp1():
+    """Speculative verify rows (ngram drafts) on TP=2 give TP=1's greedy tokens, ReplaySSM on."""
+    path = _checkpoint(2)
+    prompts = [(_prompts()[1] * 3)[:40]]  # repeats, so the n-gram drafter proposes
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    spec = dict(num_speculative_tokens=2, speculative_method="ngram")
+    ref = [o.token_ids for o in LLM(path, **ENGINE).generate(prompts, params, use_tqdm=False)]
+    with LLM(path, **ENGINE, **spec, tensor_parallel_size=2) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+        assert llm.get_metrics()["spec_draft_tokens"] > 0
+
+
 def test_replaced_runner_refuses_to_run():
     """A TP LLM whose workers were taken over by a newer one raises ValueError instead of diverging."""
     old = LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=2)
@@ -158,3 +170,6 @@ def test_cli_flag_reaches_engine_kwargs():
     assert engine_kwargs(args)["tensor_parallel_size"] == 2
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="mtp"):
+        LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=2, num_speculative_tokens=2,
+            speculative_method="mtp")
