@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import math
 import shutil
 import tempfile
@@ -100,6 +101,12 @@ def _write_mtp_weights(path: Path, seed: int) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
+def _mamba2_norm_class():
+    from transformers.models.mamba2 import modeling_mamba2
+
+    return modeling_mamba2.MambaRMSNormGated
+
+
 def tiny_mamba2(path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
     """Write a tiny pure Mamba-2 Mamba2ForCausalLM (3 layers, 2 groups) to `path`; returns the model."""
     from transformers import Mamba2Config, Mamba2ForCausalLM
@@ -108,6 +115,10 @@ def tiny_mamba2(path: str | Path, seed: int = 0, max_shard_size: str | None = No
         vocab_size=256, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2,
         num_hidden_layers=3, chunk_size=8, expand=2, conv_kernel=4, eos_token_id=2, bos_token_id=0,
     )
+    if "group_size" not in inspect.signature(_mamba2_norm_class().__init__).parameters:
+        # Older transformers (e.g. 5.17 on the GPU machine) normalize Mamba-2's gated norm over
+        # all channels instead of per group; with one group both definitions agree.
+        fields["n_groups"] = 1
     fields.update(overrides)
     config = Mamba2Config(**fields)
     torch.manual_seed(seed)
