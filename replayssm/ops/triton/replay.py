@@ -200,10 +200,10 @@ def _launch_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
-    if config.num_warps != 4:
+    if config.num_warps > 4:
         # On the H200 (Triton 3.6) this route gave wrong outputs with 8 warps (64x8 tile, GPU
-        # test); the cause is not established, so only the 4-warp tiles that pass are allowed.
-        raise ValueError(f"config.num_warps must be 4 for the mma route, got {config.num_warps}")
+        # test); the cause is not established, so only tiles of at most 4 warps are allowed.
+        raise ValueError(f"config.num_warps must be at most 4 for the mma route, got {config.num_warps}")
     # Matrix-product operands need every dimension >= 16.
     TB, HB = max(16, triton.next_power_of_2(q)), max(16, triton.next_power_of_2(int(window)))
     BN = triton.next_power_of_2(N)
