@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -46,3 +49,15 @@ def store_states(state: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
     else:
         # Random bits depend on (seed, destination element) only: see ops/rounding.py.
         state[slots] = round_states(values, slots, state.dtype, rand_seed)
+
+
+def pick_impl(module: str, name: str, tensor: torch.Tensor, ref: Callable) -> Callable:
+    """`<name>_triton` from `replayssm.ops.triton.<module>` for CUDA tensors when Triton imports,
+    else `ref` (the PyTorch twin with the same signature). Triton stays an optional import."""
+    if not tensor.is_cuda:
+        return ref
+    try:
+        triton_module = importlib.import_module(f"replayssm.ops.triton.{module}")
+    except ImportError:
+        return ref
+    return getattr(triton_module, f"{name}_triton", ref)

@@ -15,27 +15,14 @@ Each public op validates its arguments and runs the Triton kernel
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from replayssm.ops._checks import FLOAT_DTYPES, check_indices, check_tensor
+from replayssm.ops.common import pick_impl
 
 _ACTIVATIONS = ("silu", None)
-
-
-def _dispatch(name: str, x: Tensor, ref: Callable) -> Callable:
-    """`<name>_triton` from ops/triton/conv1d.py for CUDA tensors when it imports, else `ref`."""
-    if not x.is_cuda:
-        return ref
-    try:
-        module = importlib.import_module("replayssm.ops.triton.conv1d")
-    except ImportError:
-        return ref
-    return getattr(module, f"{name}_triton", ref)
 
 
 def _conv_taps(
@@ -137,7 +124,7 @@ def causal_conv1d_varlen(
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != x.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens: must rise from 0 to T={x.shape[0]}, got {cu}")
-    fn = _dispatch("causal_conv1d_varlen", x, causal_conv1d_varlen_ref)
+    fn = pick_impl("conv1d", "causal_conv1d_varlen", x, causal_conv1d_varlen_ref)
     return fn(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state, activation)
 
 
@@ -181,7 +168,7 @@ def causal_conv1d_update(
     """
     _check_conv(x, 3, weight, bias, conv_state, activation)
     check_indices("state_indices", state_indices, (x.shape[0],), conv_state.shape[0], x.device)
-    fn = _dispatch("causal_conv1d_update", x, causal_conv1d_update_ref)
+    fn = pick_impl("conv1d", "causal_conv1d_update", x, causal_conv1d_update_ref)
     return fn(x, weight, bias, conv_state, state_indices, activation)
 
 
@@ -233,5 +220,5 @@ def causal_conv1d_commit(
         live = num_accepted[state_indices >= 0]
         if live.numel() and (int(live.min()) < 0 or int(live.max()) > q):
             raise ValueError(f"num_accepted: values must lie in [0, {q}], got {num_accepted.tolist()}")
-    fn = _dispatch("causal_conv1d_commit", x, causal_conv1d_commit_ref)
+    fn = pick_impl("conv1d", "causal_conv1d_commit", x, causal_conv1d_commit_ref)
     fn(conv_state, x, num_accepted, state_indices, dst_indices)

@@ -34,7 +34,7 @@ from replayssm.ops._checks import (
     check_params,
     check_tensor,
 )
-from replayssm.ops.common import heads_from_groups, softplus_dt, store_states
+from replayssm.ops.common import heads_from_groups, pick_impl, softplus_dt, store_states
 
 
 def _check_cache(state, ring_x, ring_B, ring_dt, ring_start, committed, act_dtypes) -> None:
@@ -131,14 +131,7 @@ def replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, r
     args = (x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
             state_indices, window)
     kwargs = dict(dt_softplus=dt_softplus, rand_seed=rand_seed, out=out)
-    if x.is_cuda:
-        try:
-            from replayssm.ops.triton.replay import replay_forward_triton
-        except ImportError:
-            pass
-        else:
-            return replay_forward_triton(*args, **kwargs)
-    return replay_forward_ref(*args, **kwargs)
+    return pick_impl("replay", "replay_forward", x, replay_forward_ref)(*args, **kwargs)
 
 
 def replay_forward_ref(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
@@ -222,14 +215,7 @@ def replay_commit(ring_start, committed, state_indices, num_accepted, q: int, wi
     _check_commit(ring_start, committed, state_indices, num_accepted, q, window, ring_rows)
     args = (ring_start, committed, state_indices, num_accepted, q, window)
     kwargs = {} if ring_rows is None else dict(ring_rows=ring_rows)
-    if committed.is_cuda:
-        try:
-            from replayssm.ops.triton.replay import replay_commit_triton
-        except ImportError:
-            pass
-        else:
-            return replay_commit_triton(*args, **kwargs)
-    return replay_commit_ref(*args, **kwargs)
+    return pick_impl("replay", "replay_commit", committed, replay_commit_ref)(*args, **kwargs)
 
 
 def replay_commit_ref(ring_start, committed, state_indices, num_accepted, q: int, window: int, *,
@@ -286,14 +272,8 @@ def replay_materialize(A, state, ring_x, ring_B, ring_dt, ring_start, committed,
                        num_entries, dst_indices, rand_seed)
     args = (A, state, ring_x, ring_B, ring_dt, ring_start, committed, src_indices, num_entries,
             dst_indices)
-    if state.is_cuda:
-        try:
-            from replayssm.ops.triton.replay import replay_materialize_triton
-        except ImportError:
-            pass
-        else:
-            return replay_materialize_triton(*args, rand_seed=rand_seed)
-    return replay_materialize_ref(*args, rand_seed=rand_seed)
+    impl = pick_impl("replay", "replay_materialize", state, replay_materialize_ref)
+    return impl(*args, rand_seed=rand_seed)
 
 
 def replay_materialize_ref(A, state, ring_x, ring_B, ring_dt, ring_start, committed, src_indices,

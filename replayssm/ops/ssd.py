@@ -26,7 +26,7 @@ from replayssm.ops._checks import (
     check_params,
     check_tensor,
 )
-from replayssm.ops.common import softplus_dt, store_states
+from replayssm.ops.common import pick_impl, softplus_dt, store_states
 
 
 def _segsum_exp(a: Tensor) -> Tensor:
@@ -252,11 +252,4 @@ def ssd_chunked_scan(
         chunk_size=chunk_size, dt_softplus=dt_softplus, rand_seed=rand_seed,
         boundary_seq=boundary_seq, boundary_len=boundary_len,
     )  # fmt: skip
-    if x.is_cuda:
-        try:
-            from replayssm.ops.triton.ssd import ssd_chunked_scan_triton
-        except ImportError:
-            pass
-        else:
-            return ssd_chunked_scan_triton(*args, **kwargs)
-    return ssd_chunked_scan_ref(*args, **kwargs)
+    return pick_impl("ssd", "ssd_chunked_scan", x, ssd_chunked_scan_ref)(*args, **kwargs)

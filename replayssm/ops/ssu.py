@@ -18,7 +18,7 @@ from replayssm.ops._checks import (
     check_params,
     check_tensor,
 )
-from replayssm.ops.common import heads_from_groups, softplus_dt, store_states
+from replayssm.ops.common import heads_from_groups, pick_impl, softplus_dt, store_states
 
 
 def _check_args(state, x, dt, A, B, C, D, dt_bias, state_indices, dst_indices, rand_seed, out) -> None:
@@ -69,14 +69,7 @@ def selective_state_update(
     _check_args(state, x, dt, A, B, C, D, dt_bias, state_indices, dst_indices, rand_seed, out)
     args = (state, x, dt, A, B, C, D, dt_bias, state_indices)
     kwargs = dict(dst_indices=dst_indices, dt_softplus=dt_softplus, rand_seed=rand_seed, out=out)
-    if x.is_cuda:
-        try:
-            from replayssm.ops.triton.ssu import selective_state_update_triton
-        except ImportError:
-            pass
-        else:
-            return selective_state_update_triton(*args, **kwargs)
-    return selective_state_update_ref(*args, **kwargs)
+    return pick_impl("ssu", "selective_state_update", x, selective_state_update_ref)(*args, **kwargs)
 
 
 def selective_state_update_ref(
