@@ -142,3 +142,20 @@ def cached_checkpoint(kind: str, seed: int = 0, **overrides) -> tuple[str, torch
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     model = makers[kind](root, seed=seed, **overrides)
     return root, model
+
+
+def random_prompts(lengths, seed: int, vocab: int = 256) -> list[list[int]]:
+    """Seeded random token-id prompts of the given lengths (ids >= 3: no special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompts, max_new_tokens: int) -> list[list[int]]:
+    """transformers generate(), one prompt at a time (no padding), eos disabled: the oracle."""
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        seq = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
+        outs.append(seq[0, len(p) :].tolist())
+    return outs

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from checkpoints import cached_checkpoint
+from checkpoints import cached_checkpoint, hf_greedy, random_prompts
 from conftest import requires_cuda
 
 from replayssm import LLM, SamplingParams
@@ -13,18 +13,8 @@ NEW_TOKENS = 64
 PROMPT_LENS = (5, 17, 33, 9)
 
 
-def _prompts(vocab=256):
-    g = torch.Generator().manual_seed(99)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _hf_greedy(model, prompts):
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        seq = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        outs.append(seq[0, len(p) :].tolist())
-    return outs
+def _prompts():
+    return random_prompts(PROMPT_LENS, seed=99)
 
 
 def _generate(path, dtype, **kw):
@@ -38,7 +28,7 @@ def _generate(path, dtype, **kw):
 def test_cuda_fp32_greedy_matches_transformers(kind, replayssm):
     """fp32 on CUDA (Triton decode path) gives transformers' greedy tokens, ReplaySSM on and off."""
     path, model = cached_checkpoint(kind)
-    hf = _hf_greedy(model.float().cpu(), _prompts())
+    hf = hf_greedy(model.float().cpu(), _prompts(), NEW_TOKENS)
     outs = _generate(path, "float32", replayssm=replayssm, replay_window=5)
     assert [o.token_ids for o in outs] == hf
 

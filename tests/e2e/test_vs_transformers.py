@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import tiny_mamba2, tiny_nemotron_h
+from checkpoints import hf_greedy, random_prompts, tiny_mamba2, tiny_nemotron_h
 
 from replayssm import LLM, SamplingParams
 from replayssm.engine.model_runner import ModelRunner
@@ -17,19 +17,12 @@ MAX_LEN = 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def _prompts(vocab=256):
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+def _prompts():
+    return random_prompts(PROMPT_LENS, seed=1234)
 
 
 def _hf_greedy(model, prompts):
-    """transformers generate(), one prompt at a time (no padding), eos disabled."""
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        seq = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        outs.append(seq[0, len(p) :].tolist())
-    return outs
+    return hf_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "mamba2"])
