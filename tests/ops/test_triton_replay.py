@@ -31,6 +31,18 @@ def test_replay_cycle_gpu(state_dtype, q, route):
 
 
 @requires_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("route", ["stream", "stream-split", "stream.s3.i16"])
+@pytest.mark.parametrize("block", [(32, 4), (16, 2), (64, 8)])
+def test_replay_cycle_stream_gpu(state_dtype, q, route, block):
+    """On the GPU: the row-streaming route (fused and split flush, pipelining depths) matches."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    _cycle_gpu(q=q, state_dtype=state_dtype, route=route, config=LaunchConfig(*block))
+
+
+@requires_cuda
 def test_replay_cycle_fp32_act_gpu():
     """On the GPU with fp32 activations (the 3xTF32 products): cycles match the reference."""
     from triton_cases import check_replay_cycle

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_fold import launch_fold, replay_materialize_triton
 from replayssm.ops.triton.replay_step import launch_step
+from replayssm.ops.triton.replay_stream import launch_stream, stream_supported
 from replayssm.ops.triton.ssu import LaunchConfig, softplus_dt
 
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
@@ -180,7 +181,19 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # The fused fold's stochastic rounding costs registers every program pays for (see
         # NOTES-kernels.md), so 16-bit states fold in their own launch.
         route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
-    if route in ("fused", "split", "weights"):
+    if route.startswith("stream"):
+        # "stream[-split][.sSTAGES][.iITEMS]" (replay_stream.py); benchmarks sweep the suffixes.
+        name, *opts = route.split(".")
+        kw = {dict(s="stages", i="items")[o[0]]: int(o[1:]) for o in opts}
+        cfg = config or CONFIG
+        if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
+            raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")
+        launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                      state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
+                      fuse_flush=name == "stream", **kw)
+        if name == "stream":
+            return y
+    elif route in ("fused", "split", "weights"):
         cfg = config or CONFIG
         launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,

@@ -1,0 +1,42 @@
+"""One eager step of each decode kernel at the headline case, for Nsight Compute to profile.
+
+    ncu --kernel-name regex:'_ssu_kernel|_out_kernel|_stream_kernel|_weights_kernel|fold' \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
+        --section WarpStateStats python3 benchmarks/ncu_probe.py [route:tile ...]
+
+Nemotron-H-8B Mamba layer, batch 256, fp32 state, q = 1, W = 16; cursors from the benchmark's
+steady-state mix (about 1/16 of the rows flush). Prints the launch order so the report reads.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from bench_kernels import WINDOW, Bench, Case, Tile
+
+from replayssm.ops.triton import replay as treplay
+from replayssm.ops.triton import ssu as tssu
+
+
+def main() -> None:
+    tiles = sys.argv[1:] or ["64x8", "fused:32x4", "stream:32x4"]
+    bench = Bench(Case("nemotron-h-8b", 256, "fp32", 1))
+    start, comm = bench.cursors[0]
+    for text in tiles:
+        tile = Tile.parse(text)
+        for _ in range(2):  # the first call compiles; ncu profiles both launches
+            if not tile.route:
+                tssu.launch_ssu(bench.state, bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D,
+                                bench.dt_bias, bench.idx[0], None, True, 0, bench.y, tile.config)
+            else:
+                treplay.launch_replay_forward(
+                    bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D, bench.dt_bias, bench.state,
+                    bench.ring_x, bench.ring_B, bench.ring_dt, start.clone(), comm.clone(), bench.idx[0],
+                    WINDOW, True, 0, bench.y, tile.config, tile.route)
+        torch.cuda.synchronize()
+        print(f"profiled {tile.name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

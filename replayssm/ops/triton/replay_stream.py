@@ -1,0 +1,154 @@
+"""ReplaySSM forward step, row-streaming output launch (route "stream").
+
+Same weights launch and arithmetic as `replay_step.py`; the output launch differs in shape. The
+grid-per-tile launch gives every program one 16 KiB (P tile, head) piece of the state behind a
+chain of dependent loads (slot index, then cursor, then ring rows), so each program waits out
+two or three memory latencies for little data. Here one program takes ITEMS consecutive
+(head, P tile) pieces of ONE row: the slot, cursor and flush decision are loaded once, the
+pieces are contiguous in the slot's state, and the loop over them is software-pipelined
+(`tl.range(num_stages=...)`), so the next piece's loads are in flight while this one reduces.
+A row flushes as a whole, so flush rows take a separate (unpipelined) loop that folds each
+piece in registers and writes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replayssm.ops.triton.replay_step import _weights_kernel
+from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+
+
+@triton.jit
+def _piece(
+    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
+    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
+):
+    # One (head, P tile) piece of row i: outputs of its Q tokens, x appended to the ring, and
+    # (FOLD) the history folded into the tile and written back.
+    NPT: tl.constexpr = P // BLOCK_P
+    NC: tl.constexpr = N // NS
+    w = first + k
+    h = w // NPT
+    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
+    g = h // (H // G)
+    ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]  # (NC, NS), as replay_step
+    tile = p[None, :, None] * N + ncol[:, None, :]
+    sbase = (s64 * H + h) * (P * N)
+    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
+    xrow0 = s64 * H * R + h * R
+    j = tl.arange(0, HB)
+    jm = j < hc
+    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[:, None] * P + p[None, :], mask=jm[:, None],
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
+    kk = tl.arange(0, QB)
+    km = kk < Q
+    xrows = x_ptr + i * sx_b + kk[:, None] * sx_t + h * sx_h + p[None, :]
+    xn_raw = tl.load(xrows, mask=km[:, None], other=0.0)
+    xn = xn_raw.to(tl.float32)
+    JB: tl.constexpr = HB + QB
+    wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
+    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+    Dh = tl.load(D_ptr + h)
+    for t in tl.static_range(Q):
+        Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
+        yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
+        wh = tl.load(w_ptr + wbase + t * JB + j, mask=jm, other=0.0)
+        wn = tl.load(w_ptr + wbase + t * JB + HB + kk, mask=km, other=0.0)
+        yt += tl.sum(wh[:, None] * xh, axis=0) + tl.sum(wn[:, None] * xn, axis=0)
+        xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p).to(tl.float32)
+        yt = tl.where(valid, yt + Dh * xt, 0.0)
+        tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+    kv = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
+    tl.store(rx_ptr + (xrow0 + (o + hc + kk) % R)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None])
+    if FOLD:
+        S = S0 * tl.load(sc_ptr + scbase + Q)
+        Brow0 = s64 * G * R + g * R
+        for jj in range(0, hc):
+            r = (o + jj) % R
+            f = tl.load(w_ptr + wbase + Q * JB + jj)
+            xj = tl.load(rx_ptr + (xrow0 + r) * P + p).to(tl.float32)
+            Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol).to(tl.float32)
+            S += (f * xj)[None, :, None] * Bj[:, None, :]
+        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+
+
+@triton.jit
+def _stream_kernel(
+    x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
+    w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
+    FUSE_FLUSH: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+):
+    # ITEMS divides H * (P / BLOCK_P), so every program stays inside one row.
+    w0 = tl.program_id(0) * ITEMS
+    per_row = H * (P // BLOCK_P)
+    i = w0 // per_row
+    first = w0 % per_row
+    s = tl.load(idx_ptr + i)
+    valid = s >= 0
+    s64 = tl.maximum(s, 0).to(tl.int64)
+    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
+    o = tl.load(ring_start_ptr + s64)
+    if valid & (hc + Q > window) & FUSE_FLUSH:  # unfused: launch_fold writes flush rows after
+        for k in range(0, ITEMS):
+            _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+                   w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+                   Q, QB, HB, P, N, BLOCK_P, NS, True, STATE_DTYPE, MAXV)
+    else:
+        for k in tl.range(0, ITEMS, num_stages=STAGES):
+            _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+                   w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+                   Q, QB, HB, P, N, BLOCK_P, NS, False, STATE_DTYPE, MAXV)
+
+
+def stream_items(H: int, P: int, block_p: int, items: int) -> int:
+    """Pieces per program: the largest power of two <= items that divides a row's piece count."""
+    per_row = H * (P // block_p)
+    k = 1
+    while k * 2 <= items and per_row % (k * 2) == 0:
+        k *= 2
+    return k
+
+
+def stream_supported(P: int, N: int, block_p: int) -> bool:
+    """The streaming launch has no tail masks: whole tiles over P and N a multiple of 32 (or less)."""
+    return P % block_p == 0 and (N <= 32 and N & (N - 1) == 0 or N % 32 == 0)
+
+
+def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                  state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
+                  fuse_flush: bool = True, items: int = 8, stages: int = 2) -> None:
+    """Weights launch (`replay_step.py`), then the row-streaming output launch.
+
+    With fuse_flush off, flush rows are only read here and the caller folds them afterwards.
+    """
+    S, H, P, N = state.shape
+    b, q = x.shape[:2]
+    G, R = B.shape[2], ring_x.shape[2]
+    assert stream_supported(P, N, block_p)
+    QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
+    w = torch.empty(b, H, q + 1, HB + QB, device=x.device, dtype=torch.float32)
+    sc = torch.empty(b, H, q + 1, device=x.device, dtype=torch.float32)
+    _weights_kernel[(b, G)](
+        dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
+        dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        C.stride(0), C.stride(1), C.stride(2), H, G, R,
+        Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
+        DT_SOFTPLUS=bool(dt_softplus), num_warps=4,
+    )
+    k = stream_items(H, P, block_p, items)
+    sdt = tl_dtype(state.dtype)
+    _stream_kernel[(b * H * (P // block_p) // k,)](
+        x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
+        seed_mix(rand_seed), int(window), x.stride(0), x.stride(1), x.stride(2),
+        C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2), H, G, R,
+        Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k, STAGES=stages,
+        FUSE_FLUSH=fuse_flush, STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
+    )
