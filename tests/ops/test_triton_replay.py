@@ -33,13 +33,19 @@ def test_replay_cycle_gpu(state_dtype, q, route):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("route", ["stream", "stream-split", "stream.s3.i16"])
-@pytest.mark.parametrize("block", [(32, 4), (16, 2), (64, 8)])
-def test_replay_cycle_stream_gpu(state_dtype, q, route, block):
-    """On the GPU: the row-streaming route (fused and split flush, pipelining depths) matches."""
+@pytest.mark.parametrize("route", ["stream", "stream-split", "stream-two", "stream-two.s3.i16"])
+def test_replay_cycle_stream_gpu(state_dtype, q, route):
+    """On the GPU: the row-streaming route (fused, split, two-launch flush; pipelining depths) matches."""
+    _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
+
+
+@requires_cuda
+@pytest.mark.parametrize("block", [(16, 2), (64, 8)])
+def test_replay_cycle_stream_tiles_gpu(block):
+    """On the GPU: the streaming route's other tiles compute the same cycles."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    _cycle_gpu(q=q, state_dtype=state_dtype, route=route, config=LaunchConfig(*block))
+    _cycle_gpu(q=1, state_dtype=torch.float32, route="stream-two", config=LaunchConfig(*block))
 
 
 @requires_cuda

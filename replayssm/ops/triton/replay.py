@@ -182,16 +182,17 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # NOTES-kernels.md), so 16-bit states fold in their own launch.
         route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith("stream"):
-        # "stream[-split][.sSTAGES][.iITEMS]" (replay_stream.py); benchmarks sweep the suffixes.
+        # "stream[-split|-two][.sSTAGES][.iITEMS]" (replay_stream.py); benchmarks sweep the suffixes.
         name, *opts = route.split(".")
         kw = {dict(s="stages", i="items")[o[0]]: int(o[1:]) for o in opts}
+        modes = {"stream": (3,), "stream-two": (1, 2), "stream-split": (0,)}[name]
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")
         launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                       state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                      fuse_flush=name == "stream", **kw)
-        if name == "stream":
+                      modes=modes, **kw)
+        if name != "stream-split":
             return y
     elif route in ("fused", "split", "weights"):
         cfg = config or CONFIG

@@ -69,11 +69,13 @@ def _piece(
     if FOLD:
         S = S0 * tl.load(sc_ptr + scbase + Q)
         Brow0 = s64 * G * R + g * R
-        for jj in range(0, hc):
+        # Unrolled over the window with masked loads (f = 0 past h_c), so every load issues up
+        # front instead of one L2 round trip per history entry.
+        for jj in tl.static_range(HB):
             r = (o + jj) % R
-            f = tl.load(w_ptr + wbase + Q * JB + jj)
-            xj = tl.load(rx_ptr + (xrow0 + r) * P + p).to(tl.float32)
-            Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol).to(tl.float32)
+            f = tl.load(w_ptr + wbase + Q * JB + jj, mask=jj < hc, other=0.0)
+            xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
+            Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0).to(tl.float32)
             S += (f * xj)[None, :, None] * Bj[:, None, :]
         tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
 
@@ -84,8 +86,10 @@ def _stream_kernel(
     w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
-    FUSE_FLUSH: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+    MODE: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
+    # MODE 0: every row, no fold; 1: non-flush rows only; 2: flush rows only, folded and written;
+    # 3: every row, flush rows folded and written.
     # ITEMS divides H * (P / BLOCK_P), so every program stays inside one row.
     w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
@@ -96,12 +100,15 @@ def _stream_kernel(
     s64 = tl.maximum(s, 0).to(tl.int64)
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
-    if valid & (hc + Q > window) & FUSE_FLUSH:  # unfused: launch_fold writes flush rows after
-        for k in range(0, ITEMS):
+    flush = valid & (hc + Q > window)
+    do_fold = flush & (MODE >= 2)
+    do_plain = ((flush == 0) & (MODE != 2)) | (MODE == 0)
+    if do_fold:
+        for k in tl.range(0, ITEMS, num_stages=STAGES):
             _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                    w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
                    Q, QB, HB, P, N, BLOCK_P, NS, True, STATE_DTYPE, MAXV)
-    else:
+    if do_plain:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                    w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -124,10 +131,12 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                  fuse_flush: bool = True, items: int = 8, stages: int = 2) -> None:
-    """Weights launch (`replay_step.py`), then the row-streaming output launch.
+                  modes: tuple[int, ...] = (3,), items: int = 8, stages: int = 2) -> None:
+    """Weights launch (`replay_step.py`), then one row-streaming output launch per mode.
 
-    With fuse_flush off, flush rows are only read here and the caller folds them afterwards.
+    modes (3,): flush rows folded in the same launch; (1, 2): non-flush rows, then flush rows in
+    their own launch (the fold's registers do not cut the occupancy of the common case); (0,):
+    no fold, the caller folds flush rows afterwards.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -145,10 +154,11 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     )
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
-    _stream_kernel[(b * H * (P // block_p) // k,)](
-        x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-        seed_mix(rand_seed), int(window), x.stride(0), x.stride(1), x.stride(2),
-        C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2), H, G, R,
-        Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k, STAGES=stages,
-        FUSE_FLUSH=fuse_flush, STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
-    )
+    for mode in modes:
+        _stream_kernel[(b * H * (P // block_p) // k,)](
+            x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
+            seed_mix(rand_seed), int(window), x.stride(0), x.stride(1), x.stride(2),
+            C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2), H, G, R,
+            Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k, STAGES=stages,
+            MODE=mode, STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
+        )
