@@ -278,9 +278,14 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
             trace = workload(engine, rng)
             wall = time.perf_counter() - t0
             m = engine.get_metrics()
+            graphs = getattr(engine.runner, "graphs", None)
             row = {"mode": mode, "setting": setting, "batch": batch, "rep": rep, "order": order,
                    "build_s": build_s, "num_requests_fit": m.get("num_requests_fit"),
-                   "num_slots": m.get("num_slots"),
+                   "num_slots": m.get("num_slots"), **mode_sizes(mode, w),
+                   # Graphs asked for, replays done, and why they were turned off (eager fallback).
+                   "cuda_graphs": bool(kw["cuda_graphs"]),
+                   "graph_replays": graphs.num_replays if graphs is not None else 0,
+                   "graph_error": graphs.error if graphs is not None else None,
                    **summarize(trace, m, wall, ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
                                k=kw.get("num_speculative_tokens", 0))}
             rows.append(row)
@@ -296,14 +301,29 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
     return _result(w, modes, rows, skipped)
 
 
+def mode_sizes(mode: str, w: Workload) -> dict[str, int]:
+    """The token counts a mode's row ran with (modes may run in separate commands at other scales)."""
+    if mode == "a":
+        return {"prompt_len": w.decode_prompt, "output_len": w.decode_output}
+    if mode == "b":
+        return {"prompt_len": w.spec_prompt, "output_len": w.spec_output, "k": w.spec_k}
+    return {"shared_context": w.shared_context, "turns": w.turns, "turn_input": w.turn_input,
+            "output_len": w.turn_output}
+
+
 def _result(w: Workload, modes: str, rows: list[dict], skipped: dict[str, str]) -> dict[str, Any]:
-    note = (f"(c) scaled from the seeds: {w.shared_context} shared tokens (seeds: 51,200), {w.turns} turns "
-            f"(seeds: 20) of {w.turn_input} in / {w.turn_output} out (seeds: 2,048 / 1,024), "
-            f"{w.conversations} conversation(s); TTFT over turns 2..{w.turns}")
-    spec_note = ("(b) drafts are synthetic (forced acceptance, speculative_method='synthetic'): its output "
-                 "tokens are not the model's; only the speed counts")
+    notes = {
+        "a": (f"(a) batch {w.decode_batch}, {w.decode_prompt}-token prompts, {w.decode_output} output tokens "
+              f"per request (issue: 1,000)"),
+        "b": (f"(b) {w.spec_output} output tokens per request (issue: 256); drafts are synthetic (forced "
+              "acceptance, speculative_method='synthetic'): its output tokens are not the model's; only the "
+              "speed counts"),
+        "c": (f"(c) scaled from the seeds: {w.shared_context} shared tokens (seeds: 51,200), {w.turns} turns "
+              f"(seeds: 20) of {w.turn_input} in / {w.turn_output} out (seeds: 2,048 / 1,024), "
+              f"{w.conversations} conversation(s); TTFT over turns 2..{w.turns}"),
+    }
     return {"rows": list(rows), "skipped": skipped, "modes": modes, "workload": dataclasses.asdict(w),
-            "notes": [note, spec_note]}
+            "notes": {m: n for m, n in notes.items() if m in modes}}
 
 if __name__ == "__main__":
     from replayssm.cli import main

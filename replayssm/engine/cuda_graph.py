@@ -83,6 +83,8 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int, bool], Captured] = {}
         self.num_replays = 0
+        # A capture that raises turns graphs off for good: every later step runs eagerly.
+        self.error: str | None = None
 
     def _context(self, B: int, q: int, has_dst: bool) -> ForwardContext:
         r = self.runner
@@ -132,6 +134,8 @@ class CudaGraphRunner:
         """
         md = batch.mamba
         b, q = md.num_decode_rows, md.decode_q
+        if self.error is not None:
+            return None
         if batch.prefill or not b or md.decode_token_index is not None or b > self.sizes[-1]:
             return None
         extra = [f.name for f in dataclasses.fields(md) if f.name not in _DECODE_FIELDS]
@@ -143,7 +147,13 @@ class CudaGraphRunner:
         B = next(s for s in self.sizes if s >= b)
         key = (B, q, has_dst)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(B, q, has_dst)
+            try:
+                self.graphs[key] = self._capture(B, q, has_dst)
+            except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError too
+                self.error = f"capture of bucket {key} failed: {type(e).__name__}: {e}"[:800]
+                self.graphs.clear()
+                torch.cuda.synchronize()
+                return None
         graph, logits, hidden = self.graphs[key]
         attn = batch.attn
         self.input_ids[:b * q].copy_(batch.input_ids)

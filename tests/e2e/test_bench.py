@@ -29,6 +29,9 @@ def test_bench_quick_writes_rows_in_off_on_on_off_order(tmp_path, capsys):
     a = [r for r in doc["rows"] if r["mode"] == "a"]
     assert all(r["output_tokens"] == r["num_requests"] * doc["workload"]["decode_output"] for r in a)
     assert {q["mode"] for q in doc["ratios"]} == set(ran)
+    assert all(r["cuda_graphs"] is False and r["graph_replays"] == 0 and r["graph_error"] is None
+               for r in doc["rows"])
+    assert set(doc["notes"]) == set(ran)
     md = (tmp_path / "e2e.md").read_text()
     assert "| mode | setting |" in md and "ON/OFF" in md
     assert "ON/OFF" in capsys.readouterr().out
@@ -49,15 +52,15 @@ def test_ratios_and_merge(tmp_path):
     targets = {"a": 1.45, "b": 2.2, "c": 0.88}
     first = {"rows": [_row("a", s, 8, i, t, 1.0) for s, i, t in (("off", 0, 10), ("on", 0, 16),
                                                                    ("on", 1, 14), ("off", 1, 10))],
-             "skipped": {"b": "no spec"}, "modes": "ab"}
+             "skipped": {"b": "no spec"}, "modes": "ab", "notes": {"a": "a note"}}
     doc = report.write_results(first, tmp_path, ["replayssm", "bench"], targets)
     (a,) = doc["ratios"]
     assert a["value"] == 1.5 and a["meets_target"] and a["peak_decoding_on"] == 8
     second = {"rows": [_row("c", s, 1, i, 1.0, t) for s, i, t in (("off", 0, 2.0), ("on", 0, 0.2),
                                                                     ("on", 1, 0.2), ("off", 1, 2.0))],
-              "skipped": {}, "modes": "c"}
+              "skipped": {}, "modes": "c", "notes": {"c": "c note"}}
     doc = report.write_results(second, tmp_path, ["replayssm", "bench", "--modes", "c"], targets, merge=True)
     assert [r["mode"] for r in doc["rows"]] == ["a"] * 4 + ["c"] * 4
-    assert doc["skipped"] == {"b": "no spec"}
+    assert doc["skipped"] == {"b": "no spec"} and doc["notes"] == {"a": "a note", "c": "c note"}
     c = next(q for q in doc["ratios"] if q["mode"] == "c")
     assert abs(c["value"] - 0.9) < 1e-12 and c["meets_target"]

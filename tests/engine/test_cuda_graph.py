@@ -90,3 +90,28 @@ def test_graph_verify_rows_bf16_moe(tmp_path):
     assert graph.graphs.num_replays == 6
     for g, w in zip(got, want):
         assert (g - w).norm() / w.norm() < 2e-2
+
+
+def test_failed_capture_falls_back_to_eager_for_good(monkeypatch):
+    """A capture that raises RuntimeError makes run() return None (eager) now and on every later step."""
+    from types import SimpleNamespace
+
+    from replayssm.engine.batch_inputs import RowView, build_inputs
+    from replayssm.engine.cuda_graph import CudaGraphRunner
+
+    calls = []
+
+    def boom(B, q, has_dst):
+        calls.append((B, q, has_dst))
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    g = CudaGraphRunner.__new__(CudaGraphRunner)
+    g.sizes, g.width, g.graphs, g.num_replays, g.error = [1, 2, 4], 8, {}, 0, None
+    g.runner = SimpleNamespace(q_max=1, kv_block_size=4)
+    g._capture = boom
+    rows = [RowView(i, [5 + i], 3, [2 * i, 2 * i + 1], 7 - i, 1, None, True, False) for i in range(3)]
+    batch = build_inputs(rows, block_size=4, device=torch.device("cpu"), baseline=False)
+    # No device here; the fallback synchronizes after a failure.
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert g.run(batch) is None and g.run(batch) is None
+    assert calls == [(4, 1, False)] and "capture" in g.error and g.graphs == {}
