@@ -89,7 +89,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append(f"- mode ({mode}) skipped: {why}")
     lines += [f"- {note}" for note in doc.get("notes", {}).values()]
     graphs = {(r["mode"], bool(r.get("graph_replays"))) for r in doc["rows"]}
-    lines += [f"- ({m}) {'CUDA graphs replayed' if g else 'eager (no graph replays)'}" for m, g in sorted(graphs)]
+    lines += [f"- ({m}) {'CUDA graphs replayed' if g else 'eager (no graph replays)'}"
+              for m, g in sorted(graphs)]
     lines += [f"- ({r['mode']}) {r['setting']} rep {r['rep']}: graphs turned off: {r['graph_error']}"
               for r in doc["rows"] if r.get("graph_error")]
     lines += ["", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -150,7 +151,8 @@ def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str
         rows = [r for r in old["rows"] if r["mode"] not in result["modes"]] + rows
         skipped = {**{m: w for m, w in old["skipped"].items() if m not in result["modes"]}, **skipped}
         old_notes = old.get("notes") if isinstance(old.get("notes"), dict) else {}
-        notes = {**{m: n for m, n in old_notes.items() if m not in result["modes"]}, **result.get("notes", {})}
+        notes = {**{m: n for m, n in old_notes.items() if m not in result["modes"]},
+                 **result.get("notes", {})}
         result = {**result, "notes": dict(sorted(notes.items()))}
     result = {**result, "rows": rows, "skipped": skipped}
     doc = {**meta, **result, "ratios": compute_ratios(rows, targets)}

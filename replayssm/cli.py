@@ -223,6 +223,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "several commands)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay decode/verify steps as CUDA graphs (not yet verified on a GPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the modes: profile mode (a)'s decode step, OFF and ON (time per "
+                        "layer part, SSM bytes against bandwidth) into e2e-profile.{json,md}")
+    parser.add_argument("--profile-steps", type=int, default=16,
+                        help="decode steps per profiled window (default: 16, one ring flush per row)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -244,6 +249,13 @@ def run_bench(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     out = args.out or str(report.ROOT / "benchmarks" / "results")
     command = ["replayssm", *args.argv]
+    if args.profile:
+        if args.profile_steps < 1:
+            raise ValueError(f"--profile-steps must be >= 1, got {args.profile_steps}")
+        prof = _load_benchmark("profile_e2e")
+        doc = prof.run_profile(workload, steps=args.profile_steps, warm=min(4, args.profile_steps), log=log)
+        print(prof.render(prof.write_profile(doc, out, report.run_meta(command))))
+        return 0
 
     def save(partial: dict, with_plot: bool = False) -> dict:
         return report.write_results(partial, out, command, bench.TARGETS, merge=args.merge,

@@ -1,0 +1,55 @@
+"""`replayssm bench --profile`: kernels attributed to layer parts; the CPU smoke run writes its files."""
+
+import json
+
+from replayssm.cli import _load_benchmark, main
+
+
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
+
+
+def test_attribute_innermost_label_at_launch():
+    """A kernel goes to the innermost label open at its launch call; unknown launches fall back to its name."""
+    prof = _load_benchmark("profile_e2e")
+    ssm, other = prof.PARTS[0], "mamba other (splits, copies)"
+    trace = {"traceEvents": [
+        _x("user_annotation", "residual / casts", 0, 100),
+        _x("user_annotation", other, 10, 50),
+        _x("user_annotation", ssm, 20, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 22, 1, correlation=7),  # inside ssm
+        _x("cuda_driver", "cuLaunchKernel", 40, 1, correlation=8),  # mixer, after the ssm label closed
+        _x("cuda_runtime", "cudaLaunchKernel", 90, 1, correlation=9),  # block only
+        _x("cuda_runtime", "cudaLaunchKernel", 200, 1, correlation=10),  # no label
+        _x("kernel", "_ssu_kernel", 300, 40, tid=7, correlation=7),
+        _x("kernel", "copy_kernel", 350, 5, tid=7, correlation=8),
+        _x("kernel", "add_kernel", 360, 3, tid=7, correlation=9),
+        _x("kernel", "gemm", 370, 2, tid=7, correlation=10),
+        _x("kernel", "_conv_update_kernel", 380, 4, tid=7, correlation=99),  # launch not recorded
+    ]}
+    got = prof.attribute(trace)
+    assert got == {ssm: {"_ssu_kernel": 40}, other: {"copy_kernel": 5}, "residual / casts": {"add_kernel": 3},
+                   "other": {"gemm": 2}, "mamba conv": {"_conv_update_kernel": 4}}
+
+
+def test_ssm_bytes_nemotron_shape():
+    """Modelled SSM bytes per step: OFF reads + writes 24 x 256 x 4 MiB; ON is below OFF by about 1.7x."""
+    prof, bench = _load_benchmark("profile_e2e"), _load_benchmark("bench_e2e")
+    off = prof.ssm_bytes(bench.NEMOTRON_H_8B, 256, False, 16)
+    on = prof.ssm_bytes(bench.NEMOTRON_H_8B, 256, True, 16)
+    assert off == 24 * 256 * 2 * (4 << 20)
+    assert 1.6 < off / on < 1.8
+
+
+def test_profile_quick_writes_parts(tmp_path, capsys):
+    """The CPU smoke profile writes e2e-profile.{json,md} with OFF and ON parts that add up to busy time."""
+    assert main(["bench", "--quick", "--profile", "--profile-steps", "2", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "e2e-profile.json").read_text())
+    off, on = doc["settings"]
+    assert (off["replayssm"], on["replayssm"]) == (False, True)
+    for s in (off, on):
+        assert s["parts_us_per_step"]["mamba SSM (replay / state update)"] > 0
+        assert abs(sum(s["parts_us_per_step"].values()) / 1e3 - s["busy_ms_per_step"]) < 1e-9
+        assert s["eager_wall_ms_per_step"] > 0
+    assert "| part | OFF ms/step |" in (tmp_path / "e2e-profile.md").read_text()
+    assert "GPU busy" in capsys.readouterr().out
