@@ -134,6 +134,14 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
     return None
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename: a run killed by its time limit never leaves half a file
+    (the next command's --merge reads it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str],
                   targets: dict[str, float], merge: bool = False, with_plot: bool = True) -> dict[str, Any]:
     """Write e2e.json, e2e.md and e2e.png under out_dir; return the document written.
@@ -157,6 +165,6 @@ def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str
     result = {**result, "rows": rows, "skipped": skipped}
     doc = {**meta, **result, "ratios": compute_ratios(rows, targets)}
     doc["plot_note"] = plot(doc, out / "e2e.png") if with_plot else "plot written at the end"
-    (out / "e2e.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    (out / "e2e.md").write_text(render_markdown(doc))
+    write_atomic(out / "e2e.json", json.dumps(doc, indent=1, default=str) + "\n")
+    write_atomic(out / "e2e.md", render_markdown(doc))
     return doc

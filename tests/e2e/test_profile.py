@@ -10,7 +10,7 @@ def _x(cat, name, ts, dur, tid=1, **args):
 
 
 def test_attribute_innermost_label_at_launch():
-    """A kernel goes to the innermost label open at its launch call; unknown launches fall back to its name."""
+    """A kernel goes to the innermost label open at its launch; unknown launches fall back to its name."""
     prof = _load_benchmark("profile_e2e")
     ssm, other = prof.PARTS[0], "mamba other (splits, copies)"
     trace = {"traceEvents": [
