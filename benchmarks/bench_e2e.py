@@ -70,12 +70,19 @@ class Workload:
     spec_prompt: int = 32
     spec_output: int = 256
     spec_k: int = 3
+    # The PyTorch chunked-scan prefill holds ~60 MB per 128-token chunk and every short prompt is
+    # a chunk: 8,192 tokens of 32-token prompts would peak near 15 GB, more than the (b) OFF runs
+    # leave beside their ~110 GB of slots. 2,048 still takes a whole verify step (512 x (1 + k)).
+    spec_max_num_batched_tokens: int = 2048
     conversations: int = 1
     shared_context: int = 12800
     turns: int = 4
     turn_input: int = 1024
     turn_output: int = 128
     max_num_batched_tokens: int = 8192
+    # (c) ON turns all spare cache memory into checkpoint slots; a lower share keeps room for the
+    # 8,192-token prefill chunks of one long conversation (a single conversation needs little cache).
+    prefix_gpu_memory_utilization: float = 0.8
     kv_block_size: int = 16
     window: int = 16
     cuda_graphs: bool = False
@@ -94,7 +101,8 @@ def h200_workload(scale: float = 1.0) -> Workload:
 
 def quick_workload() -> Workload:
     return Workload(TINY, "cpu", "float32", decode_batch=4, decode_prompt=5, decode_output=6,
-                    spec_batches=(2, 4), spec_prompt=5, spec_output=6, conversations=2, shared_context=24,
+                    spec_batches=(2, 4), spec_prompt=5, spec_output=6, spec_max_num_batched_tokens=64,
+                    conversations=2, shared_context=24,
                     turns=2, turn_input=6, turn_output=3, max_num_batched_tokens=64, kv_block_size=4)
 
 
@@ -237,6 +245,7 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     for b in w.spec_batches:
         for s in ORDER:
             kw = dict(base, replayssm=s == "on", max_num_seqs=b, num_speculative_tokens=w.spec_k,
+                      max_num_batched_tokens=w.spec_max_num_batched_tokens,
                       speculative_method="synthetic", synthetic_acceptance_length=ACCEPTANCE_LENGTH,
                       max_model_len=w.spec_prompt + w.spec_output + w.spec_k + 1)
             runs.append(("b", s, kw, lambda e, rng, b=b: _decode_workload(
@@ -244,7 +253,7 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     total = w.shared_context + w.turns * (w.turn_input + w.turn_output) + 1
     for s in ORDER:
         kw = dict(base, replayssm=True, enable_prefix_caching=s == "on", max_num_seqs=max(w.conversations, 1),
-                  max_model_len=total)
+                  max_model_len=total, gpu_memory_utilization=w.prefix_gpu_memory_utilization)
         runs.append(("c", s, kw, lambda e, rng: _multiturn_workload(e, w, rng)))
     return runs
 
