@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from replayssm.config import EngineConfig
+from replayssm.engine.batch_inputs import to_device
 from replayssm.engine.request import Request
+from replayssm.sampling_params import GREEDY_EPS
 from replayssm.spec.proposer import Drafts, Proposer
 from replayssm.spec.stats import SpecStats
 from replayssm.spec.verify import rejection_sample
@@ -86,12 +88,15 @@ class SpecDecoder:
         b, V = len(requests), logits.shape[-1]
         K = max(len(d.tokens) for d in drafts)
         dev = logits.device
-        rows = torch.tensor(
-            [[o + min(j, len(d.tokens)) for j in range(K + 1)] for o, d in zip(offsets, drafts)], device=dev
-        )
+
+        def up(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            # Pinned and asynchronous: a plain torch.tensor(..., device=cuda) waits for the forward.
+            return to_device(values, dtype, dev)
+
+        rows = up([[o + min(j, len(d.tokens)) for j in range(K + 1)] for o, d in zip(offsets, drafts)])
         padded = logits[rows]  # (b, K+1, V); positions past a row's drafts repeat its last logit
-        tokens = torch.tensor([d.tokens + [0] * (K - len(d.tokens)) for d in drafts], device=dev)
-        num = torch.tensor([len(d.tokens) for d in drafts], device=dev)
+        tokens = up([d.tokens + [0] * (K - len(d.tokens)) for d in drafts])
+        num = up([len(d.tokens) for d in drafts])
         probs = None
         if any(d.probs is not None for d in drafts):
             probs = torch.zeros(b, K, V, device=dev)
@@ -101,22 +106,27 @@ class SpecDecoder:
                     torch.nn.functional.one_hot(tokens[i, :n], V).float()
         forced = None
         if any(d.forced_accepted is not None for d in drafts):
-            forced = torch.tensor([-1 if d.forced_accepted is None else d.forced_accepted for d in drafts],
-                                  device=dev)
+            forced = up([-1 if d.forced_accepted is None else d.forced_accepted for d in drafts])
         p = [r.params for r in requests]
+        top_k = [V if x.top_k <= 0 else min(x.top_k, V) for x in p]
         out, acc = rejection_sample(
             padded, tokens, num, probs,
-            torch.tensor([float(x.temperature) for x in p], device=dev),
-            torch.tensor([V if x.top_k <= 0 else min(x.top_k, V) for x in p], device=dev),
-            torch.tensor([float(x.top_p) for x in p], device=dev),
-            torch.tensor([((r.seed + (1 << 63)) % (1 << 64)) - (1 << 63) for r in requests], device=dev),
-            torch.tensor([r.num_tokens for r in requests], device=dev),
+            up([float(x.temperature) for x in p], torch.float32),
+            up(top_k),
+            up([float(x.top_p) for x in p], torch.float32),
+            up([((r.seed + (1 << 63)) % (1 << 64)) - (1 << 63) for r in requests]),
+            up([r.num_tokens for r in requests]),
             forced=forced,
+            # Known here, so the sampler reads nothing back (and skips the softmax when all greedy).
+            all_greedy=all(x.temperature < GREEDY_EPS for x in p),
+            any_top_k=any(k < V for k in top_k),
+            any_top_p=any(x.top_p < 1.0 for x in p),
         )
         lps = None
         if any(x.logprobs is not None for x in p):
             lps = padded.log_softmax(dim=-1).gather(-1, out[..., None]).squeeze(-1).tolist()
-        out_l, acc_l = out.tolist(), acc.tolist()  # the verify step's one host sync
+        both = torch.cat([out, acc[:, None]], dim=-1).tolist()  # the verify step's one host sync
+        out_l, acc_l = [row[:-1] for row in both], [row[-1] for row in both]
         emitted = [row[:a] for row, a in zip(out_l, acc_l)]
         for d, a in zip(drafts, acc_l):
             self.stats.record(len(d.tokens), a - 1)

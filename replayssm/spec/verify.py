@@ -34,13 +34,15 @@ def salted(seeds: torch.Tensor, salt: int) -> torch.Tensor:
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor) -> torch.Tensor:
+                 top_p: torch.Tensor, *, any_top_k: bool | None = None,
+                 any_top_p: bool | None = None) -> torch.Tensor:
     """Sampling distribution per row. logits (n, V) fp32; temperature, top_p (n,) fp32 (> 0);
-    top_k (n,) int64 (V = off). Returns probs (n, V) fp32."""
+    top_k (n,) int64 (V = off). any_top_k / any_top_p: whether some row truncates, when the
+    caller knows it on the host (None: read from the device, a host sync). Returns probs (n, V) fp32."""
     scaled = logits / temperature[:, None]
     V = logits.shape[-1]
-    use_k = bool((top_k < V).any())
-    use_p = bool((top_p < 1.0).any())
+    use_k = bool((top_k < V).any()) if any_top_k is None else any_top_k
+    use_p = bool((top_p < 1.0).any()) if any_top_p is None else any_top_p
     if use_k or use_p:
         scaled = apply_top_k_top_p(scaled, top_k if use_k else None, top_p if use_p else None)
     return scaled.softmax(dim=-1)
@@ -63,6 +65,10 @@ def rejection_sample(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     forced: torch.Tensor | None = None,
+    *,
+    all_greedy: bool = False,
+    any_top_k: bool | None = None,
+    any_top_p: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify padded draft rows.
 
@@ -73,6 +79,9 @@ def rejection_sample(
     forced (b,) int64 or None: rows with forced[i] >= 0 accept exactly that many drafts whatever
     the target says (synthetic benchmarks only; their output is not the model's).
 
+    all_greedy: the caller knows every row is greedy: the same tokens from the argmax alone,
+    without a softmax over the vocabulary. any_top_k / any_top_p: see target_probs.
+
     Returns (tokens (b, K+1) int64, num_accepted (b,) int64 in [1, num_drafts + 1]): row i emits
     tokens[i, :num_accepted[i]] (accepted drafts, then the corrected or bonus token).
     """
@@ -80,11 +89,14 @@ def rejection_sample(
     K = K1 - 1
     dev = logits.device
     j = torch.arange(K1, device=dev)
-    greedy = temperature < GREEDY_EPS
     argmax = logits.argmax(dim=-1)  # (b, K+1)
+    if all_greedy:
+        return _greedy_verify(argmax, drafts.clamp(0, V - 1), num_drafts, forced)
+    greedy = temperature < GREEDY_EPS
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = target_probs(logits.reshape(b * K1, V), safe_t.repeat_interleave(K1),
-                         top_k.repeat_interleave(K1), top_p.repeat_interleave(K1)).reshape(b, K1, V)
+                         top_k.repeat_interleave(K1), top_p.repeat_interleave(K1), any_top_k=any_top_k,
+                         any_top_p=any_top_p).reshape(b, K1, V)
     d = drafts.clamp(0, V - 1)
     p_d = probs[:, :K].gather(-1, d[..., None]).squeeze(-1)  # (b, K)
     q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.gather(-1, d[..., None]).squeeze(-1)
@@ -116,4 +128,18 @@ def rejection_sample(
     final = torch.where(greedy, argmax.gather(-1, m[:, None]).squeeze(-1), final)
     tokens = torch.cat([d, torch.zeros_like(d[:, :1])], dim=-1)
     tokens = tokens.scatter(-1, m[:, None], final[:, None])
+    return tokens, m + 1
+
+
+def _greedy_verify(argmax: torch.Tensor, d: torch.Tensor, num_drafts: torch.Tensor,
+                   forced: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rejection_sample for all-greedy rows: accept while the draft is the argmax, then the argmax."""
+    K = d.shape[1]
+    j = torch.arange(K, device=d.device)
+    accept = (d == argmax[:, :K]) & (j[None, :] < num_drafts[:, None])
+    m = accept.long().cumprod(dim=-1).sum(dim=-1)
+    if forced is not None:
+        m = torch.where(forced >= 0, forced, m)
+    final = argmax.gather(-1, m[:, None])
+    tokens = torch.cat([d, torch.zeros_like(d[:, :1])], dim=-1).scatter(-1, m[:, None], final)
     return tokens, m + 1

@@ -72,3 +72,35 @@ def test_engine_decode_step_syncs_once(tmp_path):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(outs) == 3 and len(syncs) <= 1, [str(w.message) for w in syncs]
+
+
+@requires_cuda
+@pytest.mark.parametrize("replayssm", [True, False])
+def test_engine_verify_step_syncs_once(tmp_path, replayssm):
+    """A warm greedy speculative (synthetic, k = 3) verify step syncs once: reading the verified tokens."""
+    import warnings
+
+    from replayssm.config import EngineConfig
+    from replayssm.engine.llm_engine import LLMEngine
+    from replayssm.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        str(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=4,
+        memory_budget=1 << 28, replayssm=replayssm, num_speculative_tokens=3, speculative_method="synthetic",
+        synthetic_acceptance_length=2.5))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i, n in enumerate((5, 3, 7)):
+        engine.add_request(f"r{i}", [3 + (i * 5 + j) % 200 for j in range(n)], params)
+    engine.step()  # prefill
+    engine.step()  # first verify step compiles the kernels
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            outs = engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(outs) == 3 and len(syncs) <= 1, [str(w.message) for w in syncs]

@@ -102,3 +102,62 @@ def test_draws_do_not_depend_on_the_batch():
     params = [t[perm] for t in _params(b)]
     part = rejection_sample(logits[perm], drafts[perm], num, None, *params)
     assert torch.equal(full[0][perm], part[0]) and torch.equal(full[1][perm], part[1])
+
+
+def test_all_greedy_fast_path_equals_the_full_path(monkeypatch):
+    """all_greedy=True gives the full path's tokens and counts (forced rows too) without any softmax."""
+    import replayssm.spec.verify as verify
+
+    g = torch.Generator().manual_seed(3)
+    b, K = 32, 4
+    logits = torch.randn(b, K + 1, V, generator=g)
+    drafts = torch.where(torch.rand(b, K, generator=g) < 0.6, logits[:, :K].argmax(-1),
+                         torch.randint(0, V, (b, K), generator=g))
+    num = torch.randint(0, K + 1, (b,), generator=g)
+    forced = torch.randint(-1, K + 1, (b,), generator=g).minimum(num)
+
+    def no_softmax(*args, **kwargs):
+        raise AssertionError("the greedy path computed target probabilities")
+
+    for f in (None, forced):
+        want = rejection_sample(logits, drafts, num, None, *_params(b, 0.0), forced=f)
+        with monkeypatch.context() as m:
+            m.setattr(verify, "target_probs", no_softmax)
+            got = rejection_sample(logits, drafts, num, None, *_params(b, 0.0), forced=f, all_greedy=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_host_known_truncation_flags_read_nothing_from_the_tensors():
+    """target_probs with any_top_k / any_top_p given never inspects top_k / top_p (no device read)."""
+    logits = torch.randn(5, V)
+    want = target_probs(logits, torch.ones(5), torch.full((5,), V), torch.ones(5))
+    got = target_probs(logits, torch.ones(5), None, None, any_top_k=False, any_top_p=False)
+    assert torch.allclose(got, want)
+    k = torch.full((5,), 2)
+    assert torch.equal(target_probs(logits, torch.ones(5), k, torch.ones(5), any_top_k=True, any_top_p=False),
+                       target_probs(logits, torch.ones(5), k, torch.ones(5)))
+
+
+def test_spec_decoder_passes_host_flags(monkeypatch):
+    """SpecDecoder.verify tells rejection_sample what the host knows: all greedy, no top-k / top-p."""
+    from types import SimpleNamespace
+
+    import replayssm.spec.decode as decode
+    from replayssm.sampling_params import SamplingParams
+    from replayssm.spec.proposer import Drafts
+
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return rejection_sample(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "rejection_sample", spy)
+    dec = decode.SpecDecoder.__new__(decode.SpecDecoder)
+    dec.stats = SimpleNamespace(record=lambda *a: None)
+    logits = torch.randn(7, V)
+    for params, greedy in ((SamplingParams(temperature=0.0), True), (SamplingParams(temperature=0.7), False)):
+        reqs = [SimpleNamespace(params=params, seed=11 + i, num_tokens=9) for i in range(2)]
+        emitted, _ = dec.verify(logits, [0, 4], reqs, [Drafts([1, 2, 3]), Drafts([4, 5])])
+        assert seen["all_greedy"] is greedy and seen["any_top_k"] is False and seen["any_top_p"] is False
+        assert 1 <= len(emitted[0]) <= 4 and 1 <= len(emitted[1]) <= 3
