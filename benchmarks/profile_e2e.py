@@ -216,6 +216,8 @@ def profile_setting(w, model_dir: str, replayssm: bool, steps: int, warm: int, l
         engine.add_request(f"r{i}", [rng.randrange(3, vocab) for _ in range(w.decode_prompt)], params)
     graphs, engine.runner.graphs = engine.runner.graphs, None
     res: dict[str, Any] = {"replayssm": replayssm, "batch": w.decode_batch, "steps": steps}
+    gc.collect()
+    gc.freeze()  # as in the bench: no full collection pauses inside the timed windows
     res["prefill_ms"] = _timed(engine, 1)
     _timed(engine, warm)
     res["eager_wall_ms_per_step"] = _timed(engine, steps)
@@ -241,6 +243,7 @@ def profile_setting(w, model_dir: str, replayssm: bool, steps: int, warm: int, l
     log(f"profile: replayssm={replayssm}: eager {res['eager_wall_ms_per_step']:.2f} ms/step, GPU busy "
         f"{res['busy_ms_per_step']:.2f} ms/step, graphs {res.get('graph_wall_ms_per_step', 0):.2f} ms/step")
     del engine, graphs
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -320,7 +320,8 @@ class ModelRunner:
         if len(r.block_table) * self.kv_block_size < r.start_pos + q:
             raise ValueError(f"rows[{i}].block_table covers {len(r.block_table) * self.kv_block_size} "
                              f"tokens, needs {r.start_pos + q}")
-        if any(not 0 <= b < self.num_kv_blocks for b in r.block_table):
+        # min/max run in C: a Python loop over every id cost ~3 ms per step at 256 rows x 66 blocks.
+        if r.block_table and (min(r.block_table) < 0 or max(r.block_table) >= self.num_kv_blocks):
             raise ValueError(f"rows[{i}].block_table has ids outside [0, {self.num_kv_blocks})")
         if not 0 <= r.num_logits <= q:
             raise ValueError(f"rows[{i}].num_logits must be in [0, {q}], got {r.num_logits}")

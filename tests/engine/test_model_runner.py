@@ -246,6 +246,8 @@ def test_bad_rows_raise():
         (ScheduledRow([], 0, [0], 0, True), "token_ids"),
         (ScheduledRow([1], 0, [0], 10, True), "slot"),
         (ScheduledRow([1] * 5, 0, [0], 0, True), "block_table"),
+        (ScheduledRow([1] * 5, 0, [0, -1], 0, True), "outside"),
+        (ScheduledRow([1] * 5, 0, [runner.num_kv_blocks, 0], 0, True), "outside"),
         (ScheduledRow([1], 0, [0], 0, False), "prior state"),
         (ScheduledRow([1, 2, 3], 4, [0, 1], 0, False), "decode tokens"),
         (ScheduledRow([1, 2], 4, [0, 1], 0, False, spec_slots=[0, 1]), "spec_slots"),
