@@ -274,6 +274,10 @@ def main() -> None:
     ap.add_argument("--configs", default="",
                     help="sweep override, e.g. replay=fused:64x8+split:32x4,baseline=64x8")
     ap.add_argument("--qs", default=",".join(map(str, QS)))
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also time FlashInfer's kernels on fp32 cases (bench_flashinfer.py)")
+    ap.add_argument("--fi-target", default="/tmp/fi", help="where flashinfer_build.py installed FlashInfer")
+    ap.add_argument("--fi-workspace", default="/tmp/fiws")
     args = ap.parse_args()
     for item in filter(None, args.configs.split(",")):
         impl, cfg = item.split("=")
@@ -285,6 +289,12 @@ def main() -> None:
                 triton=triton.__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
                 window=WINDOW, act_dtype="bf16", copy_gbps=copy_bandwidth_gbps())
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
+    fi = None
+    if args.flashinfer:
+        from bench_flashinfer import FlashInferBench  # benchmarks/ is the script's folder on sys.path
+
+        fi = FlashInferBench(Path(args.fi_target), Path(args.fi_workspace))
+        fi.attach(meta)
     rows = []
     best = {}
     for q in qs:  # tile sweep at the headline case
@@ -325,6 +335,8 @@ def main() -> None:
                         rows.append(r)
                         print(f"{shape} {sd} q={q} b={b} {impl}: {r['us_per_step']:.2f} us "
                               f"{r['gbps']:.0f} GB/s", flush=True)
+                    if fi is not None:
+                        rows += fi.rows(bench, time_graph)
                     del bench
                     torch.cuda.empty_cache()
                     # Written after every case, so a run cut short still leaves its numbers.

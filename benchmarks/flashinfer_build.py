@@ -7,9 +7,10 @@ Installs the slim bundle (shared/tools/flashinfer-bundle) into --target unless i
 unpacks --restore archives (fiws*.tgz next to it too) into the bundle's prebuilt-module folder,
 then starts one child per variant (fi_kernels.variants()): each calls its kernel once on small
 CUDA inputs with the benchmark's dtypes, which builds (or loads) exactly the module the benchmark
-loads later. Prints per-variant seconds and status, then packs every built .so as
-aot/<uri>/<uri>.so into $OUT/fiws.tgz (split into fiws-2.tgz, ... past 15 MiB): only the .so is
-needed, since a module found there is loaded without ninja or nvcc.
+loads later. Prints per-variant seconds and status, copies every built .so to the bundle's
+prebuilt-module folder (--target/flashinfer/data/aot/<uri>/<uri>.so, loaded from there without
+ninja or nvcc) and packs them the same way into $OUT/fiws.tgz (fiws-2.tgz, ... past 15 MiB).
+The benchmark (bench_kernels.py --flashinfer) then runs in the same machine session.
 """
 
 from __future__ import annotations
@@ -209,6 +210,11 @@ def main() -> int:
             print("  log tail:\n    " + "\n    ".join(text.splitlines()[-25:]), flush=True)
     mods = built_modules(args.workspace, args.target)
     for uri, so in sorted(mods.items()):
+        # Later processes (the benchmark) then load it directly, without ninja's freshness check.
+        dest = fk.aot_dir(args.target) / uri / so.name
+        if dest != so:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(so, dest)
         print(f"module {uri}: {so.stat().st_size / 2**20:.1f} MiB", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

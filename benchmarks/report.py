@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HEADLINE = ("nemotron-h-8b", 256, "fp32")
+FI_IMPLS = ("fi_baseline", "fi_replay")  # bench_flashinfer.py rows (--flashinfer)
 
 
 def _index(rows: list[dict]) -> dict:
@@ -40,6 +41,11 @@ def _targets(meta: dict, by: dict) -> list[str]:
                 speedup = base["us_per_step"] / r["us_per_step"]
                 out.append(f"- {impl} q={q}: {speedup:.2f}x faster than baseline "
                            f"(target >= {goal}x; byte-count limit {limit:.2f}x)")
+        fi, ours = get(q, "fi_replay"), get(q, "replay")
+        if fi and ours:
+            out.append(f"- replay q={q} vs FlashInfer checkpointing_ssu [{fi['algorithm']}]: "
+                       f"{fi['us_per_step']:.1f} / {ours['us_per_step']:.1f} us = {_ratio(fi, ours)} "
+                       f"(FlashInfer us / ours; target >= 1)")
     return out + [""]
 
 
@@ -48,21 +54,64 @@ def _tables(by: dict) -> list[str]:
     groups = defaultdict(list)
     for shape, b, sd, q, _ in by:
         groups[(shape, sd, q)].append(b)
+    cell = lambda r: f"{r['us_per_step']:.1f} ({r['gbps']:.0f})" if r else "-"
     for (shape, sd, q), batches in sorted(groups.items()):
+        fi = any(by.get((shape, b, sd, q, i)) for b in batches for i in FI_IMPLS)
+        extra = (" FI baseline us (GB/s) | FI replay us (GB/s) | FI replay us / ours | "
+                 "FI baseline us / ours |") if fi else ""
         out += [f"### {shape}, {sd} state, q={q}", "",
-                "| batch | baseline us (GB/s) | replay us (GB/s) | speedup | byte limit |",
-                "|---|---|---|---|---|"]
+                "| batch | baseline us (GB/s) | replay us (GB/s) | speedup | byte limit |" + extra,
+                "|---|---|---|---|---|" + ("---|" * 4 if fi else "")]
         for b in sorted(set(batches)):
-            rs = {i: by.get((shape, b, sd, q, i)) for i in ("baseline", "replay")}
-            if not all(rs.values()):
+            rs = {i: by.get((shape, b, sd, q, i)) for i in ("baseline", "replay", *FI_IMPLS)}
+            if not (rs["baseline"] and rs["replay"]):
                 continue
             base = rs["baseline"]
-            cell = lambda r: f"{r['us_per_step']:.1f} ({r['gbps']:.0f})"
             sp = lambda r, base=base: f"{base['us_per_step'] / r['us_per_step']:.2f}x"
-            out.append(f"| {b} | {cell(base)} | {cell(rs['replay'])} | {sp(rs['replay'])} | "
-                       f"{base['bytes_per_step'] / rs['replay']['bytes_per_step']:.2f}x |")
+            line = (f"| {b} | {cell(base)} | {cell(rs['replay'])} | {sp(rs['replay'])} | "
+                    f"{base['bytes_per_step'] / rs['replay']['bytes_per_step']:.2f}x |")
+            if fi:
+                fr, fb = rs["fi_replay"], rs["fi_baseline"]
+                algo = f" [{fr['algorithm']}]" if fr else ""
+                line += (f" {cell(fb)} | {cell(fr)}{algo} | {_ratio(fr, rs['replay'])} | "
+                         f"{_ratio(fb, base)} |")
+            out.append(line)
         out.append("")
     return out
+
+
+def _ratio(fi: dict | None, ours: dict | None) -> str:
+    """FlashInfer's time over ours: > 1 means ours is faster."""
+    return f"{fi['us_per_step'] / ours['us_per_step']:.2f}x" if fi and ours else "-"
+
+
+def _flashinfer(meta: dict, by: dict) -> list[str]:
+    """Version, the issue's check (ReplaySSM at least as fast at every batch >= 32), cross-checks."""
+    keys = sorted(k for k in by if k[4] == "fi_replay")
+    if "flashinfer" not in meta:
+        return []
+    out = [f"## FlashInfer {meta['flashinfer']} (fp32 state; same pools, cursors and graph timing)", "",
+           "Ratios are FlashInfer's us / ours (> 1: ours faster). fi_replay = checkpointing_ssu, the faster "
+           "of monolith and two-kernel; fi_baseline = selective_state_update (auto).", ""]
+    slow = [f"{s} q={q} b={b}: {_ratio(by[(s, b, sd, q, 'fi_replay')], by.get((s, b, sd, q, 'replay')))}"
+            for s, b, sd, q, _ in keys if b >= 32 and by.get((s, b, sd, q, "replay"))
+            and by[(s, b, sd, q, "fi_replay")]["us_per_step"] < by[(s, b, sd, q, "replay")]["us_per_step"]]
+    measured = sum(1 for s, b, sd, q, _ in keys if b >= 32 and by.get((s, b, sd, q, "replay")))
+    out.append(f"- ReplaySSM at least as fast as FlashInfer's checkpointing_ssu at every batch >= 32: "
+               f"{'yes' if not slow else 'no'} ({measured - len(slow)}/{measured} cases)"
+               + (f"; slower at {', '.join(slow)}" if slow else ""))
+    for err in meta.get("flashinfer_errors", []):
+        out.append(f"- failed: {err}")
+    out += ["", "Cross-check, one step on copies of the first slot set (max abs difference vs ours; "
+            "y_absmax for scale):", "", "| case | y_absmax | replay y (mono / 2k) | replay state | "
+            "replay ring | baseline y | baseline states |", "|---|---|---|---|---|---|---|"]
+    for s, b, sd, q, _ in keys:
+        x = by[(s, b, sd, q, "fi_replay")].get("xcheck", {})
+        g = lambda k, x=x: f"{x[k]:.3g}" if isinstance(x.get(k), float) else str(x.get(k, "-"))
+        out.append(f"| {s} q={q} b={b} | {g('y_absmax')} | {g('fi_replay_monolith_y')} / "
+                   f"{g('fi_replay_two-kernel_y')} | {g('fi_replay_monolith_state')} | "
+                   f"{g('fi_replay_monolith_ring')} | {g('fi_baseline_y')} | {g('fi_baseline_states')} |")
+    return out + [""]
 
 
 def _sweep(rows: list[dict]) -> list[str]:
@@ -109,7 +158,7 @@ def _plot(by: dict, path: Path) -> bool:
         for j, q in enumerate((1, 4)):
             ax = axes[i][j]
             for sd in ("fp32", "fp16"):
-                for impl, style in (("replay", "-o"),):
+                for impl, style in (("replay", "-o"), ("fi_replay", "--s"), ("fi_baseline", ":^")):
                     base = {b: r for (s2, b, d2, q2, i2), r in by.items()
                             if (s2, d2, q2, i2) == (shape, sd, q, "baseline")}
                     pts = sorted((b, base[b]["us_per_step"] / r["us_per_step"])
@@ -121,7 +170,7 @@ def _plot(by: dict, path: Path) -> bool:
             ax.set_xscale("log", base=2)
             ax.set_title(f"{shape}, q={q}: speedup over baseline SSU")
             ax.set_xlabel("batch")
-            ax.set_ylabel("baseline us / ReplaySSM us")
+            ax.set_ylabel("our baseline us / impl us")
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -141,7 +190,8 @@ def write_report(results: Path) -> str:
             f"Tile configs chosen by the sweep: {meta['chosen_configs']}", ""]
     targets = _targets(meta, by)
     plotted = _plot(by, results / "kernels.png")
-    body = head + targets + (["![speedup](kernels.png)", ""] if plotted else []) + _tables(by) + _sweep(rows)
+    body = head + targets + (["![speedup](kernels.png)", ""] if plotted else []) + _tables(by)
+    body += _flashinfer(meta, by) + _sweep(rows)
     body += _diagnostics(meta, rows)
     (results / "kernels.md").write_text("\n".join(body))
     return "\n".join(targets)
