@@ -21,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -186,7 +187,8 @@ def main() -> int:
         log = open(logs / f"{v.name}.log", "w")
         cmd = [sys.executable, __file__, "--child", v.name, "--target", str(args.target),
                "--workspace", str(args.workspace)]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Own session, so a timeout also stops the child's ninja and nvcc (its process group).
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         procs[v.name] = (proc, log, time.time())
     print(f"building {len(chosen)} variants, MAX_JOBS={per_job} each", flush=True)
     results = {}
@@ -194,7 +196,7 @@ def main() -> int:
         try:
             proc.wait(timeout=max(1.0, args.timeout - (time.time() - start)))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
         text = (logs / f"{name}.log").read_text(errors="replace")
