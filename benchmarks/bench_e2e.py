@@ -243,11 +243,16 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
         runs.append(("a", s, kw, lambda e, rng, b=w.decode_batch: _decode_workload(
             e, w, b, w.decode_prompt, w.decode_output, rng)))
     for b in w.spec_batches:
+        spec_len = w.spec_prompt + w.spec_output + w.spec_k + 1
         for s in ORDER:
+            # KV blocks for all b requests at full length, the rest of the budget to Mamba slots:
+            # left to the planner, (b) 512 OFF would admit 269 requests (4 slots each) with KV for
+            # ~54 of them and thrash on preemptions; this way OFF admits ~263 and runs them whole.
             kw = dict(base, replayssm=s == "on", max_num_seqs=b, num_speculative_tokens=w.spec_k,
                       max_num_batched_tokens=w.spec_max_num_batched_tokens,
+                      num_kv_blocks=b * -(-spec_len // w.kv_block_size),
                       speculative_method="synthetic", synthetic_acceptance_length=ACCEPTANCE_LENGTH,
-                      max_model_len=w.spec_prompt + w.spec_output + w.spec_k + 1)
+                      max_model_len=spec_len)
             runs.append(("b", s, kw, lambda e, rng, b=b: _decode_workload(
                 e, w, b, w.spec_prompt, w.spec_output, rng)))
     total = w.shared_context + w.turns * (w.turn_input + w.turn_output) + 1
