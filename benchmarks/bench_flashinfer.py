@@ -13,6 +13,7 @@ kernel runs next to ours on copies of set 0's slots and the max abs differences 
 from __future__ import annotations
 
 import math
+import os
 import traceback
 from dataclasses import asdict
 from pathlib import Path
@@ -31,8 +32,6 @@ class FlashInferBench:
     """Loads FlashInfer once; `rows(bench, time_graph)` measures one Bench case."""
 
     def __init__(self, target: Path, workspace: Path):
-        import os
-
         os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(workspace))
         fk.setup(target)
         self.mamba, self.version = fk.load()
