@@ -5,9 +5,9 @@
 # after every run, so a phase cut short keeps what it measured) and are copied to $OUT after each
 # phase. Every phase runs under `timeout` inside a whole-call budget (TOTAL seconds, default 530);
 # each later phase keeps a reserve, so an overrun early shortens a phase instead of losing the last.
-# Knobs: TOTAL, A_SCALE (1.0), B_SCALE (0.5), C_SCALE (1.0; 0.5 when eager), GRAPHS (1 = --cuda-graphs; set by `all`
-# to 0 when the graph-vs-eager tests fail). A mode whose graph run crashes (not a timeout) before
-# writing any row is run again eagerly in what is left of its budget.
+# Knobs: TOTAL, A_SCALE (1.0), B_SCALE (0.5), C_SCALE (1.0; 0.5 when eager), GRAPHS (1 =
+# --cuda-graphs; set to 0 when a graph-vs-eager test fails). A mode whose graph run crashes (not a
+# timeout) before writing any row is run again eagerly in what is left of its budget.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
