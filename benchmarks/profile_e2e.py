@@ -118,7 +118,8 @@ def attribute(trace: dict) -> dict[str, dict[str, float]]:
 
 
 # Fallback for kernels whose launch the trace does not hold (e.g. no driver-API records).
-NAME_PARTS = (("replay|ssu|selective|state_update", PARTS[0]), ("conv", PARTS[1]),
+NAME_PARTS = (("replay|ssu|selective|state_update|_weights_kernel|_out_kernel|_stream_kernel|fold", PARTS[0]),
+              ("conv", PARTS[1]),
               ("paged|attention|attn", PARTS[5]))
 
 
