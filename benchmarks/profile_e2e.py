@@ -6,7 +6,7 @@ warm-up steps, then over windows of `steps` decode steps (16 = W covers one ring
     to a layer part (module and op labels, innermost wins; launch time inside the label), then
     (graphs on) wall ms/step of graph replays.
 The SSM part is set against its byte count (state read/write, ring, flushes) and a measured
-device copy bandwidth. Writes e2e-profile.json and e2e-profile.md. Graph replays hide the
+device copy bandwidth (report_e2e.py writes e2e-profile.json and .md). Graph replays hide the
 kernels from the labels, which is why the labelled steps run eagerly.
 """
 
@@ -166,6 +166,22 @@ def ssm_bytes(cfg: dict, batch: int, replayssm: bool, window: int) -> float:
     return float(layers * batch * per_row)
 
 
+def weight_bytes(model) -> dict[str, int]:
+    """Bytes of the weights each GEMM part reads once per decode step (part name -> bytes)."""
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    out = {"mamba in/out proj GEMM": 0, "attention proj GEMM": 0, "MLP": 0}
+    for block in model.layers:
+        if block.kind == "mamba":
+            out["mamba in/out proj GEMM"] += size(block.mixer.in_proj) + size(block.mixer.out_proj)
+        elif block.kind == "attention":
+            out["attention proj GEMM"] += size(block.mixer)
+        else:
+            out["MLP"] += size(block.mixer)
+    head = model.lm_head if model.lm_head is not None else model.embeddings
+    out["lm_head"] = head.weight.numel() * head.weight.element_size()
+    return out
+
+
 def copy_bandwidth() -> float | None:
     """Device-to-device copy bandwidth (read + write bytes / s) of a 2 GiB copy, None without CUDA."""
     import torch
@@ -238,6 +254,7 @@ def profile_setting(w, model_dir: str, replayssm: bool, steps: int, warm: int, l
         _timed(engine, warm)
         res["graph_wall_ms_per_step"] = _timed(engine, steps)
         res["graph_replays"], res["graph_error"] = graphs.num_replays, graphs.error
+    res["weight_bytes_per_step"] = weight_bytes(engine.runner.model)
     res["ssm_bytes_per_step"] = ssm_bytes(w.config, w.decode_batch, replayssm, w.window)
     ssm_us = res["parts_us_per_step"].get(PARTS[0], 0.0)
     res["ssm_gb_s"] = res["ssm_bytes_per_step"] / (ssm_us * 1e-6) / 1e9 if ssm_us else None
@@ -252,62 +269,13 @@ def profile_setting(w, model_dir: str, replayssm: bool, steps: int, warm: int, l
 
 
 def run_profile(w, steps: int = 16, warm: int = 4, log=print) -> dict[str, Any]:
-    """OFF then ON; returns the document written by write_profile."""
+    """OFF then ON; returns the document report_e2e.write_profile writes."""
     settings = []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(w.config))
         for on in (False, True):
             settings.append(profile_setting(w, model_dir, on, steps, warm, log))
-    return {"settings": settings, "copy_bandwidth_gb_s": (bw / 1e9) if (bw := copy_bandwidth()) else None,
+    return {"settings": settings, "parts": list(PARTS),
+            "copy_bandwidth_gb_s": (bw / 1e9) if (bw := copy_bandwidth()) else None,
             "workload": {"batch": w.decode_batch, "prompt": w.decode_prompt, "window": w.window,
                          "cuda_graphs": w.cuda_graphs, "dtype": w.dtype}}
-
-
-def render(doc: dict[str, Any]) -> str:
-    """Markdown: ms per step by part for OFF and ON, wall times, SSM bytes against bandwidth."""
-    off, on = doc["settings"]
-    lines = ["# Decode step profile, mode (a) shape", "",
-             f"- commit `{doc['commit']}`, device {doc['device']}, command `{doc['command']}`",
-             f"- batch {off['batch']}, eager steps profiled: {off['steps']} (one ring flush per row in ON); "
-             "GPU ms = sum of kernel times attributed to the part", "",
-             "| part | OFF ms/step | ON ms/step | OFF - ON |", "|---|---|---|---|"]
-    for p in PARTS:
-        a, b = off["parts_us_per_step"].get(p, 0.0) / 1e3, on["parts_us_per_step"].get(p, 0.0) / 1e3
-        if a or b:
-            lines.append(f"| {p} | {a:.3f} | {b:.3f} | {a - b:+.3f} |")
-    lines.append(f"| **GPU busy** | {off['busy_ms_per_step']:.3f} | {on['busy_ms_per_step']:.3f} | "
-                 f"{off['busy_ms_per_step'] - on['busy_ms_per_step']:+.3f} |")
-    for key, what in (("eager_wall_ms_per_step", "eager wall"), ("graph_wall_ms_per_step", "graph wall")):
-        if key in off and key in on:
-            lines.append(f"| {what} (whole engine step) | {off[key]:.3f} | {on[key]:.3f} | "
-                         f"{off[key] - on[key]:+.3f} |")
-    bw = doc.get("copy_bandwidth_gb_s")
-    lines += ["", f"- measured device copy bandwidth: {bw:.0f} GB/s (read + write)" if bw else
-              "- no device copy bandwidth (no CUDA)"]
-    for s in (off, on):
-        name = "ON" if s["replayssm"] else "OFF"
-        gbs = s["ssm_gb_s"]
-        lines.append(f"- SSM part {name}: {s['ssm_bytes_per_step'] / 1e9:.2f} GB per step modelled, "
-                     + (f"{gbs:.0f} GB/s achieved" + (f" ({gbs / bw:.0%} of copy bandwidth)" if bw else "")
-                        if gbs else "no SSM kernel time found"))
-    ratio = lambda k: off[k] / on[k] if on.get(k) else None  # noqa: E731
-    for k, what in (("busy_ms_per_step", "GPU busy"), ("eager_wall_ms_per_step", "eager wall"),
-                    ("graph_wall_ms_per_step", "graph wall")):
-        if k in on and ratio(k):
-            lines.append(f"- OFF/ON step time, {what}: {ratio(k):.2f}x")
-    lines += ["", "Top kernels per part (us per step, OFF then ON):", ""]
-    for s in (off, on):
-        for p, kern in s["top_kernels_us_per_step"].items():
-            lines.append(f"- {'ON' if s['replayssm'] else 'OFF'} {p}: "
-                         + ", ".join(f"`{n[:60]}` {t:.0f}" for n, t in kern.items()))
-    return "\n".join(lines) + "\n"
-
-
-def write_profile(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """e2e-profile.json and e2e-profile.md under out_dir; returns the document with its meta."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = {**meta, **doc}
-    (out / "e2e-profile.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    (out / "e2e-profile.md").write_text(render(doc))
-    return doc

@@ -1,4 +1,5 @@
-"""Write the end-to-end benchmark's results: e2e.json, e2e.md (table + ON/OFF ratios), e2e.png.
+"""Write the end-to-end benchmark's results: e2e.json, e2e.md (table + ON/OFF ratios), e2e.png, and the
+step profile's e2e-profile.json and e2e-profile.md.
 
 The JSON holds the commit, device, versions, command, workload, one row per (mode, setting,
 batch, repetition) and the ratios; the markdown and the plot are rendered from it alone.
@@ -167,4 +168,62 @@ def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str
     doc["plot_note"] = plot(doc, out / "e2e.png") if with_plot else "plot written at the end"
     write_atomic(out / "e2e.json", json.dumps(doc, indent=1, default=str) + "\n")
     write_atomic(out / "e2e.md", render_markdown(doc))
+    return doc
+
+
+# ---- the step profile (benchmarks/profile_e2e.py) -------------------------------------------------
+
+
+def render_profile(doc: dict[str, Any]) -> str:
+    """Markdown: ms per step by part for OFF and ON, wall times, SSM bytes against bandwidth."""
+    off, on = doc["settings"]
+    lines = ["# Decode step profile, mode (a) shape", "",
+             f"- commit `{doc['commit']}`, device {doc['device']}, command `{doc['command']}`",
+             f"- batch {off['batch']}, eager steps profiled: {off['steps']} (one ring flush per row in ON); "
+             "GPU ms = sum of kernel times attributed to the part", "",
+             "| part | OFF ms/step | ON ms/step | OFF - ON |", "|---|---|---|---|"]
+    for p in doc["parts"]:
+        a, b = off["parts_us_per_step"].get(p, 0.0) / 1e3, on["parts_us_per_step"].get(p, 0.0) / 1e3
+        if a or b:
+            lines.append(f"| {p} | {a:.3f} | {b:.3f} | {a - b:+.3f} |")
+    lines.append(f"| **GPU busy** | {off['busy_ms_per_step']:.3f} | {on['busy_ms_per_step']:.3f} | "
+                 f"{off['busy_ms_per_step'] - on['busy_ms_per_step']:+.3f} |")
+    for key, what in (("eager_wall_ms_per_step", "eager wall"), ("graph_wall_ms_per_step", "graph wall")):
+        if key in off and key in on:
+            lines.append(f"| {what} (whole engine step) | {off[key]:.3f} | {on[key]:.3f} | "
+                         f"{off[key] - on[key]:+.3f} |")
+    bw = doc.get("copy_bandwidth_gb_s")
+    lines += ["", f"- measured device copy bandwidth: {bw:.0f} GB/s (read + write)" if bw else
+              "- no device copy bandwidth (no CUDA)"]
+    for s in (off, on):
+        name = "ON" if s["replayssm"] else "OFF"
+        gbs = s["ssm_gb_s"]
+        lines.append(f"- SSM part {name}: {s['ssm_bytes_per_step'] / 1e9:.2f} GB per step modelled, "
+                     + (f"{gbs:.0f} GB/s achieved" + (f" ({gbs / bw:.0%} of copy bandwidth)" if bw else "")
+                        if gbs else "no SSM kernel time found"))
+    for part, nbytes in off.get("weight_bytes_per_step", {}).items():
+        us = [s["parts_us_per_step"].get(part, 0.0) for s in (off, on)]
+        rates = ", ".join(f"{name} {nbytes / (t * 1e-6) / 1e9:.0f} GB/s"
+                          for name, t in zip(("OFF", "ON"), us) if t)
+        lines.append(f"- {part}: {nbytes / 1e9:.2f} GB of weights read per step; {rates or 'no kernel time'}")
+    ratio = lambda k: off[k] / on[k] if on.get(k) else None  # noqa: E731
+    for k, what in (("busy_ms_per_step", "GPU busy"), ("eager_wall_ms_per_step", "eager wall"),
+                    ("graph_wall_ms_per_step", "graph wall")):
+        if k in on and ratio(k):
+            lines.append(f"- OFF/ON step time, {what}: {ratio(k):.2f}x")
+    lines += ["", "Top kernels per part (us per step, OFF then ON):", ""]
+    for s in (off, on):
+        for p, kern in s["top_kernels_us_per_step"].items():
+            lines.append(f"- {'ON' if s['replayssm'] else 'OFF'} {p}: "
+                         + ", ".join(f"`{n[:60]}` {t:.0f}" for n, t in kern.items()))
+    return "\n".join(lines) + "\n"
+
+
+def write_profile(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """e2e-profile.json and e2e-profile.md under out_dir; returns the document with its meta."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {**meta, **doc}
+    write_atomic(out / "e2e-profile.json", json.dumps(doc, indent=1, default=str) + "\n")
+    write_atomic(out / "e2e-profile.md", render_profile(doc))
     return doc

@@ -254,7 +254,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--profile-steps must be >= 1, got {args.profile_steps}")
         prof = _load_benchmark("profile_e2e")
         doc = prof.run_profile(workload, steps=args.profile_steps, warm=min(4, args.profile_steps), log=log)
-        print(prof.render(prof.write_profile(doc, out, report.run_meta(command))))
+        print(report.render_profile(report.write_profile(doc, out, report.run_meta(command))))
         return 0
 
     def save(partial: dict, with_plot: bool = False) -> dict:
