@@ -30,10 +30,13 @@ def test_replay_cycle_gpu(state_dtype, q, route):
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
 
 
+STREAM_ROUTES = ["stream", "stream-split", "stream-two", "stream-list", "stream-list.s3.i16"]
+
+
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("route", ["stream", "stream-split", "stream-two", "stream-two.s3.i16"])
+@pytest.mark.parametrize("route", STREAM_ROUTES)
 def test_replay_cycle_stream_gpu(state_dtype, q, route):
     """On the GPU: the row-streaming route (fused, split, two-launch flush; pipelining depths) matches."""
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
@@ -45,7 +48,7 @@ def test_replay_cycle_stream_tiles_gpu(block):
     """On the GPU: the streaming route's other tiles compute the same cycles."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    _cycle_gpu(q=1, state_dtype=torch.float32, route="stream-two", config=LaunchConfig(*block))
+    _cycle_gpu(q=1, state_dtype=torch.float32, route="stream-list", config=LaunchConfig(*block))
 
 
 @requires_cuda

@@ -254,7 +254,7 @@ def run_interpreter(part: str) -> None:
         for q, route in ((1, "auto"), (3, "auto"), (2, "split"), (2, "fused")):
             check_replay_cycle("cpu", q=q, config=small, route=route, steps=6)
         whole = LaunchConfig(block_p=8, num_warps=1)  # the streaming route needs whole tiles
-        for q, route in ((1, "stream"), (2, "stream-two.s3.i4"), (2, "stream-split")):
+        for q, route in ((1, "stream-list"), (2, "stream-two.s3.i4"), (2, "stream-split"), (3, "stream")):
             check_replay_cycle("cpu", q=q, N=16, config=whole, route=route, steps=6)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)

@@ -182,10 +182,10 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # NOTES-kernels.md), so 16-bit states fold in their own launch.
         route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith("stream"):
-        # "stream[-split|-two][.sSTAGES][.iITEMS]" (replay_stream.py); benchmarks sweep the suffixes.
+        # "stream[-split|-two|-list][.sSTAGES][.iITEMS]" (replay_stream.py); benchmarks sweep them.
         name, *opts = route.split(".")
         kw = {dict(s="stages", i="items")[o[0]]: int(o[1:]) for o in opts}
-        modes = {"stream": (3,), "stream-two": (1, 2), "stream-split": (0,)}[name]
+        modes = {"stream": (3,), "stream-two": (1, 2), "stream-list": (1, 4), "stream-split": (0,)}[name]
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

@@ -20,6 +20,8 @@ import triton.language as tl
 from replayssm.ops.triton.replay_step import _weights_kernel
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 
+FLUSH_PROGRAMS_PER_SM = 4
+
 
 @triton.jit
 def _piece(
@@ -115,6 +117,43 @@ def _stream_kernel(
                    Q, QB, HB, P, N, BLOCK_P, NS, False, STATE_DTYPE, MAXV)
 
 
+@triton.jit
+def _flush_list_kernel(idx_ptr, committed_ptr, list_ptr, count_ptr, b, window, Q: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    # One program: the rows that flush this step, in row order, and their count.
+    base = 0
+    for start in range(0, b, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        s = tl.load(idx_ptr + r, mask=r < b, other=-1)
+        hc = tl.load(committed_ptr + tl.maximum(s, 0), mask=s >= 0, other=0)
+        f = ((s >= 0) & (hc + Q > window)).to(tl.int32)
+        tl.store(list_ptr + base + tl.cumsum(f, axis=0) - 1, r, mask=f > 0)
+        base += tl.sum(f, axis=0)
+    tl.store(count_ptr, base)
+
+
+@triton.jit
+def _flush_kernel(
+    list_ptr, count_ptr, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr,
+    idx_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+):
+    # Persistent over the pieces of the listed flush rows: a fixed, small grid whatever the batch,
+    # so the fold's registers never throttle the launch of programs with nothing to do, and the
+    # work of few flush rows still spreads over every SM.
+    per_row = H * (P // BLOCK_P)
+    for w in range(tl.program_id(0), tl.load(count_ptr) * per_row, tl.num_programs(0)):
+        i = tl.load(list_ptr + w // per_row)
+        s = tl.load(idx_ptr + i)
+        s64 = s.to(tl.int64)
+        hc = tl.load(committed_ptr + s64)
+        o = tl.load(ring_start_ptr + s64)
+        _piece(w % per_row, 0, i, s64, s >= 0, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+               w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+               Q, QB, HB, P, N, BLOCK_P, NS, True, STATE_DTYPE, MAXV)
+
+
 def stream_items(H: int, P: int, block_p: int, items: int) -> int:
     """Pieces per program: the largest power of two <= items that divides a row's piece count."""
     per_row = H * (P // block_p)
@@ -135,8 +174,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     """Weights launch (`replay_step.py`), then one row-streaming output launch per mode.
 
     modes (3,): flush rows folded in the same launch; (1, 2): non-flush rows, then flush rows in
-    their own launch (the fold's registers do not cut the occupancy of the common case); (0,):
-    no fold, the caller folds flush rows afterwards.
+    their own launch (the fold's registers do not cut the occupancy of the common case); (1, 4):
+    non-flush rows, then the flush rows listed on the device and folded by a persistent launch;
+    (0,): no fold, the caller folds flush rows afterwards.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -154,11 +194,28 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     )
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
+    common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
+    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), STATE_DTYPE=sdt,
+                MAXV=max_finite(sdt), num_warps=num_warps)
     for mode in modes:
+        if mode == 4:
+            # Flush rows listed on the device, then folded by a persistent launch.
+            rows = torch.empty(b, device=x.device, dtype=torch.int32)
+            count = torch.empty(1, device=x.device, dtype=torch.int32)
+            _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
+                                     BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
+            programs = min(b * H * (P // block_p), flush_programs(x.device))
+            _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
+                                       state_indices, y, w, sc, *common, **meta)
+            continue
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            seed_mix(rand_seed), int(window), x.stride(0), x.stride(1), x.stride(2),
-            C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2), H, G, R,
-            Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k, STAGES=stages,
-            MODE=mode, STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, MODE=mode, **meta,
         )
+
+
+def flush_programs(device: torch.device) -> int:
+    """Programs of the persistent flush launch: a few per SM (4 on the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return FLUSH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
