@@ -256,6 +256,9 @@ def run_interpreter(part: str) -> None:
         whole = LaunchConfig(block_p=8, num_warps=1)  # the streaming route needs whole tiles
         for q, route in ((1, "stream-list"), (2, "stream-two.s3.i4"), (2, "stream-split"), (3, "stream")):
             check_replay_cycle("cpu", q=q, N=16, config=whole, route=route, steps=6)
+        # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
+        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,
+                           act=torch.bfloat16)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
         check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,

@@ -83,12 +83,103 @@ def _piece(
 
 
 @triton.jit
+def _piece_mma(
+    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
+    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
+):
+    # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
+    # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
+    # by chunk so that no warp holds all of C^T. 16-bit C is exact in TF32, so an fp32 tile split
+    # into hi + lo TF32 parts gives ~fp32 products (two MMAs); the fold stays plain fp32 on the
+    # CUDA cores (no tensor-core rounding reaches a stored state).
+    TB: tl.constexpr = 16 if QB < 16 else QB
+    JB: tl.constexpr = HB + QB
+    NPT: tl.constexpr = P // BLOCK_P
+    w = first + k
+    h = w // NPT
+    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
+    g = h // (H // G)
+    t = tl.arange(0, TB)
+    tm = t < Q
+    j = tl.arange(0, HB)
+    jm = j < hc
+    sbase = (s64 * H + h) * (P * N)
+    wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
+    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+    xrow0 = s64 * H * R + h * R
+    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=jm[None, :],
+                 other=0.0).to(tl.float32)  # (BLOCK_P, HB)
+    if FOLD:
+        decay = tl.load(sc_ptr + scbase + Q)
+        Brow0 = s64 * G * R + g * R
+    acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
+    for c in tl.static_range(N // NS):
+        n = c * NS + tl.arange(0, NS)
+        tile = p[:, None] * N + n[None, :]
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
+        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
+        Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
+        if C_ptr.dtype.element_ty == tl.float32:
+            acc = tl.dot(S0, Ct, acc, input_precision="tf32x3")
+        elif state_ptr.dtype.element_ty == tl.float32:
+            hi = (S0.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+            acc = tl.dot(hi, Ct, acc, input_precision="tf32")
+            acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
+        else:
+            acc = tl.dot(S0, Ct, acc, input_precision="tf32")
+        if FOLD:
+            # Rank-one updates on the CUDA cores, as `_piece` (a dot here spills registers).
+            S = S0 * decay
+            for jj in tl.static_range(HB):
+                r = (o + jj) % R
+                f = tl.load(w_ptr + wbase + Q * JB + jj, mask=jj < hc, other=0.0)
+                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
+                Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=(n * 0 + jj) < hc, other=0.0).to(tl.float32)
+                S += (f * xj)[:, None] * Bj[None, :]
+            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+    acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
+    wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
+    acc = tl.dot(xh, wh, acc, input_precision="tf32x3")
+    xrows = x_ptr + i * sx_b + t[None, :] * sx_t + h * sx_h + p[:, None]
+    xn_raw = tl.load(xrows, mask=tm[None, :], other=0.0)
+    xn = xn_raw.to(tl.float32)  # (BLOCK_P, TB): token k in column k
+    wn = tl.load(w_ptr + wbase + t[None, :] * JB + HB + t[:, None], mask=tm[:, None] & tm[None, :], other=0.0)
+    acc = tl.dot(xn, wn, acc, input_precision="tf32x3")
+    acc = tl.where(valid, acc + tl.load(D_ptr + h) * xn, 0.0)
+    tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=tm[None, :])
+    tv = tm & ((t * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
+    tl.store(rx_ptr + (xrow0 + (o + hc + t) % R)[None, :] * P + p[:, None], xn_raw, mask=tv[None, :])
+
+
+@triton.jit
+def _any_piece(
+    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
+    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
+):
+    if MMA:
+        _piece_mma(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+                   w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
+    else:
+        _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+               w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+               Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
+
+
+@triton.jit
 def _stream_kernel(
     x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
     w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
-    MODE: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+    MODE: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
     # MODE 0: every row, no fold; 1: non-flush rows only; 2: flush rows only, folded and written;
     # 3: every row, flush rows folded and written.
@@ -107,14 +198,14 @@ def _stream_kernel(
     do_plain = ((flush == 0) & (MODE != 2)) | (MODE == 0)
     if do_fold:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
-            _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-                   w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, True, STATE_DTYPE, MAXV)
+            _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+                       w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+                       Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV)
     if do_plain:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
-            _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-                   w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, False, STATE_DTYPE, MAXV)
+            _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+                       w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+                       Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
 
 
 @triton.jit
@@ -137,7 +228,8 @@ def _flush_kernel(
     list_ptr, count_ptr, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr,
     idx_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
 ):
     # Persistent over the pieces of the listed flush rows: a fixed, small grid whatever the batch,
     # so the fold's registers never throttle the launch of programs with nothing to do, and the
@@ -149,9 +241,9 @@ def _flush_kernel(
         s64 = s.to(tl.int64)
         hc = tl.load(committed_ptr + s64)
         o = tl.load(ring_start_ptr + s64)
-        _piece(w % per_row, 0, i, s64, s >= 0, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-               w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-               Q, QB, HB, P, N, BLOCK_P, NS, True, STATE_DTYPE, MAXV)
+        _any_piece(w % per_row, 0, i, s64, s >= 0, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
+                   y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
+                   H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV)
 
 
 def stream_items(H: int, P: int, block_p: int, items: int) -> int:
@@ -195,8 +287,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
-    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), STATE_DTYPE=sdt,
-                MAXV=max_finite(sdt), num_warps=num_warps)
+    # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
+    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=q > 1 and block_p >= 16,
+                STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     for mode in modes:
         if mode == 4:
             # Flush rows listed on the device, then folded by a persistent launch.
