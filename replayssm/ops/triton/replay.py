@@ -29,9 +29,11 @@ from replayssm.ops.triton.ssu import LaunchConfig, softplus_dt
 
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
-# Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md): q = 1
-# takes replay_step.py (fused for fp32 states), larger q the tensor-core route.
+# Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md): every q
+# takes the row-streaming route "stream-list" where its tiles fit (32x4 for one token, 64x4 for
+# several), else replay_step.py (q = 1) or the tensor-core route (q > 1).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
+STREAM_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))
 MMA_CONFIG = LaunchConfig(block_p=64, num_warps=4)
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 BC_WARPS = 2
@@ -166,10 +168,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                           config: LaunchConfig | None = None, route: str = "auto") -> torch.Tensor:
     """Launch one forward step with an explicit tile config.
 
-    route "fused": `replay_step.py`, flush folded in the output launch; "split": the same outputs,
-    flush rows folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`; "auto":
-    "mma" for q > 1, else "fused" (fp32 state) or "split"; "weights": the weights launch alone
-    (benchmark diagnostics only: y is not written).
+    route "stream-list" (and the other "stream*" variants): `replay_stream.py`; "fused":
+    `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
+    folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`; "auto":
+    "stream-list" where its tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
+    "weights": the weights launch alone (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
     assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
@@ -178,9 +181,13 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if b == 0:
         return y
     if route == "auto":
-        # The fused fold's stochastic rounding costs registers every program pays for (see
-        # NOTES-kernels.md), so 16-bit states fold in their own launch.
-        route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
+        stream_cfg = STREAM_CONFIGS[q > 1]
+        if config is None and stream_supported(state.shape[2], state.shape[3], stream_cfg.block_p):
+            route, config = "stream-list", stream_cfg
+        else:
+            # The fused fold's stochastic rounding costs registers every program pays for (see
+            # NOTES-kernels.md), so 16-bit states fold in their own launch.
+            route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith("stream"):
         # "stream[-split|-two|-list][.sSTAGES][.iITEMS]" (replay_stream.py); benchmarks sweep them.
         name, *opts = route.split(".")
@@ -189,6 +196,10 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")
+        if q > 1 and cfg.num_warps > 4:
+            # Its tensor-core pieces hit an illegal memory access on the H200 with 8 warps (64x8,
+            # q = 4, benchmark sweep); not established why, so as the mma route: at most 4.
+            raise ValueError(f"config.num_warps must be at most 4 for {route!r} with q > 1")
         launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                       state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                       modes=modes, **kw)
