@@ -83,6 +83,9 @@ class Workload:
     # (c) ON turns all spare cache memory into checkpoint slots; a lower share keeps room for the
     # 8,192-token prefill chunks of one long conversation (a single conversation needs little cache).
     prefix_gpu_memory_utilization: float = 0.8
+    # (b) at 0.9 ran out of memory in the prefill of the H200 run (the planner gives every byte
+    # left after KV to Mamba slots, leaving too little for the chunked-scan prefill's scratch).
+    spec_gpu_memory_utilization: float = 0.8
     kv_block_size: int = 16
     window: int = 16
     cuda_graphs: bool = False
@@ -252,7 +255,7 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
                       max_num_batched_tokens=w.spec_max_num_batched_tokens,
                       num_kv_blocks=b * -(-spec_len // w.kv_block_size),
                       speculative_method="synthetic", synthetic_acceptance_length=ACCEPTANCE_LENGTH,
-                      max_model_len=spec_len)
+                      max_model_len=spec_len, gpu_memory_utilization=w.spec_gpu_memory_utilization)
             runs.append(("b", s, kw, lambda e, rng, b=b: _decode_workload(
                 e, w, b, w.spec_prompt, w.spec_output, rng)))
     total = w.shared_context + w.turns * (w.turn_input + w.turn_output) + 1

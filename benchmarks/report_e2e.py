@@ -8,6 +8,7 @@ batch, repetition) and the ratios; the markdown and the plot are rendered from i
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from collections import defaultdict
@@ -34,8 +35,10 @@ def run_meta(command: list[str]) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    commit = git("rev-parse", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--untracked-files=no"):
+    # The GPU machine gets a copy of the working tree whose git metadata may be stale: a device
+    # run names its commit in REPLAYSSM_COMMIT (as bench_kernels.py reads it).
+    commit = os.environ.get("REPLAYSSM_COMMIT") or git("rev-parse", "HEAD") or "unknown"
+    if "REPLAYSSM_COMMIT" not in os.environ and git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     versions = {"python": platform.python_version(), "torch": torch.__version__}
