@@ -43,12 +43,21 @@ def test_replay_cycle_stream_gpu(state_dtype, q, route):
 
 
 @requires_cuda
-@pytest.mark.parametrize("block", [(16, 2), (64, 8)])
-def test_replay_cycle_stream_tiles_gpu(block):
-    """On the GPU: the streaming route's other tiles compute the same cycles."""
+@pytest.mark.parametrize("q, block", [(1, (16, 2)), (1, (64, 8)), (4, (64, 4)), (4, (16, 2))])
+def test_replay_cycle_stream_tiles_gpu(q, block):
+    """On the GPU: the streaming route's other tiles (64x4: the default for q > 1) match the reference."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    _cycle_gpu(q=1, state_dtype=torch.float32, route="stream-list", config=LaunchConfig(*block))
+    _cycle_gpu(q=q, state_dtype=torch.float32, route="stream-list", config=LaunchConfig(*block))
+
+
+@requires_cuda
+def test_stream_route_refuses_eight_warps_for_several_tokens():
+    """q > 1 on the streaming route refuses 8 warps (an illegal memory access in the H200 sweep)."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    with pytest.raises(ValueError, match="num_warps"):
+        _cycle_gpu(q=4, state_dtype=torch.float32, config=LaunchConfig(64, 8), route="stream-list")
 
 
 @requires_cuda

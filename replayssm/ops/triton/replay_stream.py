@@ -20,7 +20,7 @@ import triton.language as tl
 from replayssm.ops.triton.replay_step import _weights_kernel
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 
-FLUSH_PROGRAMS_PER_SM = 8
+FLUSH_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -228,24 +228,22 @@ def _flush_kernel(
     list_ptr, count_ptr, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr,
     idx_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
 ):
-    # Persistent over chunks of ITEMS consecutive pieces of the listed flush rows: a fixed grid
-    # whatever the batch (the fold's registers never throttle programs with nothing to do), a
-    # row's cursor loaded once per chunk, and the chunk's pieces pipelined like the stream launch.
+    # Persistent over the pieces of the listed flush rows: a fixed, small grid whatever the batch,
+    # so the fold's registers never throttle the launch of programs with nothing to do, and the
+    # work of few flush rows still spreads over every SM.
     per_row = H * (P // BLOCK_P)
-    chunks = per_row // ITEMS
-    for c in range(tl.program_id(0), tl.load(count_ptr) * chunks, tl.num_programs(0)):
-        i = tl.load(list_ptr + c // chunks)
+    for w in range(tl.program_id(0), tl.load(count_ptr) * per_row, tl.num_programs(0)):
+        i = tl.load(list_ptr + w // per_row)
         s = tl.load(idx_ptr + i)
         s64 = s.to(tl.int64)
         hc = tl.load(committed_ptr + s64)
         o = tl.load(ring_start_ptr + s64)
-        for k in tl.range(0, ITEMS, num_stages=STAGES):
-            _any_piece(k, (c % chunks) * ITEMS, i, s64, s >= 0, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr,
-                       rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
-                       sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV)
+        _any_piece(w % per_row, 0, i, s64, s >= 0, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
+                   y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
+                   H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV)
 
 
 def stream_items(H: int, P: int, block_p: int, items: int) -> int:
@@ -299,9 +297,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
             count = torch.empty(1, device=x.device, dtype=torch.int32)
             _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
                                      BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
-            programs = min(b * H * (P // block_p) // k, flush_programs(x.device))
+            programs = min(b * H * (P // block_p), flush_programs(x.device))
             _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
-                                       state_indices, y, w, sc, *common, ITEMS=k, STAGES=stages, **meta)
+                                       state_indices, y, w, sc, *common, **meta)
             continue
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
