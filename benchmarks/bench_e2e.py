@@ -17,6 +17,11 @@ TTFT saving) stays above 90%. Modes whose engine feature is not on this branch a
 with a message. Per request the engine loop records the submit time and the step (and time)
 of its first and last token; see summarize() for the metrics. `--quick` runs a tiny model on
 the CPU in seconds (the CI smoke test).
+
+Before the timed runs of a (mode, setting, batch) an untimed warm-up engine of the same config
+runs a short version of the workload (not recorded: "warmups" in the result), so Triton JIT and
+other first-use costs do not land in rep 0. Every engine is released before the next is built:
+the planner sizes caches from free CUDA memory, so a live previous engine would shrink the next.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ class Workload:
     kv_block_size: int = 16
     window: int = 16
     cuda_graphs: bool = False
+    # One untimed warm-up run per (mode, setting, batch) before the timed ones (see warmup_sizes).
+    warmup: bool = True
 
     def scaled(self, s: float) -> Workload:
         """Output lengths and context sizes times s (batches unchanged)."""
@@ -96,6 +103,16 @@ class Workload:
         return dataclasses.replace(self, decode_output=n(self.decode_output), spec_output=n(self.spec_output),
                                    shared_context=n(self.shared_context), turn_input=n(self.turn_input),
                                    turn_output=n(self.turn_output))
+
+
+def warmup_sizes(w: Workload) -> Workload:
+    """The warm-up's workload: same batches, prompts and contexts (the kernels' shapes), outputs cut to
+    two replay windows plus two tokens (every ring flush path runs), at most two turns of (c) (the
+    second hits the prefix cache)."""
+    cut = 2 * w.window + 2
+    return dataclasses.replace(w, decode_output=min(w.decode_output, cut),
+                               spec_output=min(w.spec_output, cut), turns=min(w.turns, 2),
+                               turn_output=min(w.turn_output, cut))
 
 
 def h200_workload(scale: float = 1.0) -> Workload:
@@ -235,7 +252,8 @@ def feature_missing(mode: str) -> str | None:
 
 
 def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
-    """(mode, label, engine kwargs, workload fn) for every run, OFF/ON/ON/OFF within each group."""
+    """(mode, label, engine kwargs, workload fn(engine, rng, sizes)) for every run, OFF/ON/ON/OFF within
+    each group; the kwargs come from w, the fn runs the sizes it is given (w, or warmup_sizes(w))."""
     base = dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype="float32",
                 kv_block_size=w.kv_block_size, max_num_batched_tokens=w.max_num_batched_tokens,
                 load_format="dummy", cuda_graphs=w.cuda_graphs)
@@ -243,8 +261,8 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     for s in ORDER:
         kw = dict(base, replayssm=s == "on", max_num_seqs=w.decode_batch,
                   max_model_len=w.decode_prompt + w.decode_output + 1)
-        runs.append(("a", s, kw, lambda e, rng, b=w.decode_batch: _decode_workload(
-            e, w, b, w.decode_prompt, w.decode_output, rng)))
+        runs.append(("a", s, kw, lambda e, rng, ww, b=w.decode_batch: _decode_workload(
+            e, ww, b, ww.decode_prompt, ww.decode_output, rng)))
     for b in w.spec_batches:
         spec_len = w.spec_prompt + w.spec_output + w.spec_k + 1
         for s in ORDER:
@@ -256,73 +274,99 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
                       num_kv_blocks=b * -(-spec_len // w.kv_block_size),
                       speculative_method="synthetic", synthetic_acceptance_length=ACCEPTANCE_LENGTH,
                       max_model_len=spec_len, gpu_memory_utilization=w.spec_gpu_memory_utilization)
-            runs.append(("b", s, kw, lambda e, rng, b=b: _decode_workload(
-                e, w, b, w.spec_prompt, w.spec_output, rng)))
+            runs.append(("b", s, kw, lambda e, rng, ww, b=b: _decode_workload(
+                e, ww, b, ww.spec_prompt, ww.spec_output, rng)))
     total = w.shared_context + w.turns * (w.turn_input + w.turn_output) + 1
     for s in ORDER:
         kw = dict(base, replayssm=True, enable_prefix_caching=s == "on", max_num_seqs=max(w.conversations, 1),
                   max_model_len=total, gpu_memory_utilization=w.prefix_gpu_memory_utilization)
-        runs.append(("c", s, kw, lambda e, rng: _multiturn_workload(e, w, rng)))
+        runs.append(("c", s, kw, lambda e, rng, ww: _multiturn_workload(e, ww, rng)))
     return runs
 
 
-def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> dict[str, Any]:
-    """Run every selected mode; return {"rows": [...], "skipped": {mode: why}, "workload": ...}.
+def _run_engine(engine_cls, config, workload, rng: random.Random, sizes: Workload) -> dict[str, Any]:
+    """Build one engine, run `workload` on it (timed, collector frozen), return plain values only.
 
-    on_row(partial result) runs after every run, so a command cut short keeps what it measured.
+    Nothing here outlives the call: the CUDA graph runner holds the model runner, so a graph stats
+    object kept by the caller kept the whole engine (weights and caches) alive while the next engine
+    was planned from free memory (the H200 runs planned 47 to 512 requests for one config).
     """
     import torch
 
+    t0 = time.perf_counter()
+    engine = engine_cls(config)
+    build_s = time.perf_counter() - t0
+    # Long-lived objects (torch, the model) leave the collector's view: a full collection over
+    # them took ~75 ms every ~125 steps on the CPU, a pause the GPU would sit through.
+    gc.collect()
+    gc.freeze()
+    t0 = time.perf_counter()
+    try:
+        trace = workload(engine, rng, sizes)
+    finally:
+        gc.unfreeze()
+    wall = time.perf_counter() - t0
+    graphs = getattr(engine.runner, "graphs", None)
+    out = {"build_s": build_s, "wall": wall, "trace": trace, "metrics": engine.get_metrics(),
+           "graph_replays": graphs.num_replays if graphs is not None else 0,
+           "graph_error": graphs.error if graphs is not None else None}
+    del engine, graphs
+    gc.collect()
+    if torch.cuda.is_available():  # free this run's caches before the next engine allocates
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> dict[str, Any]:
+    """Run every selected mode; return {"rows": [...], "warmups": [...], "skipped": {mode: why}, ...}.
+
+    on_row(partial result) runs after every timed run, so a command cut short keeps what it measured.
+    """
     from replayssm.config import EngineConfig
     from replayssm.engine.llm_engine import LLMEngine
 
     skipped = {m: why for m in modes if (why := feature_missing(m)) is not None}
     for m, why in skipped.items():
         log(f"bench: mode ({m}) skipped: {why}")
-    rows = []
+    rows, warmups = [], []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(w.config))
         runs = [r for r in mode_runs(w) if r[0] in modes and r[0] not in skipped]
         reps: dict[tuple, int] = {}
         for order, (mode, setting, kw, workload) in enumerate(runs):
             batch = kw["max_num_seqs"]
+            config = EngineConfig.from_kwargs(model_dir, **kw)
+            if w.warmup and (mode, setting, batch) not in reps:
+                # Untimed: compiles every kernel this config's shapes reach and fills the JIT caches.
+                warm = _run_engine(LLMEngine, config, workload, random.Random(f"warm-{mode}-{batch}"),
+                                   warmup_sizes(w))
+                warmups.append({"mode": mode, "setting": setting, "batch": batch, "build_s": warm["build_s"],
+                                "wall_s": warm["wall"], "steps": warm["trace"].steps,
+                                "num_requests_fit": warm["metrics"].get("num_requests_fit"),
+                                "graph_replays": warm["graph_replays"]})
+                log(f"bench: ({mode}) {setting:3s} batch {batch:4d} warm-up (not recorded): "
+                    f"{warm['trace'].steps} steps, {warm['wall']:.1f} s")
+                del warm
             rep = reps[(mode, setting, batch)] = reps.get((mode, setting, batch), -1) + 1
-            t0 = time.perf_counter()
-            engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
-            build_s = time.perf_counter() - t0
             rng = random.Random(f"{mode}-{batch}-{rep}")  # ON and OFF of one rep get the same prompts
-            # Long-lived objects (torch, the model) leave the collector's view: a full collection
-            # over them took ~75 ms every ~125 steps on the CPU, a pause the GPU would sit through.
-            gc.collect()
-            gc.freeze()
-            t0 = time.perf_counter()
-            try:
-                trace = workload(engine, rng)
-            finally:
-                gc.unfreeze()
-            wall = time.perf_counter() - t0
-            m = engine.get_metrics()
-            graphs = getattr(engine.runner, "graphs", None)
+            run = _run_engine(LLMEngine, config, workload, rng, w)
+            m = run["metrics"]
             row = {"mode": mode, "setting": setting, "batch": batch, "rep": rep, "order": order,
-                   "build_s": build_s, "num_requests_fit": m.get("num_requests_fit"),
+                   "build_s": run["build_s"], "num_requests_fit": m.get("num_requests_fit"),
                    "num_slots": m.get("num_slots"), **mode_sizes(mode, w),
                    # Graphs asked for, replays done, and why they were turned off (eager fallback).
-                   "cuda_graphs": bool(kw["cuda_graphs"]),
-                   "graph_replays": graphs.num_replays if graphs is not None else 0,
-                   "graph_error": graphs.error if graphs is not None else None,
-                   **summarize(trace, m, wall, ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
+                   "cuda_graphs": bool(kw["cuda_graphs"]), "graph_replays": run["graph_replays"],
+                   "graph_error": run["graph_error"],
+                   **summarize(run["trace"], m, run["wall"],
+                               ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
                                k=kw.get("num_speculative_tokens", 0))}
             rows.append(row)
             if on_row is not None:
-                on_row(_result(w, modes, rows, skipped))
+                on_row(_result(w, modes, rows, skipped, warmups))
             log(f"bench: ({mode}) {setting:3s} batch {batch:4d} rep {rep}: {row['output_tok_s']:.1f} tok/s, "
                 f"TTFT {row['ttft_s'] * 1e3:.1f} ms, peak decoding {row['peak_decoding_requests']}, "
-                f"{wall:.1f} s")
-            del engine
-            if torch.cuda.is_available():  # free this run's caches before the next engine allocates
-                gc.collect()
-                torch.cuda.empty_cache()
-    return _result(w, modes, rows, skipped)
+                f"{run['wall']:.1f} s")
+    return _result(w, modes, rows, skipped, warmups)
 
 
 def mode_sizes(mode: str, w: Workload) -> dict[str, int]:
@@ -335,7 +379,8 @@ def mode_sizes(mode: str, w: Workload) -> dict[str, int]:
             "output_len": w.turn_output}
 
 
-def _result(w: Workload, modes: str, rows: list[dict], skipped: dict[str, str]) -> dict[str, Any]:
+def _result(w: Workload, modes: str, rows: list[dict], skipped: dict[str, str],
+            warmups: list[dict]) -> dict[str, Any]:
     notes = {
         "a": (f"(a) batch {w.decode_batch}, {w.decode_prompt}-token prompts, {w.decode_output} output tokens "
               f"per request (issue: 1,000)"),
@@ -346,7 +391,8 @@ def _result(w: Workload, modes: str, rows: list[dict], skipped: dict[str, str]) 
               f"(seeds: 20) of {w.turn_input} in / {w.turn_output} out (seeds: 2,048 / 1,024), "
               f"{w.conversations} conversation(s); TTFT over turns 2..{w.turns}"),
     }
-    return {"rows": list(rows), "skipped": skipped, "modes": modes, "workload": dataclasses.asdict(w),
+    return {"rows": list(rows), "warmups": list(warmups), "skipped": skipped, "modes": modes,
+            "workload": dataclasses.asdict(w),
             "notes": {m: n for m, n in notes.items() if m in modes}}
 
 if __name__ == "__main__":

@@ -78,6 +78,43 @@ def compute_ratios(rows: list[dict], targets: dict[str, float]) -> list[dict[str
     return out
 
 
+# Rep-to-rep spread of one setting's ratio metric (max / min - 1) above which the run is flagged.
+SPREAD_LIMIT = 0.2
+
+
+def spread_warnings(rows: list[dict], limit: float = SPREAD_LIMIT) -> list[str]:
+    """One line per (mode, batch, setting) whose repetitions differ by more than `limit` in the ratio's
+    metric (max / min - 1), or were planned with different numbers of requests (num_requests_fit)."""
+    groups: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["mode"], r["batch"], r["setting"])].append(r)
+    out = []
+    for (mode, batch, setting), rs in sorted(groups.items()):
+        if len(rs) < 2:
+            continue
+        key = RATIO_SPEC[mode][0]
+        vals = [r[key] for r in rs]
+        if min(vals) > 0 and max(vals) / min(vals) - 1 > limit:
+            out.append(f"({mode}) {setting} batch {batch}: {key} differs by {max(vals) / min(vals) - 1:.0%} "
+                       f"across reps ({', '.join(f'{v:.4g}' for v in vals)}), above {limit:.0%}")
+        fits = [r.get("num_requests_fit") for r in rs]
+        if len(set(fits)) > 1:
+            out.append(f"({mode}) {setting} batch {batch}: planned for different numbers of requests across "
+                       f"reps ({', '.join(map(str, fits))}): free memory differed at engine build")
+    return out
+
+
+def mode_runs_meta(rows: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per mode: the commit(s) and command(s) its rows came from (rows carry them; see write_results)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        m = out.setdefault(r["mode"], {"commits": [], "commands": []})
+        for key, field in (("commits", "commit"), ("commands", "command")):
+            if r.get(field) and r[field] not in m[key]:
+                m[key].append(r[field])
+    return out
+
+
 COLUMNS = (("mode", "{}"), ("setting", "{}"), ("batch", "{}"), ("rep", "{}"), ("output_tok_s", "{:.1f}"),
            ("decode_tok_s_per_request", "{:.2f}"), ("ttft_s", "{:.3f}"), ("peak_decoding_requests", "{}"),
            ("preemptions", "{}"), ("prefix_hit_tokens", "{}"), ("acceptance_length", "{:.3f}"),
@@ -100,15 +137,38 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines += ["", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in doc["rows"]:
         lines.append("| " + " | ".join(f.format(r[c]) for c, f in COLUMNS) + " |")
+    runs = doc.get("runs_by_mode") or {}
+    if len({(tuple(m["commits"]), tuple(m["commands"])) for m in runs.values()}) > 1:
+        lines += ["", "Rows of different runs (per mode):", ""]
+        lines += [f"- ({mode}) commit {', '.join(f'`{c}`' for c in m['commits'])}; command "
+                  f"{', '.join(f'`{c}`' for c in m['commands'])}" for mode, m in sorted(runs.items())]
+    lines += [f"- note: {n}" for n in doc.get("provenance_notes", [])]
+    warm = doc.get("warmups") or []
+    lines += ["", f"Untimed warm-up runs before the timed ones: {len(warm)} (not in the table)" if warm else
+              "No untimed warm-up runs: rep 0 of each setting includes first-use costs (Triton JIT, ...)"]
+    if doc.get("spread_warnings"):
+        lines += ["", "## Warnings: repetitions disagree", ""]
+        lines += [f"- WARNING {w}" for w in doc["spread_warnings"]]
     lines += ["", "## ON/OFF (means over repetitions, OFF/ON/ON/OFF order)", ""]
-    for q in doc["ratios"]:
+    lines += _ratio_lines(doc["ratios"])
+    if doc.get("ratios_rep1"):
+        lines += ["", "## Secondary view: second repetitions only (rep 1 of each setting)", "",
+                  "Each setting's rep 1 ran after its rep 0 had compiled every kernel; a secondary view, "
+                  "not the measurement above.", ""]
+        lines += _ratio_lines(doc["ratios_rep1"])
+    return "\n".join(lines) + "\n"
+
+
+def _ratio_lines(ratios: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for q in ratios:
         verdict = "meets" if q["meets_target"] else "MISSES"
         unit = "reduction" if q["mode"] == "c" else "x"
         value = f"{q['value']:.1%}" if q["mode"] == "c" else f"{q['value']:.2f}x"
         lines.append(f"- ({q['mode']}) batch {q['batch']}: {q['what']}: {value} (ON {q['on']:.4g}, OFF "
                      f"{q['off']:.4g}); target {unit} >= {q['target']}: {verdict}; peak decoding requests "
                      f"ON {q['peak_decoding_on']:.0f} vs OFF {q['peak_decoding_off']:.0f}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(doc: dict[str, Any], path: Path) -> str | None:
@@ -146,6 +206,14 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def assemble(meta: dict[str, Any], result: dict[str, Any], targets: dict[str, float]) -> dict[str, Any]:
+    """The results document: meta, rows, ratios (means, and rep 1 only), per-mode provenance, warnings."""
+    rows = result["rows"]
+    return {**meta, **result, "runs_by_mode": mode_runs_meta(rows), "ratios": compute_ratios(rows, targets),
+            "ratios_rep1": compute_ratios([r for r in rows if r["rep"] == 1], targets),
+            "spread_warnings": spread_warnings(rows)}
+
+
 def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str],
                   targets: dict[str, float], merge: bool = False, with_plot: bool = True) -> dict[str, Any]:
     """Write e2e.json, e2e.md and e2e.png under out_dir; return the document written.
@@ -165,9 +233,10 @@ def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str
         old_notes = old.get("notes") if isinstance(old.get("notes"), dict) else {}
         notes = {**{m: n for m, n in old_notes.items() if m not in result["modes"]},
                  **result.get("notes", {})}
-        result = {**result, "notes": dict(sorted(notes.items()))}
-    result = {**result, "rows": rows, "skipped": skipped}
-    doc = {**meta, **result, "ratios": compute_ratios(rows, targets)}
+        warmups = [x for x in old.get("warmups", []) if x["mode"] not in result["modes"]]
+        result = {**result, "notes": dict(sorted(notes.items())),
+                  "warmups": warmups + result.get("warmups", [])}
+    doc = assemble(meta, {**result, "rows": rows, "skipped": skipped}, targets)
     doc["plot_note"] = plot(doc, out / "e2e.png") if with_plot else "plot written at the end"
     write_atomic(out / "e2e.json", json.dumps(doc, indent=1, default=str) + "\n")
     write_atomic(out / "e2e.md", render_markdown(doc))

@@ -263,6 +263,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     doc = save(bench.run_benchmark(workload, args.modes, log=log, on_row=save), with_plot=True)
     print(report.render_markdown(doc))
+    for warning in doc["spread_warnings"]:
+        log(f"bench: WARNING {warning}")
     if doc["plot_note"]:
         log(f"bench: {doc['plot_note']}")
     return 0

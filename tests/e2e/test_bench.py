@@ -34,7 +34,19 @@ def test_bench_quick_writes_rows_in_off_on_on_off_order(tmp_path, capsys):
     assert set(doc["notes"]) == set(ran)
     md = (tmp_path / "e2e.md").read_text()
     assert "| mode | setting |" in md and "ON/OFF" in md
-    assert "ON/OFF" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "ON/OFF" in captured.out
+    # One untimed warm-up per (mode, setting, batch), logged before that setting's rep 0, not a row.
+    keys = sorted({(r["mode"], r["setting"], r["batch"]) for r in doc["rows"]})
+    assert sorted((x["mode"], x["setting"], x["batch"]) for x in doc["warmups"]) == keys
+    assert all(x["steps"] > 0 for x in doc["warmups"]) and len(doc["rows"]) == 4 * len(keys) // 2
+    log = captured.err.splitlines()
+    for mode, setting, batch in keys:
+        head = f"bench: ({mode}) {setting:3s} batch {batch:4d}"
+        warm = [i for i, line in enumerate(log) if line.startswith(head + " warm-up (not recorded)")]
+        rep0 = [i for i, line in enumerate(log) if line.startswith(head + " rep 0:")]
+        assert len(warm) == 1 and len(rep0) == 1 and warm[0] < rep0[0], (mode, setting, batch)
+    assert "warm-up runs before the timed ones: " + str(len(keys)) in md
 
 
 def _row(mode, setting, batch, rep, tok_s, ttft):
@@ -64,3 +76,54 @@ def test_ratios_and_merge(tmp_path):
     assert doc["skipped"] == {"b": "no spec"} and doc["notes"] == {"a": "a note", "c": "c note"}
     c = next(q for q in doc["ratios"] if q["mode"] == "c")
     assert abs(c["value"] - 0.9) < 1e-12 and c["meets_target"]
+
+
+def test_spread_warnings_and_rep1_view(tmp_path):
+    """A setting whose reps differ by > 20% (or were planned for different request counts) is flagged;
+    the md shows the rep-1-only ratios as a labeled secondary view beside the means."""
+    from replayssm.cli import _load_benchmark
+
+    report = _load_benchmark("report_e2e")
+    rows = [_row("a", s, 8, i, t, 1.0) for s, i, t in (("off", 0, 5), ("on", 0, 5), ("on", 1, 8),
+                                                         ("off", 1, 5.5))]
+    for r, fit in zip(rows, (8, 8, 8, 6)):
+        r["num_requests_fit"] = fit
+    doc = report.write_results({"rows": rows, "skipped": {}, "modes": "a", "notes": {}}, tmp_path,
+                               ["replayssm", "bench"], {"a": 1.45, "b": 2.2, "c": 0.88}, with_plot=False)
+    assert len(doc["spread_warnings"]) == 2
+    assert "(a) off batch 8: planned for different numbers of requests" in doc["spread_warnings"][0]
+    assert "(a) on batch 8: output_tok_s differs by 60%" in doc["spread_warnings"][1]
+    assert report.spread_warnings(rows[:2] + [dict(rows[2], output_tok_s=5.9)]) == []
+    (mean,), (rep1,) = doc["ratios"], doc["ratios_rep1"]
+    assert abs(mean["value"] - 6.5 / 5.25) < 1e-12 and abs(rep1["value"] - 8 / 5.5) < 1e-12
+    md = (tmp_path / "e2e.md").read_text()
+    assert md.index("## ON/OFF (means") < md.index("## Secondary view: second repetitions only")
+    assert "WARNING (a) on batch 8" in md and "No untimed warm-up runs" in md
+
+
+def test_each_engine_is_released_before_the_next_is_built(monkeypatch):
+    """Every engine (a graph runner holding the model runner included) is gone before the next engine is
+    built: the planner sizes caches from free memory, so a live predecessor would shrink the next plan."""
+    import dataclasses
+    import weakref
+    from types import SimpleNamespace
+
+    from replayssm.cli import _load_benchmark
+    from replayssm.engine import llm_engine
+
+    bench = _load_benchmark("bench_e2e")
+    runners: list = []
+
+    class Tracked(llm_engine.LLMEngine):
+        def __init__(self, config):
+            assert all(ref() is None for ref in runners), "a previous engine is still alive"
+            super().__init__(config)
+            # Like CudaGraphRunner: holds the runner; run() -> None means "run eagerly".
+            self.runner.graphs = SimpleNamespace(runner=self.runner, run=lambda batch: None, num_replays=0,
+                                                 error=None)
+            runners.append(weakref.ref(self.runner))
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", Tracked)
+    w = dataclasses.replace(bench.quick_workload(), decode_output=3)
+    doc = bench.run_benchmark(w, "a", log=lambda msg: None)
+    assert len(runners) == 6 and len(doc["rows"]) == 4 and len(doc["warmups"]) == 2
