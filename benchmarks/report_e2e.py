@@ -84,7 +84,7 @@ SPREAD_LIMIT = 0.2
 
 def spread_warnings(rows: list[dict], limit: float = SPREAD_LIMIT) -> list[str]:
     """One line per (mode, batch, setting) whose repetitions differ by more than `limit` in the ratio's
-    metric (max / min - 1), or were planned with different numbers of requests (num_requests_fit)."""
+    metric (max / min - 1), or whose caches were planned differently (num_requests_fit, num_slots)."""
     groups: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["mode"], r["batch"], r["setting"])].append(r)
@@ -97,10 +97,11 @@ def spread_warnings(rows: list[dict], limit: float = SPREAD_LIMIT) -> list[str]:
         if min(vals) > 0 and max(vals) / min(vals) - 1 > limit:
             out.append(f"({mode}) {setting} batch {batch}: {key} differs by {max(vals) / min(vals) - 1:.0%} "
                        f"across reps ({', '.join(f'{v:.4g}' for v in vals)}), above {limit:.0%}")
-        fits = [r.get("num_requests_fit") for r in rs]
-        if len(set(fits)) > 1:
-            out.append(f"({mode}) {setting} batch {batch}: planned for different numbers of requests across "
-                       f"reps ({', '.join(map(str, fits))}): free memory differed at engine build")
+        fits, slots = [r.get("num_requests_fit") for r in rs], [r.get("num_slots") for r in rs]
+        if len(set(fits)) > 1 or len(set(slots)) > 1:
+            out.append(f"({mode}) {setting} batch {batch}: cache planned differently across reps "
+                       f"(requests fit {', '.join(map(str, fits))}; slots {', '.join(map(str, slots))}): "
+                       "free memory differed at engine build")
     return out
 
 
@@ -191,7 +192,8 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
         ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
         ax.set_title(title)
-    fig.suptitle(f"replayssm e2e, {doc['device']} ({doc['commit'][:12]})")
+    commits = sorted({str(r.get("commit") or doc["commit"])[:7] for r in rows})
+    fig.suptitle(f"replayssm e2e, {doc['device']} ({', '.join(commits)})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

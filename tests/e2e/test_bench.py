@@ -91,7 +91,7 @@ def test_spread_warnings_and_rep1_view(tmp_path):
     doc = report.write_results({"rows": rows, "skipped": {}, "modes": "a", "notes": {}}, tmp_path,
                                ["replayssm", "bench"], {"a": 1.45, "b": 2.2, "c": 0.88}, with_plot=False)
     assert len(doc["spread_warnings"]) == 2
-    assert "(a) off batch 8: planned for different numbers of requests" in doc["spread_warnings"][0]
+    assert "(a) off batch 8: cache planned differently" in doc["spread_warnings"][0]
     assert "(a) on batch 8: output_tok_s differs by 60%" in doc["spread_warnings"][1]
     assert report.spread_warnings(rows[:2] + [dict(rows[2], output_tok_s=5.9)]) == []
     (mean,), (rep1,) = doc["ratios"], doc["ratios_rep1"]
