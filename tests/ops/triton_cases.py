@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -238,6 +239,42 @@ def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=Tru
         assert torch.equal(c1, c2), "commit differs from reference"
 
 
+def check_norm(device, *, rows=7, shapes=((96, 24), (256, 64), (40, 40)), seed=0) -> None:
+    """Triton RMSNorm / gated RMSNorm vs their references: dtypes, gate on/off, masked groups, strides."""
+    from replayssm.ops.norm import rms_norm_gated_ref, rms_norm_ref
+    from replayssm.ops.triton.norm import rms_norm_gated_triton, rms_norm_triton
+
+    torch.manual_seed(seed)
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    pairs = ((f32, f32), (bf16, bf16), (bf16, f32), (f16, f16))
+    for xd, wd in pairs:
+        for C, gs in shapes:
+            x = (torch.randn(rows, C) * 2).to(xd).to(device)
+            z = torch.randn(rows, C).to(xd).to(device)
+            w = (1 + 0.5 * torch.randn(C)).to(wd).to(device)
+            outs = [(rms_norm_gated_triton(x, g, w, 1e-5, gs), rms_norm_gated_ref(x, g, w, 1e-5, gs))
+                    for g in (z, None)]
+            outs += [(rms_norm_triton(x, w, 1e-6, cf), rms_norm_ref(x, w, 1e-6, cf)) for cf in (False, True)]
+            for got, want in outs:
+                assert got.dtype == want.dtype and got.shape == want.shape
+                # fp32: summation order only; 16-bit x: the normalized value is rounded to x's dtype
+                # (and the product again), so an fp32 difference in the sum may move it by up to
+                # two units of that dtype.
+                tol = 2e-6 if xd == torch.float32 else 2 * 2.0 ** -7
+                err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).max().item()
+                assert err <= tol, f"norm {xd} {wd} C={C} gs={gs}: {err}"
+    xt = torch.randn(64, 6).to(device).t()  # rows strided by 1, columns by 6
+    w = torch.randn(64).to(device)
+    assert torch.equal(rms_norm_triton(xt, w, 1e-5, False), rms_norm_triton(xt.contiguous(), w, 1e-5, False))
+    assert rms_norm_triton(torch.randn(0, 64).to(device), w, 1e-5, False).shape == (0, 64)
+    # fp32 against the float64 formula, groups of 32.
+    x, z = torch.randn(5, 128).to(device), torch.randn(5, 128).to(device)
+    g = (x.double() * F.silu(z.double())).view(5, 4, 32)
+    want = (g / torch.sqrt(g.pow(2).mean(-1, keepdim=True) + 1e-6)).view(5, 128)
+    got = rms_norm_gated_triton(x, z, torch.ones(128).to(device), 1e-6, 32)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def run_interpreter(part: str) -> None:
     """Tiny CPU shapes under TRITON_INTERPRET=1 (tiles smaller than P to exercise masks)."""
     from replayssm.ops.triton.ssu import LaunchConfig
@@ -265,6 +302,8 @@ def run_interpreter(part: str) -> None:
                            route="fused")
         check_materialize("cpu", state_dtype=torch.float16)
         check_materialize("cpu")
+    elif part == "norm":
+        check_norm("cpu")
     elif part == "conv":
         check_conv("cpu")
         check_conv("cpu", K=2, q=1, act=torch.bfloat16, bias=False)

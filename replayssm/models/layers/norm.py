@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from replayssm.ops.norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, normalized in fp32.
@@ -23,8 +25,4 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden)."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.cast_before_weight:
-            return self.weight * h.to(x.dtype)
-        return (self.weight.float() * h).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.cast_before_weight)
