@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# One device call (benchmarks/NOTES-kernels.md): `bash benchmarks/gpu_run.sh 1|2 COMMIT`.
-#   1: replay GPU tests + headline tile/route sweep (8B, b=256, fp32/fp16, q=1/4).
-#   2: route/tile sweep, diagnostics, the table (headline first; as much as fits), every CUDA-only test.
+# One device call for the decode kernels (benchmarks/NOTES-kernels.md):
+#   bash benchmarks/gpu_run.sh COMMIT [fi]
+# 1. the kernel GPU tests (replay routes, norms, SSU, conv), 2. the route/tile sweep at the
+# headline case and the full table (both shapes, batches 256 first, fp32 and fp16, q = 1 and 4),
+# with FlashInfer beside ours when the second argument is "fi" (carry .fi: see flashinfer_build.py).
+# Everything lands in $OUT (the table is rewritten after every case, so a cut-short call keeps it).
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD REPLAYSSM_COMMIT=${2:-unknown}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD REPLAYSSM_COMMIT=${1:-unknown}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
-if [ "$1" = 1 ]; then
-  timeout 80 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not mma" tests/ops/test_triton_replay.py \
-    2>&1 | tee "$OUT/gpu-tests.log" | tail -4
-  timeout 170 python3 benchmarks/bench_kernels.py --out "$OUT" --shapes nemotron-h-8b --batches 256 \
-    --dtypes fp32,fp16 \
-    --configs "baseline=64x8,replay=fused:32x4+fused:64x4+fused:64x8+split:32x4+split:64x8+mma:64x4" \
-    2>&1 | tee "$OUT/bench.log"
-else
-  timeout 180 python3 benchmarks/bench_kernels.py --out "$OUT" --batches 256,32,1,512 \
-    --configs "baseline=64x8,replay=fused:32x4+fused:16x2+mma:64x4" 2>&1 | tee "$OUT/bench.log"
-  python3 benchmarks/report.py "$OUT" > /dev/null
-  timeout 100 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
-  grep -E "^(copy|read|sweep|diag|- )" "$OUT/bench.log"; grep -E "b=256" "$OUT/bench.log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -n 6 -m gpu tests/ops > "$OUT/gpu-tests.log" 2>&1
+tail -3 "$OUT/gpu-tests.log"
+FI=""
+if [ "$2" = fi ]; then
+  timeout 100 python3 benchmarks/flashinfer_build.py --bundle .fi --workspace /tmp/fiws --out /tmp/fi-out \
+    --restore .fi/fiws.tgz > "$OUT/fi-restore.log" 2>&1
+  FI=--flashinfer
 fi
+CFG="baseline=64x8,replay=stream-list:32x4+stream-list.c:32x4+stream-list:16x2+stream-list.c:16x2"
+CFG="$CFG+stream-list:64x4+stream-list.c:64x4+fused:32x4+mma:64x4"
+timeout 380 python3 benchmarks/bench_kernels.py $FI --out "$OUT" --batches 256,512,128,32,8,1 --configs "$CFG" \
+  2>&1 | tee "$OUT/bench.log" | grep -E "^(copy|read|sweep|diag)|b=256"

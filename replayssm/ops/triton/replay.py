@@ -189,9 +189,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             # NOTES-kernels.md), so 16-bit states fold in their own launch.
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith("stream"):
-        # "stream[-split|-two|-list][.sSTAGES][.iITEMS]" (replay_stream.py); benchmarks sweep them.
+        # "stream[-split|-two|-list][.sSTAGES][.iITEMS][.c]" (replay_stream.py; .c: flush launch
+        # concurrent on a side stream); benchmarks sweep them.
         name, *opts = route.split(".")
-        kw = {dict(s="stages", i="items")[o[0]]: int(o[1:]) for o in opts}
+        kw = {dict(s="stages", i="items")[o[0]]: int(o[1:]) for o in opts if o != "c"}
+        kw["concurrent"] = "c" in opts
         modes = {"stream": (3,), "stream-two": (1, 2), "stream-list": (1, 4), "stream-split": (0,)}[name]
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):

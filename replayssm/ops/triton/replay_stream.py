@@ -1,14 +1,18 @@
-"""ReplaySSM forward step, row-streaming output launch (route "stream").
+"""ReplaySSM forward step, row-streaming launches (routes "stream*"; "stream-list" is the default).
 
-Same weights launch and arithmetic as `replay_step.py`; the output launch differs in shape. The
+Same weights launch and arithmetic as `replay_step.py`; the output launches differ in shape. A
 grid-per-tile launch gives every program one 16 KiB (P tile, head) piece of the state behind a
-chain of dependent loads (slot index, then cursor, then ring rows), so each program waits out
-two or three memory latencies for little data. Here one program takes ITEMS consecutive
-(head, P tile) pieces of ONE row: the slot, cursor and flush decision are loaded once, the
-pieces are contiguous in the slot's state, and the loop over them is software-pipelined
-(`tl.range(num_stages=...)`), so the next piece's loads are in flight while this one reduces.
-A row flushes as a whole, so flush rows take a separate (unpipelined) loop that folds each
-piece in registers and writes it.
+chain of dependent loads (slot index, then cursor, then ring rows). Here one program takes ITEMS
+consecutive pieces of ONE row (`replay_pieces.py`): the slot, cursor and flush decision are
+loaded once, the pieces are contiguous in the slot's state, and the loop over them is
+software-pipelined, so the next piece's loads are in flight while this one reduces.
+
+A row flushes as a whole. "stream-list" streams the non-flush rows, lists the flush rows on the
+device (one small program) and folds them in a persistent launch of a few programs per SM, so
+the fold's registers never throttle the common case and few flush rows still spread over every
+SM (the H200 profile in benchmarks/NOTES-kernels.md showed a flush-only grid launch at a third of
+the step). The other routes keep the measured alternatives: fold in the same launch ("stream"),
+a flush-only grid launch ("stream-two"), no fold ("stream-split": `replay_fold.py` after).
 """
 
 from __future__ import annotations
@@ -17,160 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from replayssm.ops.triton.replay_pieces import _any_piece
 from replayssm.ops.triton.replay_step import _weights_kernel
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
 FLUSH_PROGRAMS_PER_SM = 4
-
-
-@triton.jit
-def _piece(
-    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
-    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr,
-):
-    # One (head, P tile) piece of row i: outputs of its Q tokens, x appended to the ring, and
-    # (FOLD) the history folded into the tile and written back.
-    NPT: tl.constexpr = P // BLOCK_P
-    NC: tl.constexpr = N // NS
-    w = first + k
-    h = w // NPT
-    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
-    g = h // (H // G)
-    ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]  # (NC, NS), as replay_step
-    tile = p[None, :, None] * N + ncol[:, None, :]
-    sbase = (s64 * H + h) * (P * N)
-    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
-    xrow0 = s64 * H * R + h * R
-    j = tl.arange(0, HB)
-    jm = j < hc
-    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[:, None] * P + p[None, :], mask=jm[:, None],
-                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
-    kk = tl.arange(0, QB)
-    km = kk < Q
-    xrows = x_ptr + i * sx_b + kk[:, None] * sx_t + h * sx_h + p[None, :]
-    xn_raw = tl.load(xrows, mask=km[:, None], other=0.0)
-    xn = xn_raw.to(tl.float32)
-    JB: tl.constexpr = HB + QB
-    wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
-    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
-    Dh = tl.load(D_ptr + h)
-    for t in tl.static_range(Q):
-        Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
-        yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
-        wh = tl.load(w_ptr + wbase + t * JB + j, mask=jm, other=0.0)
-        wn = tl.load(w_ptr + wbase + t * JB + HB + kk, mask=km, other=0.0)
-        yt += tl.sum(wh[:, None] * xh, axis=0) + tl.sum(wn[:, None] * xn, axis=0)
-        xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p).to(tl.float32)
-        yt = tl.where(valid, yt + Dh * xt, 0.0)
-        tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
-    kv = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
-    tl.store(rx_ptr + (xrow0 + (o + hc + kk) % R)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None])
-    if FOLD:
-        S = S0 * tl.load(sc_ptr + scbase + Q)
-        Brow0 = s64 * G * R + g * R
-        # Unrolled over the window with masked loads (f = 0 past h_c), so every load issues up
-        # front instead of one L2 round trip per history entry.
-        for jj in tl.static_range(HB):
-            r = (o + jj) % R
-            f = tl.load(w_ptr + wbase + Q * JB + jj, mask=jj < hc, other=0.0)
-            xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
-            Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0).to(tl.float32)
-            S += (f * xj)[None, :, None] * Bj[:, None, :]
-        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
-
-
-@triton.jit
-def _piece_mma(
-    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
-    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr,
-):
-    # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
-    # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
-    # by chunk so that no warp holds all of C^T. 16-bit C is exact in TF32, so an fp32 tile split
-    # into hi + lo TF32 parts gives ~fp32 products (two MMAs); the fold stays plain fp32 on the
-    # CUDA cores (no tensor-core rounding reaches a stored state).
-    TB: tl.constexpr = 16 if QB < 16 else QB
-    JB: tl.constexpr = HB + QB
-    NPT: tl.constexpr = P // BLOCK_P
-    w = first + k
-    h = w // NPT
-    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
-    g = h // (H // G)
-    t = tl.arange(0, TB)
-    tm = t < Q
-    j = tl.arange(0, HB)
-    jm = j < hc
-    sbase = (s64 * H + h) * (P * N)
-    wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
-    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
-    xrow0 = s64 * H * R + h * R
-    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=jm[None, :],
-                 other=0.0).to(tl.float32)  # (BLOCK_P, HB)
-    if FOLD:
-        decay = tl.load(sc_ptr + scbase + Q)
-        Brow0 = s64 * G * R + g * R
-    acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
-    for c in tl.static_range(N // NS):
-        n = c * NS + tl.arange(0, NS)
-        tile = p[:, None] * N + n[None, :]
-        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
-        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
-        Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
-        if C_ptr.dtype.element_ty == tl.float32:
-            acc = tl.dot(S0, Ct, acc, input_precision="tf32x3")
-        elif state_ptr.dtype.element_ty == tl.float32:
-            hi = (S0.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-            acc = tl.dot(hi, Ct, acc, input_precision="tf32")
-            acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
-        else:
-            acc = tl.dot(S0, Ct, acc, input_precision="tf32")
-        if FOLD:
-            # Rank-one updates on the CUDA cores, as `_piece` (a dot here spills registers).
-            S = S0 * decay
-            for jj in tl.static_range(HB):
-                r = (o + jj) % R
-                f = tl.load(w_ptr + wbase + Q * JB + jj, mask=jj < hc, other=0.0)
-                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
-                Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=(n * 0 + jj) < hc, other=0.0).to(tl.float32)
-                S += (f * xj)[:, None] * Bj[None, :]
-            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
-    acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
-    wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
-    acc = tl.dot(xh, wh, acc, input_precision="tf32x3")
-    xrows = x_ptr + i * sx_b + t[None, :] * sx_t + h * sx_h + p[:, None]
-    xn_raw = tl.load(xrows, mask=tm[None, :], other=0.0)
-    xn = xn_raw.to(tl.float32)  # (BLOCK_P, TB): token k in column k
-    wn = tl.load(w_ptr + wbase + t[None, :] * JB + HB + t[:, None], mask=tm[:, None] & tm[None, :], other=0.0)
-    acc = tl.dot(xn, wn, acc, input_precision="tf32x3")
-    acc = tl.where(valid, acc + tl.load(D_ptr + h) * xn, 0.0)
-    tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=tm[None, :])
-    tv = tm & ((t * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
-    tl.store(rx_ptr + (xrow0 + (o + hc + t) % R)[None, :] * P + p[:, None], xn_raw, mask=tv[None, :])
-
-
-@triton.jit
-def _any_piece(
-    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
-    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr,
-):
-    if MMA:
-        _piece_mma(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-                   w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
-    else:
-        _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-               w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-               Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
 
 
 @triton.jit
@@ -262,13 +117,15 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                  modes: tuple[int, ...] = (3,), items: int = 8, stages: int = 2) -> None:
+                  modes: tuple[int, ...] = (3,), items: int = 8, stages: int = 2,
+                  concurrent: bool = False) -> None:
     """Weights launch (`replay_step.py`), then one row-streaming output launch per mode.
 
     modes (3,): flush rows folded in the same launch; (1, 2): non-flush rows, then flush rows in
     their own launch (the fold's registers do not cut the occupancy of the common case); (1, 4):
     non-flush rows, then the flush rows listed on the device and folded by a persistent launch;
-    (0,): no fold, the caller folds flush rows afterwards.
+    (0,): no fold, the caller folds flush rows afterwards. concurrent (CUDA, modes (1, 4)): the
+    flush launches run on a side stream beside the stream launch.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -290,21 +147,51 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=q > 1 and block_p >= 16,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
-    for mode in modes:
-        if mode == 4:
-            # Flush rows listed on the device, then folded by a persistent launch.
-            rows = torch.empty(b, device=x.device, dtype=torch.int32)
-            count = torch.empty(1, device=x.device, dtype=torch.int32)
-            _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
-                                     BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
-            programs = min(b * H * (P // block_p), flush_programs(x.device))
-            _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
-                                       state_indices, y, w, sc, *common, **meta)
-            continue
+    def flush_launches() -> None:
+        # Flush rows listed on the device, then folded by a persistent launch.
+        rows = torch.empty(b, device=x.device, dtype=torch.int32)
+        count = torch.empty(1, device=x.device, dtype=torch.int32)
+        _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
+                                 BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
+        programs = min(b * H * (P // block_p), flush_programs(x.device))
+        _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
+                                   state_indices, y, w, sc, *common, **meta)
+
+    def stream_launch(mode: int) -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, MODE=mode, **meta,
         )
+
+    if concurrent and modes == (1, 4) and x.is_cuda:
+        # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
+        # weights scratch, so the latency-bound flush launch can run beside the bandwidth-bound
+        # stream launch: forked onto a side stream after the weights launch, joined before
+        # returning (the join also orders any reuse of this step's scratch after both).
+        main = torch.cuda.current_stream(x.device)
+        side = _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            flush_launches()
+        stream_launch(1)
+        main.wait_stream(side)
+        return
+    for mode in modes:
+        if mode == 4:
+            flush_launches()
+        else:
+            stream_launch(mode)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the concurrent flush launch (created on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def flush_programs(device: torch.device) -> int:

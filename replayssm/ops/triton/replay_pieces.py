@@ -1,0 +1,165 @@
+"""One (head, P tile) piece of a ReplaySSM forward row, as `@triton.jit` helpers of `replay_stream.py`.
+
+`_piece` evaluates one token at a time on the CUDA cores (a reduction over N per token);
+`_piece_mma` takes several tokens as tensor-core products; `_any_piece` picks one. Both compute
+    y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t
+from the weights launch's scratch (`replay_step.py`), append the new x rows to the ring and, with
+FOLD, fold the history into the tile and write it: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from replayssm.ops.triton.rounding import stochastic_round
+
+
+@triton.jit
+def _piece(
+    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
+    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
+):
+    # One (head, P tile) piece of row i: outputs of its Q tokens, x appended to the ring, and
+    # (FOLD) the history folded into the tile and written back.
+    NPT: tl.constexpr = P // BLOCK_P
+    NC: tl.constexpr = N // NS
+    w = first + k
+    h = w // NPT
+    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
+    g = h // (H // G)
+    ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]  # (NC, NS), as replay_step
+    tile = p[None, :, None] * N + ncol[:, None, :]
+    sbase = (s64 * H + h) * (P * N)
+    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
+    xrow0 = s64 * H * R + h * R
+    j = tl.arange(0, HB)
+    jm = j < hc
+    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[:, None] * P + p[None, :], mask=jm[:, None],
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
+    kk = tl.arange(0, QB)
+    km = kk < Q
+    xrows = x_ptr + i * sx_b + kk[:, None] * sx_t + h * sx_h + p[None, :]
+    xn_raw = tl.load(xrows, mask=km[:, None], other=0.0)
+    xn = xn_raw.to(tl.float32)
+    JB: tl.constexpr = HB + QB
+    wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
+    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+    Dh = tl.load(D_ptr + h)
+    for t in tl.static_range(Q):
+        Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
+        yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
+        wh = tl.load(w_ptr + wbase + t * JB + j, mask=jm, other=0.0)
+        wn = tl.load(w_ptr + wbase + t * JB + HB + kk, mask=km, other=0.0)
+        yt += tl.sum(wh[:, None] * xh, axis=0) + tl.sum(wn[:, None] * xn, axis=0)
+        xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p).to(tl.float32)
+        yt = tl.where(valid, yt + Dh * xt, 0.0)
+        tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+    kv = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
+    tl.store(rx_ptr + (xrow0 + (o + hc + kk) % R)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None])
+    if FOLD:
+        S = S0 * tl.load(sc_ptr + scbase + Q)
+        Brow0 = s64 * G * R + g * R
+        # Unrolled over the window with masked loads (f = 0 past h_c), so every load issues up
+        # front instead of one L2 round trip per history entry.
+        for jj in tl.static_range(HB):
+            r = (o + jj) % R
+            f = tl.load(w_ptr + wbase + Q * JB + jj, mask=jj < hc, other=0.0)
+            xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
+            Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0).to(tl.float32)
+            S += (f * xj)[None, :, None] * Bj[:, None, :]
+        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+
+
+@triton.jit
+def _piece_mma(
+    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
+    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
+):
+    # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
+    # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
+    # by chunk so that no warp holds all of C^T. 16-bit C is exact in TF32, so an fp32 tile split
+    # into hi + lo TF32 parts gives ~fp32 products (two MMAs); the fold stays plain fp32 on the
+    # CUDA cores (no tensor-core rounding reaches a stored state).
+    TB: tl.constexpr = 16 if QB < 16 else QB
+    JB: tl.constexpr = HB + QB
+    NPT: tl.constexpr = P // BLOCK_P
+    w = first + k
+    h = w // NPT
+    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
+    g = h // (H // G)
+    t = tl.arange(0, TB)
+    tm = t < Q
+    j = tl.arange(0, HB)
+    jm = j < hc
+    sbase = (s64 * H + h) * (P * N)
+    wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
+    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+    xrow0 = s64 * H * R + h * R
+    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=jm[None, :],
+                 other=0.0).to(tl.float32)  # (BLOCK_P, HB)
+    if FOLD:
+        decay = tl.load(sc_ptr + scbase + Q)
+        Brow0 = s64 * G * R + g * R
+    acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
+    for c in tl.static_range(N // NS):
+        n = c * NS + tl.arange(0, NS)
+        tile = p[:, None] * N + n[None, :]
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
+        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
+        Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
+        if C_ptr.dtype.element_ty == tl.float32:
+            acc = tl.dot(S0, Ct, acc, input_precision="tf32x3")
+        elif state_ptr.dtype.element_ty == tl.float32:
+            hi = (S0.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+            acc = tl.dot(hi, Ct, acc, input_precision="tf32")
+            acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
+        else:
+            acc = tl.dot(S0, Ct, acc, input_precision="tf32")
+        if FOLD:
+            # Rank-one updates on the CUDA cores, as `_piece` (a dot here spills registers).
+            S = S0 * decay
+            for jj in tl.static_range(HB):
+                r = (o + jj) % R
+                f = tl.load(w_ptr + wbase + Q * JB + jj, mask=jj < hc, other=0.0)
+                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
+                Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=(n * 0 + jj) < hc, other=0.0).to(tl.float32)
+                S += (f * xj)[:, None] * Bj[None, :]
+            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+    acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
+    wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
+    acc = tl.dot(xh, wh, acc, input_precision="tf32x3")
+    xrows = x_ptr + i * sx_b + t[None, :] * sx_t + h * sx_h + p[:, None]
+    xn_raw = tl.load(xrows, mask=tm[None, :], other=0.0)
+    xn = xn_raw.to(tl.float32)  # (BLOCK_P, TB): token k in column k
+    wn = tl.load(w_ptr + wbase + t[None, :] * JB + HB + t[:, None], mask=tm[:, None] & tm[None, :], other=0.0)
+    acc = tl.dot(xn, wn, acc, input_precision="tf32x3")
+    acc = tl.where(valid, acc + tl.load(D_ptr + h) * xn, 0.0)
+    tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=tm[None, :])
+    tv = tm & ((t * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
+    tl.store(rx_ptr + (xrow0 + (o + hc + t) % R)[None, :] * P + p[:, None], xn_raw, mask=tv[None, :])
+
+
+@triton.jit
+def _any_piece(
+    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
+    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
+):
+    if MMA:
+        _piece_mma(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+                   w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
+    else:
+        _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+               w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+               Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
