@@ -189,8 +189,8 @@ def write_report(results: Path) -> str:
             f"replays of whole W-step cycles (flush steps included).", "",
             f"Tile configs chosen by the sweep: {meta['chosen_configs']}", ""]
     if meta.get("note"):  # how a merged file came together (several commands of one device call)
-        head += [meta["note"], ""] + [f"- commands[{k}]: `{c}`" for k, c in enumerate(meta.get("commands", []))]
-        head += [""]
+        commands = meta.get("commands", [])
+        head += [meta["note"], ""] + [f"- commands[{k}]: `{c}`" for k, c in enumerate(commands)] + [""]
     targets = _targets(meta, by)
     plotted = _plot(by, results / "kernels.png")
     body = head + targets + (["![speedup](kernels.png)", ""] if plotted else []) + _tables(by)
