@@ -37,6 +37,7 @@ from replayssm.distributed.sharding import local_config
 from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs, to_device
 from replayssm.engine.context import ForwardContext
 from replayssm.engine.publish import decode_publications, publish_conv_windows, publish_states
+from replayssm.engine.row_checks import RowLimits, check_batch, check_slot, view_row
 from replayssm.models.config import MAMBA, ModelConfig
 from replayssm.models.loader import load_model
 from replayssm.ops.conv1d import causal_conv1d_commit
@@ -164,8 +165,8 @@ class ModelRunner:
         """Forward one engine step; returns fp32 logits (sum of num_logits, vocab), rows in order."""
         if self._pending is not None:
             raise ValueError("commit() the previous step's rows before the next execute()")
-        views = [self._view(i, r) for i, r in enumerate(rows)]
-        self._check_batch(views)
+        views = [view_row(i, r, self._limits) for i, r in enumerate(rows)]
+        check_batch(views, self._limits)
         batch = build_inputs(views, block_size=self.kv_block_size, device=self.device,
                              baseline=not self.replayssm)
         if self.replayssm and batch.prefill:
@@ -306,60 +307,10 @@ class ModelRunner:
 
     # ---- validation ---------------------------------------------------------------------------------
 
+    @property
+    def _limits(self) -> RowLimits:
+        return RowLimits(self.num_slots, self.num_kv_blocks, self.kv_block_size, self.q_max,
+                         self.max_num_seqs, self.max_num_batched_tokens, self.replayssm)
+
     def _check_slot(self, slot: object, name: str) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise ValueError(f"{name} must be in [0, {self.num_slots}), got {slot!r}")
-
-    def _view(self, i: int, r: ScheduledRow) -> RowView:
-        q = len(r.token_ids)
-        if q == 0:
-            raise ValueError(f"rows[{i}].token_ids is empty")
-        if not isinstance(r.start_pos, int) or r.start_pos < 0:
-            raise ValueError(f"rows[{i}].start_pos must be >= 0, got {r.start_pos!r}")
-        self._check_slot(r.slot, f"rows[{i}].slot")
-        if len(r.block_table) * self.kv_block_size < r.start_pos + q:
-            raise ValueError(f"rows[{i}].block_table covers {len(r.block_table) * self.kv_block_size} "
-                             f"tokens, needs {r.start_pos + q}")
-        # min/max run in C: a Python loop over every id cost ~3 ms per step at 256 rows x 66 blocks.
-        if r.block_table and (min(r.block_table) < 0 or max(r.block_table) >= self.num_kv_blocks):
-            raise ValueError(f"rows[{i}].block_table has ids outside [0, {self.num_kv_blocks})")
-        if not 0 <= r.num_logits <= q:
-            raise ValueError(f"rows[{i}].num_logits must be in [0, {q}], got {r.num_logits}")
-        forced = r.is_prefill and q == 1 and r.start_pos > 0
-        decode = not r.is_prefill or forced
-        if decode and r.start_pos == 0:
-            raise ValueError(f"rows[{i}] is a decode row without prior state (start_pos=0)")
-        if decode and q > self.q_max:
-            raise ValueError(f"rows[{i}] has {q} decode tokens, more than 1 + num_speculative_tokens "
-                             f"= {self.q_max}")
-        if r.spec_slots is not None:
-            if self.replayssm or not decode or len(r.spec_slots) != q:
-                raise ValueError(f"rows[{i}].spec_slots is only for baseline verify rows, one slot per token")
-            for s in r.spec_slots:
-                self._check_slot(s, f"rows[{i}].spec_slots entry")
-        elif decode and q > 1 and not self.replayssm:
-            raise ValueError(f"rows[{i}] verifies {q} tokens without spec_slots (baseline needs them)")
-        for b, s in r.checkpoints or ():
-            if not isinstance(b, int) or not 1 <= b <= q:
-                raise ValueError(f"rows[{i}].checkpoints offset must be in [1, {q}], got {b!r}")
-            self._check_slot(s, f"rows[{i}].checkpoints slot")
-        return RowView(i, list(r.token_ids), r.start_pos, list(r.block_table), r.slot, r.num_logits,
-                       None if r.spec_slots is None else list(r.spec_slots), decode, forced,
-                       [tuple(c) for c in r.checkpoints or ()])
-
-    def _check_batch(self, views: list[RowView]) -> None:
-        if not views:
-            raise ValueError("rows is empty")
-        slots = [v.slot for v in views]
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"two rows share a slot: {slots}")
-        written = [s for v in views for s in (v.spec_slots or []) if s != v.slot]
-        if len(set(written)) != len(written) or set(written) & set(slots):
-            raise ValueError("spec_slots of different rows overlap each other or another row's slot")
-        ckpts = [s for v in views for _, s in v.checkpoints]
-        if len(set(ckpts)) != len(ckpts) or set(ckpts) & (set(slots) | set(written)):
-            raise ValueError("checkpoint slots must be distinct and differ from every row's slots")
-        if sum(len(v.token_ids) for v in views) > self.max_num_batched_tokens:
-            raise ValueError(f"rows hold more than max_num_batched_tokens={self.max_num_batched_tokens}")
-        if sum(v.decode for v in views) > self.max_num_seqs:
-            raise ValueError(f"more than max_num_seqs={self.max_num_seqs} decode rows")
+        check_slot(slot, name, self.num_slots)
