@@ -45,9 +45,9 @@ def test_decode_step_has_no_host_sync(tmp_path, replayssm):
         pos = [n + 1 for n in pos]
 
 
-@requires_cuda
-def test_engine_decode_step_syncs_once(tmp_path):
-    """A warm greedy LLMEngine decode step syncs with the device once: reading the sampled tokens."""
+def _warm_step_syncs(tmp_path, max_tokens: int, **engine_kw) -> tuple[list, list[str]]:
+    """Three requests through a prefill and a warm-up step, then one step with sync warnings on:
+    (its outputs, the messages of the synchronizing operations it made)."""
     import warnings
 
     from replayssm.config import EngineConfig
@@ -56,12 +56,13 @@ def test_engine_decode_step_syncs_once(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     engine = LLMEngine(EngineConfig.from_kwargs(str(tmp_path), device="cuda", dtype="bfloat16",
-                                                load_format="dummy", max_num_seqs=4, memory_budget=1 << 28))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+                                                load_format="dummy", max_num_seqs=4, memory_budget=1 << 28,
+                                                **engine_kw))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, n in enumerate((5, 3, 7)):
         engine.add_request(f"r{i}", [3 + (i * 5 + j) % 200 for j in range(n)], params)
     engine.step()  # prefill
-    engine.step()  # first decode step compiles the kernels
+    engine.step()  # the first decode / verify step compiles the kernels
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -70,37 +71,21 @@ def test_engine_decode_step_syncs_once(tmp_path):
             outs = engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]  # not the prototype notice
-    assert len(outs) == 3 and len(syncs) <= 1, [str(w.message) for w in syncs]
+    # Only real syncs: sync debug mode also warns that it is a prototype feature.
+    return outs, [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+
+
+@requires_cuda
+def test_engine_decode_step_syncs_once(tmp_path):
+    """A warm greedy LLMEngine decode step syncs with the device once: reading the sampled tokens."""
+    outs, syncs = _warm_step_syncs(tmp_path, 8)
+    assert len(outs) == 3 and len(syncs) <= 1, syncs
 
 
 @requires_cuda
 @pytest.mark.parametrize("replayssm", [True, False])
 def test_engine_verify_step_syncs_once(tmp_path, replayssm):
     """A warm greedy speculative (synthetic, k = 3) verify step syncs once: reading the verified tokens."""
-    import warnings
-
-    from replayssm.config import EngineConfig
-    from replayssm.engine.llm_engine import LLMEngine
-    from replayssm.sampling_params import SamplingParams
-
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    engine = LLMEngine(EngineConfig.from_kwargs(
-        str(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=4,
-        memory_budget=1 << 28, replayssm=replayssm, num_speculative_tokens=3, speculative_method="synthetic",
-        synthetic_acceptance_length=2.5))
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    for i, n in enumerate((5, 3, 7)):
-        engine.add_request(f"r{i}", [3 + (i * 5 + j) % 200 for j in range(n)], params)
-    engine.step()  # prefill
-    engine.step()  # first verify step compiles the kernels
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            outs = engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]  # not the prototype notice
-    assert len(outs) == 3 and len(syncs) <= 1, [str(w.message) for w in syncs]
+    outs, syncs = _warm_step_syncs(tmp_path, 24, replayssm=replayssm, num_speculative_tokens=3,
+                                   speculative_method="synthetic", synthetic_acceptance_length=2.5)
+    assert len(outs) == 3 and len(syncs) <= 1, syncs
