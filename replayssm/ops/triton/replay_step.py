@@ -169,6 +169,25 @@ def _out_kernel(
             tl.store(state_ptr + sbase + tile, val, mask=tmask)
 
 
+def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                   state_indices, window, dt_softplus) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch."""
+    S, H, P, N = state.shape
+    b, q = x.shape[:2]
+    G, R = B.shape[2], ring_x.shape[2]
+    QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
+    w = torch.empty(b, H, q + 1, HB + QB, device=x.device, dtype=torch.float32)
+    sc = torch.empty(b, H, q + 1, device=x.device, dtype=torch.float32)
+    _weights_kernel[(b, G)](
+        dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
+        dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        C.stride(0), C.stride(1), C.stride(2), H, G, R,
+        Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
+        DT_SOFTPLUS=bool(dt_softplus), num_warps=4,
+    )
+    return w, sc
+
+
 def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                 fuse_flush: bool = True, outputs: bool = True) -> None:
@@ -181,15 +200,8 @@ def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     G, R = B.shape[2], ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     BN = triton.next_power_of_2(N)
-    w = torch.empty(b, H, q + 1, HB + QB, device=x.device, dtype=torch.float32)
-    sc = torch.empty(b, H, q + 1, device=x.device, dtype=torch.float32)
-    _weights_kernel[(b, G)](
-        dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
-        dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        C.stride(0), C.stride(1), C.stride(2), H, G, R,
-        Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=BN, DT_SOFTPLUS=bool(dt_softplus),
-        num_warps=4,
-    )
+    w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                           state_indices, window, dt_softplus)
     if not outputs:
         return
     block_p = min(block_p, triton.next_power_of_2(P))

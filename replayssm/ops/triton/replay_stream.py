@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_pieces import _any_piece
-from replayssm.ops.triton.replay_step import _weights_kernel
+from replayssm.ops.triton.replay_step import launch_weights
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
 FLUSH_PROGRAMS_PER_SM = 4
@@ -132,15 +132,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     G, R = B.shape[2], ring_x.shape[2]
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
-    w = torch.empty(b, H, q + 1, HB + QB, device=x.device, dtype=torch.float32)
-    sc = torch.empty(b, H, q + 1, device=x.device, dtype=torch.float32)
-    _weights_kernel[(b, G)](
-        dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
-        dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        C.stride(0), C.stride(1), C.stride(2), H, G, R,
-        Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
-        DT_SOFTPLUS=bool(dt_softplus), num_warps=4,
-    )
+    w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                           state_indices, window, dt_softplus)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
