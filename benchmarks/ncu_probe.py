@@ -20,7 +20,7 @@ from replayssm.ops.triton import ssu as tssu
 
 
 def main() -> None:
-    tiles = sys.argv[1:] or ["64x8", "fused:32x4", "stream:32x4"]
+    tiles = sys.argv[1:] or ["64x8", "fused:32x4", "stream-list:32x4"]
     bench = Bench(Case("nemotron-h-8b", 256, "fp32", 1))
     start, comm = bench.cursors[0]
     for text in tiles:

@@ -291,7 +291,7 @@ def run_interpreter(part: str) -> None:
         for q, route in ((1, "auto"), (3, "auto"), (2, "split"), (2, "fused")):
             check_replay_cycle("cpu", q=q, config=small, route=route, steps=6)
         whole = LaunchConfig(block_p=8, num_warps=1)  # the streaming route needs whole tiles
-        for q, route in ((1, "stream-list"), (2, "stream-two.s3.i4"), (2, "stream-split"), (3, "stream")):
+        for q, route in ((1, "stream-list"), (2, "stream-list.s3.i4"), (3, "stream-list.s1.c")):
             check_replay_cycle("cpu", q=q, N=16, config=whole, route=route, steps=6)
         # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,

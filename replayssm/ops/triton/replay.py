@@ -10,8 +10,8 @@ Routes (all read S0 once per row and write it only on flush rows):
 - "stream-list" (`replay_stream.py`, the default where its tiles fit): the weights launch of
   `replay_step.py`, a pipelined launch streaming every non-flush row (tensor-core pieces for
   several tokens), and the flush rows listed on the device and folded by a persistent launch.
-  Variants "stream", "stream-two", "stream-split" and the suffixes .sN (pipeline stages), .iN
-  (pieces per program), .c (flush launch on a side stream) are kept for the benchmark sweeps.
+  Suffixes .sN (pipeline stages), .iN (pieces per program) and .c (flush launch on a side
+  stream) are for the benchmark sweeps.
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -47,7 +47,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                           config: LaunchConfig | None = None, route: str = "auto") -> torch.Tensor:
     """Launch one forward step with an explicit tile config.
 
-    route "stream-list" (and the other "stream*" variants): `replay_stream.py`; "fused":
+    route "stream-list" (with its sweep suffixes): `replay_stream.py`; "fused":
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
     folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`; "auto":
     "stream-list" where its tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
@@ -67,13 +67,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             # The fused fold's stochastic rounding costs registers every program pays for (see
             # NOTES-kernels.md), so 16-bit states fold in their own launch.
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
-    if route.startswith("stream"):
-        # "stream[-split|-two|-list][.sSTAGES][.iITEMS][.c]" (replay_stream.py; .c: flush launch
-        # concurrent on a side stream); benchmarks sweep them.
-        name, *opts = route.split(".")
+    if route.startswith("stream-list"):
+        # "stream-list[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush launch
+        # on a side stream (replay_stream.py); the benchmarks sweep them.
+        opts = route.split(".")[1:]
         kw = {dict(s="stages", i="items")[o[0]]: int(o[1:]) for o in opts if o != "c"}
-        kw["concurrent"] = "c" in opts
-        modes = {"stream": (3,), "stream-two": (1, 2), "stream-list": (1, 4), "stream-split": (0,)}[name]
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")
@@ -83,10 +81,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             raise ValueError(f"config.num_warps must be at most 4 for {route!r} with q > 1")
         launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                       state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                      modes=modes, **kw)
-        if name != "stream-split":
-            return y
-    elif route in ("fused", "split", "weights"):
+                      concurrent="c" in opts, **kw)
+        return y
+    if route in ("fused", "split", "weights"):
         cfg = config or CONFIG
         launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
@@ -95,7 +92,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             return y
     else:
         launch_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, y, config or MMA_CONFIG)
+                   state_indices, window, dt_softplus, y, config or MMA_CONFIG)
     launch_fold(state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_indices, window, q, rand_seed,
                 FOLD_CONFIG.block_p, FOLD_CONFIG.num_warps)
     return y

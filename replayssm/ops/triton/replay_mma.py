@@ -143,6 +143,7 @@ def _replay_out_kernel(
 
 def launch_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, y, config: LaunchConfig) -> None:
+    """B·C launch, then the tensor-core output launch (flush rows are folded by the caller)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]

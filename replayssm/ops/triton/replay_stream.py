@@ -1,4 +1,4 @@
-"""ReplaySSM forward step, row-streaming launches (routes "stream*"; "stream-list" is the default).
+"""ReplaySSM forward step, row-streaming launches (route "stream-list", the default).
 
 Same weights launch and arithmetic as `replay_step.py`; the output launches differ in shape. A
 grid-per-tile launch gives every program one 16 KiB (P tile, head) piece of the state behind a
@@ -11,8 +11,8 @@ A row flushes as a whole. "stream-list" streams the non-flush rows, lists the fl
 device (one small program) and folds them in a persistent launch of a few programs per SM, so
 the fold's registers never throttle the common case and few flush rows still spread over every
 SM (the H200 profile in benchmarks/NOTES-kernels.md showed a flush-only grid launch at a third of
-the step). The other routes keep the measured alternatives: fold in the same launch ("stream"),
-a flush-only grid launch ("stream-two"), no fold ("stream-split": `replay_fold.py` after).
+the step). Measured and dropped (NOTES-kernels.md, session 3): folding in the streaming launch
+(its registers cut every program's occupancy) and a flush-only grid launch (a launch storm).
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ def _stream_kernel(
     w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
-    MODE: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+    MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
-    # MODE 0: every row, no fold; 1: non-flush rows only; 2: flush rows only, folded and written;
-    # 3: every row, flush rows folded and written.
-    # ITEMS divides H * (P / BLOCK_P), so every program stays inside one row.
+    # Non-flush rows only (flush rows are the flush launch's). ITEMS divides H * (P / BLOCK_P), so
+    # every program stays inside one row.
     w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
     i = w0 // per_row
@@ -48,15 +47,7 @@ def _stream_kernel(
     s64 = tl.maximum(s, 0).to(tl.int64)
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
-    flush = valid & (hc + Q > window)
-    do_fold = flush & (MODE >= 2)
-    do_plain = ((flush == 0) & (MODE != 2)) | (MODE == 0)
-    if do_fold:
-        for k in tl.range(0, ITEMS, num_stages=STAGES):
-            _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-                       w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                       Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV)
-    if do_plain:
+    if (valid & (hc + Q > window)) == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                        w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -117,15 +108,10 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                  modes: tuple[int, ...] = (3,), items: int = 8, stages: int = 2,
-                  concurrent: bool = False) -> None:
-    """Weights launch (`replay_step.py`), then one row-streaming output launch per mode.
-
-    modes (3,): flush rows folded in the same launch; (1, 2): non-flush rows, then flush rows in
-    their own launch (the fold's registers do not cut the occupancy of the common case); (1, 4):
-    non-flush rows, then the flush rows listed on the device and folded by a persistent launch;
-    (0,): no fold, the caller folds flush rows afterwards. concurrent (CUDA, modes (1, 4)): the
-    flush launches run on a side stream beside the stream launch.
+                  items: int = 8, stages: int = 2, concurrent: bool = False) -> None:
+    """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
+    rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
+    launches run on a side stream beside the streaming launch).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -150,13 +136,13 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
                                    state_indices, y, w, sc, *common, **meta)
 
-    def stream_launch(mode: int) -> None:
+    def stream_launch() -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, MODE=mode, **meta,
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, **meta,
         )
 
-    if concurrent and modes == (1, 4) and x.is_cuda:
+    if concurrent and x.is_cuda:
         # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
         # weights scratch, so the latency-bound flush launch can run beside the bandwidth-bound
         # stream launch: forked onto a side stream after the weights launch, joined before
@@ -166,14 +152,11 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         side.wait_stream(main)
         with torch.cuda.stream(side):
             flush_launches()
-        stream_launch(1)
+        stream_launch()
         main.wait_stream(side)
         return
-    for mode in modes:
-        if mode == 4:
-            flush_launches()
-        else:
-            stream_launch(mode)
+    stream_launch()
+    flush_launches()
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
