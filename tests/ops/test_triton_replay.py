@@ -42,6 +42,27 @@ def test_replay_cycle_stream_gpu(state_dtype, q, route):
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
 
 
+LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c"]
+
+
+@requires_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("route", LEAN_ROUTES)
+def test_replay_cycle_lean_gpu(state_dtype, q, route):
+    """On the GPU: the precomputed-ring-term route (pipelined, side-stream flush) matches the reference."""
+    _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
+
+
+@requires_cuda
+@pytest.mark.parametrize("q, block", [(1, (64, 4)), (1, (64, 8)), (4, (32, 4)), (4, (64, 4))])
+def test_replay_cycle_lean_tiles_gpu(q, block):
+    """On the GPU: the lean route's other tiles match the reference."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    _cycle_gpu(q=q, state_dtype=torch.float32, route="lean", config=LaunchConfig(*block))
+
+
 @requires_cuda
 @pytest.mark.parametrize("q, block", [(1, (16, 2)), (1, (64, 8)), (4, (64, 4)), (4, (16, 2))])
 def test_replay_cycle_stream_tiles_gpu(q, block):

@@ -293,6 +293,12 @@ def run_interpreter(part: str) -> None:
         whole = LaunchConfig(block_p=8, num_warps=1)  # the streaming route needs whole tiles
         for q, route in ((1, "stream-list"), (2, "stream-list.s3.i4"), (3, "stream-list.s1.c")):
             check_replay_cycle("cpu", q=q, N=16, config=whole, route=route, steps=6)
+        # The precomputed-ring-term route: reductions (q = 1), tensor-core pieces with the
+        # side-stream flush (16-row tiles, q = 3), pipelined pieces (q = 2).
+        check_replay_cycle("cpu", q=1, N=16, config=whole, route="lean", steps=6)
+        check_replay_cycle("cpu", q=2, N=16, config=whole, route="lean.s2.i4", steps=5)
+        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.c", steps=6,
+                           act=torch.bfloat16)
         # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,
                            act=torch.bfloat16)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_fold import launch_fold, replay_materialize_triton
+from replayssm.ops.triton.replay_lean import launch_lean
 from replayssm.ops.triton.replay_mma import MMA_CONFIG, launch_mma
 from replayssm.ops.triton.replay_step import launch_step
 from replayssm.ops.triton.replay_stream import launch_stream, stream_supported
@@ -67,9 +68,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             # The fused fold's stochastic rounding costs registers every program pays for (see
             # NOTES-kernels.md), so 16-bit states fold in their own launch.
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
-    if route.startswith("stream-list"):
-        # "stream-list[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush launch
-        # on a side stream (replay_stream.py); the benchmarks sweep them.
+    if route.startswith(("stream-list", "lean")):
+        # "stream-list|lean[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush
+        # launches on a side stream (replay_stream.py, replay_lean.py); the benchmarks sweep them.
         opts = route.split(".")[1:]
         kw = {dict(s="stages", i="items")[o[0]]: int(o[1:]) for o in opts if o != "c"}
         cfg = config or CONFIG
@@ -79,9 +80,10 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             # Its tensor-core pieces hit an illegal memory access on the H200 with 8 warps (64x8,
             # q = 4, benchmark sweep); not established why, so as the mma route: at most 4.
             raise ValueError(f"config.num_warps must be at most 4 for {route!r} with q > 1")
-        launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                      state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                      concurrent="c" in opts, **kw)
+        launch = launch_lean if route.startswith("lean") else launch_stream
+        launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+               state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
+               concurrent="c" in opts, **kw)
         return y
     if route in ("fused", "split", "weights"):
         cfg = config or CONFIG

@@ -1,0 +1,214 @@
+"""ReplaySSM forward step with the ring term precomputed (route "lean").
+
+The streaming launch of `replay_stream.py` evaluates, per (head, P tile) piece,
+    y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t
+and so carries the ring rows, the weights and the new tokens next to the 16 KiB state tile. The
+H200 profile (benchmarks/NOTES-kernels.md, session 3) had that launch at ~300 µs against 246 µs
+for a bare gather-and-reduce of the same tiles. Here everything but the state product moves into
+a small launch over (row, head block) that writes the fp32 ring term
+    r_t = Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t        (b, Q, H, P), zero on padding rows
+and appends the new x rows to the ring. The output launch over the non-flush rows is then the
+gather-and-reduce plus a scale and an add: y_t = e^{Λ_t} (S0 C_t) + r_t. Flush rows (a per-row
+flag from the same small launch) take the listed persistent fold of `replay_stream.py`.
+
+Launches: weights (`replay_step.py`) -> ring term -> outputs -> flush list -> flush fold.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replayssm.ops.triton.replay_step import launch_weights
+from replayssm.ops.triton.replay_stream import (
+    _flush_kernel,
+    _flush_list_kernel,
+    _side_stream,
+    flush_programs,
+    stream_items,
+)
+from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
+
+
+@triton.jit
+def _ring_term_kernel(
+    x_ptr, D_ptr, rx_ptr, ring_start_ptr, committed_ptr, idx_ptr, w_ptr, r_ptr, flag_ptr, window,
+    sx_b, sx_t, sx_h, H, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, HT: tl.constexpr, P: tl.constexpr,
+    BP: tl.constexpr,
+):
+    # Program (row i, block of HT heads): r_t for its heads, the x appends, and (first block) the
+    # row's flush flag.
+    i = tl.program_id(0)
+    s = tl.load(idx_ptr + i)
+    valid = s >= 0
+    s64 = tl.maximum(s, 0).to(tl.int64)
+    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
+    o = tl.load(ring_start_ptr + s64)
+    if tl.program_id(1) == 0:
+        tl.store(flag_ptr + i, (valid & (hc + Q > window)).to(tl.int32))
+    hh = tl.program_id(1) * HT + tl.arange(0, HT)
+    hm = hh < H
+    p = tl.arange(0, BP)
+    pm = p < P
+    j = tl.arange(0, HB)
+    jm = j < hc
+    kk = tl.arange(0, QB)
+    km = kk < Q
+    xrow0 = s64 * H * R + hh.to(tl.int64) * R  # (HT,) ring rows of (slot, head)
+    m3 = hm[:, None, None] & pm[None, None, :]
+    xh = tl.load(rx_ptr + (xrow0[:, None, None] + ((o + j) % R)[None, :, None]) * P + p[None, None, :],
+                 mask=m3 & jm[None, :, None], other=0.0).to(tl.float32)  # (HT, HB, BP)
+    xrows = x_ptr + i * sx_b + kk[None, :, None] * sx_t + hh[:, None, None] * sx_h + p[None, None, :]
+    xn_raw = tl.load(xrows, mask=m3 & km[None, :, None], other=0.0)
+    xn = xn_raw.to(tl.float32)  # (HT, QB, BP)
+    Dh = tl.load(D_ptr + hh, mask=hm, other=0.0)
+    JB: tl.constexpr = HB + QB
+    wbase = (i.to(tl.int64) * H + hh) * ((Q + 1) * JB)  # (HT,)
+    hp = hm[:, None] & pm[None, :]
+    for t in tl.static_range(Q):
+        wh = tl.load(w_ptr + wbase[:, None] + t * JB + j[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
+        wn = tl.load(w_ptr + wbase[:, None] + t * JB + HB + kk[None, :], mask=hm[:, None] & km[None, :],
+                     other=0.0)
+        rt = tl.sum(wh[:, :, None] * xh, axis=1) + tl.sum(wn[:, :, None] * xn, axis=1)
+        xt = tl.load(x_ptr + i * sx_b + t * sx_t + hh[:, None] * sx_h + p[None, :], mask=hp, other=0.0)
+        rt = tl.where(valid, rt + Dh[:, None] * xt.to(tl.float32), 0.0)
+        tl.store(r_ptr + ((i.to(tl.int64) * Q + t) * H + hh[:, None]) * P + p[None, :], rt, mask=hp)
+    ok = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
+    tl.store(rx_ptr + (xrow0[:, None, None] + ((o + hc + kk) % R)[None, :, None]) * P + p[None, None, :],
+             xn_raw, mask=m3 & ok[None, :, None])
+
+
+@triton.jit
+def _lean_piece(
+    k, first, i, s64, valid, C_ptr, state_ptr, y_ptr, sc_ptr, r_ptr, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G,
+    Q: tl.constexpr, QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
+    NS: tl.constexpr, MMA: tl.constexpr,
+):
+    # Outputs of one (head, P tile) piece of row i: e^{Λ_t} (S0 C_t) + r_t.
+    NPT: tl.constexpr = P // BLOCK_P
+    w = first + k
+    h = w // NPT
+    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
+    g = h // (H // G)
+    sbase = (s64 * H + h) * (P * N)
+    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+    if MMA:
+        # Several tokens: (BLOCK_P, NS) column chunks times C^T on the tensor cores, the fp32 tile
+        # split into hi + lo TF32 parts (16-bit C is exact in TF32), as `_piece_mma`.
+        TB: tl.constexpr = 16 if QB < 16 else QB
+        t = tl.arange(0, TB)
+        tm = t < Q
+        acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
+        for c in tl.static_range(N // NS):
+            n = c * NS + tl.arange(0, NS)
+            S0 = tl.load(state_ptr + sbase + p[:, None] * N + n[None, :]).to(tl.float32)
+            Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :],
+                         other=0.0).to(tl.float32)
+            if C_ptr.dtype.element_ty == tl.float32:
+                acc = tl.dot(S0, Ct, acc, input_precision="tf32x3")
+            elif state_ptr.dtype.element_ty == tl.float32:
+                hi = (S0.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+                acc = tl.dot(hi, Ct, acc, input_precision="tf32")
+                acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
+            else:
+                acc = tl.dot(S0, Ct, acc, input_precision="tf32")
+        acc = tl.where(valid, acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :], 0.0)
+        rows = (i.to(tl.int64) * Q + t[None, :]) * H + h
+        acc += tl.load(r_ptr + rows * P + p[:, None], mask=tm[None, :], other=0.0)
+        tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=tm[None, :])
+    else:
+        # One reduction over N per token, on the tile held as (N / NS chunks, BLOCK_P, NS) so the
+        # reduction is mostly in-thread (as `_piece`).
+        NC: tl.constexpr = N // NS
+        ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
+        S0 = tl.load(state_ptr + sbase + p[None, :, None] * N + ncol[:, None, :]).to(tl.float32)
+        for t in tl.static_range(Q):
+            Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
+            yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
+            yt = tl.where(valid, yt, 0.0) + tl.load(r_ptr + ((i.to(tl.int64) * Q + t) * H + h) * P + p)
+            tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _lean_kernel(
+    C_ptr, state_ptr, idx_ptr, flag_ptr, y_ptr, sc_ptr, r_ptr, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G,
+    Q: tl.constexpr, QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
+    NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr,
+):
+    # ITEMS consecutive pieces of one row (ITEMS divides the row's piece count); the slot and the
+    # flush flag are both indexed by the row, so the tile load waits on one small load only.
+    w0 = tl.program_id(0) * ITEMS
+    per_row = H * (P // BLOCK_P)
+    i = w0 // per_row
+    first = w0 % per_row
+    s = tl.load(idx_ptr + i)
+    f = tl.load(flag_ptr + i)
+    s64 = tl.maximum(s, 0).to(tl.int64)  # padding rows read slot 0, zeroed in the piece
+    if f == 0:
+        for k in tl.range(0, ITEMS, num_stages=STAGES):
+            _lean_piece(k, first, i, s64, s >= 0, C_ptr, state_ptr, y_ptr, sc_ptr, r_ptr, sC_b, sC_t, sC_g,
+                        sy_b, sy_t, sy_h, H, G, Q, QB, P, N, BLOCK_P, NS, MMA)
+
+
+def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
+                items: int = 1, stages: int = 1, concurrent: bool = False,
+                heads_per_program: int = 4) -> None:
+    """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
+    (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
+
+    Needs whole tiles (`replay_stream.stream_supported`); the caller checks.
+    """
+    S, H, P, N = state.shape
+    b, q = x.shape[:2]
+    G, R = B.shape[2], ring_x.shape[2]
+    QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
+    w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                           state_indices, window, dt_softplus)
+    r = torch.empty(b, q, H, P, device=x.device, dtype=torch.float32)
+    flags = torch.empty(b, device=x.device, dtype=torch.int32)
+    ht = min(heads_per_program, triton.next_power_of_2(H))
+    _ring_term_kernel[(b, triton.cdiv(H, ht))](
+        x, D, ring_x, ring_start, committed, state_indices, w, r, flags, int(window),
+        x.stride(0), x.stride(1), x.stride(2), H, R,
+        Q=q, QB=QB, HB=HB, HT=ht, P=P, BP=triton.next_power_of_2(P), num_warps=4,
+    )
+    mma = q > 1 and block_p >= 16
+    k = stream_items(H, P, block_p, items)
+    sdt = tl_dtype(state.dtype)
+
+    def outputs() -> None:
+        _lean_kernel[(b * H * (P // block_p) // k,)](
+            C, state, state_indices, flags, y, sc, r, *C.stride()[:3], *y.stride()[:3], H, G,
+            Q=q, QB=QB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k, STAGES=stages, MMA=mma,
+            num_warps=num_warps,
+        )
+
+    def flush() -> None:
+        rows = torch.empty(b, device=x.device, dtype=torch.int32)
+        count = torch.empty(1, device=x.device, dtype=torch.int32)
+        _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
+                                 BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
+        programs = min(b * H * (P // block_p), flush_programs(x.device))
+        _flush_kernel[(programs,)](
+            rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
+            seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R,
+            Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma, STATE_DTYPE=sdt,
+            MAXV=max_finite(sdt), num_warps=num_warps,
+        )
+
+    if concurrent and x.is_cuda:
+        # Disjoint rows; both only read the scratch (see replay_stream.launch_stream).
+        main = torch.cuda.current_stream(x.device)
+        side = _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            flush()
+        outputs()
+        main.wait_stream(side)
+        return
+    outputs()
+    flush()
