@@ -2,9 +2,9 @@
 
     ncu --kernel-name regex:'_ssu_kernel|_out_kernel|_stream_kernel|_weights_kernel|fold' \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
-        --section WarpStateStats python3 benchmarks/ncu_probe.py [route:tile ...]
+        --section WarpStateStats python3 benchmarks/ncu_probe.py [qN] [route:tile ...]
 
-Nemotron-H-8B Mamba layer, batch 256, fp32 state, q = 1, W = 16; cursors from the benchmark's
+Nemotron-H-8B Mamba layer, batch 256, fp32 state, q = 1 (or N with a first argument qN), W = 16; cursors from the benchmark's
 steady-state mix (about 1/16 of the rows flush). Prints the launch order so the report reads.
 """
 
@@ -20,8 +20,10 @@ from replayssm.ops.triton import ssu as tssu
 
 
 def main() -> None:
-    tiles = sys.argv[1:] or ["64x8", "fused:32x4", "stream-list:32x4"]
-    bench = Bench(Case("nemotron-h-8b", 256, "fp32", 1))
+    args = sys.argv[1:]
+    q = int(args.pop(0)[1:]) if args and args[0].startswith("q") else 1  # "q4": several tokens
+    tiles = args or ["64x8", "fused:32x4", "stream-list:32x4"]
+    bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
     start, comm = bench.cursors[0]
     for text in tiles:
         tile = Tile.parse(text)

@@ -70,9 +70,14 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith(("stream-list", "lean")):
         # "stream-list|lean[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush
-        # launches on a side stream (replay_stream.py, replay_lean.py); the benchmarks sweep them.
+        # launches on a side stream (replay_stream.py, replay_lean.py); lean also takes .d (fold
+        # as an fp32 product), .fROWS / .wWARPS (flush tile), .pN (flush programs per SM). The
+        # benchmarks sweep them.
         opts = route.split(".")[1:]
-        kw = {dict(s="stages", i="items")[o[0]]: int(o[1:]) for o in opts if o != "c"}
+        names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm")
+        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "d")}
+        if "d" in opts:
+            kw["dot_fold"] = True
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

@@ -21,14 +21,8 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_step import launch_weights
-from replayssm.ops.triton.replay_stream import (
-    _flush_kernel,
-    _flush_list_kernel,
-    _side_stream,
-    flush_programs,
-    stream_items,
-)
-from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
+from replayssm.ops.triton.replay_stream import _side_stream, stream_items
+from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 
 
 @triton.jit
@@ -153,15 +147,114 @@ def _lean_kernel(
                         sy_b, sy_t, sy_h, H, G, Q, QB, P, N, BLOCK_P, NS, MMA)
 
 
+@triton.jit
+def _lean_list_kernel(idx_ptr, committed_ptr, ring_start_ptr, list_ptr, count_ptr, b, window, Q: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    # One program: a record (row, slot, h_c, ring start) per row that flushes this step, in row
+    # order, and their count; a flush piece then waits on one record load, not on a chain.
+    base = 0
+    for start in range(0, b, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        s = tl.load(idx_ptr + r, mask=r < b, other=-1)
+        sm = tl.maximum(s, 0)
+        hc = tl.load(committed_ptr + sm, mask=s >= 0, other=0)
+        o = tl.load(ring_start_ptr + sm, mask=s >= 0, other=0)
+        f = (s >= 0) & (hc + Q > window)
+        at = (base + tl.cumsum(f.to(tl.int32), axis=0) - 1) * 4
+        tl.store(list_ptr + at, r, mask=f)
+        tl.store(list_ptr + at + 1, s, mask=f)
+        tl.store(list_ptr + at + 2, hc, mask=f)
+        tl.store(list_ptr + at + 3, o, mask=f)
+        base += tl.sum(f.to(tl.int32), axis=0)
+    tl.store(count_ptr, base)
+
+
+@triton.jit
+def _lean_flush_kernel(
+    list_ptr, count_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, r_ptr, seed_mix,
+    sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, DOT: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr,
+):
+    # Persistent over the (head, P tile) pieces of the listed rows. A piece loads its tile once,
+    # writes y_t = e^{Λ_t} (S0 C_t) + r_t, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32
+    # and writes it: one rank-one update per history entry in fp32 on the CUDA cores, or (DOT) one
+    # (BLOCK_P, KB) x (KB, N) 3xTF32 tensor-core product (~2^-21 relative error per product, the
+    # only route whose stored states see tensor-core arithmetic: a benchmark option).
+    NPT: tl.constexpr = P // BLOCK_P
+    KB: tl.constexpr = 16 if HB < 16 else HB
+    JB: tl.constexpr = HB + QB
+    NC: tl.constexpr = N // NS
+    per_row = H * NPT
+    for w in range(tl.program_id(0), tl.load(count_ptr) * per_row, tl.num_programs(0)):
+        e = list_ptr + (w // per_row) * 4
+        i = tl.load(e)
+        s64 = tl.load(e + 1).to(tl.int64)
+        hc = tl.load(e + 2)
+        o = tl.load(e + 3)
+        piece = w % per_row
+        h = piece // NPT
+        p = (piece % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
+        g = h // (H // G)
+        sbase = (s64 * H + h) * (P * N)
+        scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+        wf = (i.to(tl.int64) * H + h) * ((Q + 1) * JB) + Q * JB
+        xrow0 = s64 * H * R + h * R
+        Brow0 = s64 * G * R + g * R
+        if DOT:
+            n = tl.arange(0, N)
+            tile = p[:, None] * N + n[None, :]
+            S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+            for t in tl.static_range(Q):
+                Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + n).to(tl.float32)
+                yt = tl.load(sc_ptr + scbase + t) * tl.sum(S0 * Ct[None, :], axis=1)
+                yt += tl.load(r_ptr + ((i.to(tl.int64) * Q + t) * H + h) * P + p)
+                tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+            j = tl.arange(0, KB)
+            jm = j < hc
+            rows = (o + j) % R
+            f = tl.load(w_ptr + wf + j, mask=jm, other=0.0)
+            xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jm[None, :],
+                         other=0.0).to(tl.float32) * f[None, :]  # (BLOCK_P, KB)
+            Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
+                         other=0.0).to(tl.float32)  # (KB, N)
+            S = tl.dot(xf, Bh, S0 * tl.load(sc_ptr + scbase + Q), input_precision="tf32x3")
+        else:
+            # The tile as (N / NS chunks, BLOCK_P, NS), as `_lean_piece`.
+            ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
+            tile = p[None, :, None] * N + ncol[:, None, :]
+            S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+            for t in tl.static_range(Q):
+                Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
+                yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
+                yt += tl.load(r_ptr + ((i.to(tl.int64) * Q + t) * H + h) * P + p)
+                tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+            S = S0 * tl.load(sc_ptr + scbase + Q)
+            for jj in tl.static_range(HB):
+                r = (o + jj) % R
+                fj = tl.load(w_ptr + wf + jj, mask=jj < hc, other=0.0)
+                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
+                Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0)
+                Bj = Bj.to(tl.float32)
+                S += (fj * xj)[None, :, None] * Bj[:, None, :]
+        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+
+
 def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                items: int = 1, stages: int = 1, concurrent: bool = False,
-                heads_per_program: int = 4) -> None:
+                items: int = 1, stages: int = 1, concurrent: bool = False, heads_per_program: int = 4,
+                dot_fold: bool = False, flush_block_p: int | None = None, flush_warps: int | None = None,
+                flush_programs_per_sm: int = 4) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
-    Needs whole tiles (`replay_stream.stream_supported`); the caller checks.
+    Needs whole tiles (`replay_stream.stream_supported`); the caller checks. The flush launch has
+    its own tile (flush_block_p rows, flush_warps warps; default the output tile) and runs
+    flush_programs_per_sm programs per SM (4 on the CPU interpreter's "SMs").
     """
+    flush_block_p = flush_block_p or block_p
+    flush_warps = flush_warps or num_warps
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -188,16 +281,17 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         )
 
     def flush() -> None:
-        rows = torch.empty(b, device=x.device, dtype=torch.int32)
+        records = torch.empty(b, 4, device=x.device, dtype=torch.int32)
         count = torch.empty(1, device=x.device, dtype=torch.int32)
-        _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
-                                 BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
-        programs = min(b * H * (P // block_p), flush_programs(x.device))
-        _flush_kernel[(programs,)](
-            rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R,
-            Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma, STATE_DTYPE=sdt,
-            MAXV=max_finite(sdt), num_warps=num_warps,
+        _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
+                                BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
+        programs = min(b * H * (P // flush_block_p), flush_programs_per_sm * _sm_count(x.device))
+        _lean_flush_kernel[(programs,)](
+            records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
+            *C.stride()[:3], *y.stride()[:3], H, G, R,
+            Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=flush_block_p, NS=min(N, 32),
+            DOT=dot_fold and flush_block_p >= 16,
+            STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=flush_warps,
         )
 
     if concurrent and x.is_cuda:
@@ -212,3 +306,10 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         return
     outputs()
     flush()
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 on the CPU interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
