@@ -4,8 +4,9 @@
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section WarpStateStats python3 benchmarks/ncu_probe.py [qN] [route:tile ...]
 
-Nemotron-H-8B Mamba layer, batch 256, fp32 state, q = 1 (or N with a first argument qN), W = 16; cursors from the benchmark's
-steady-state mix (about 1/16 of the rows flush). Prints the launch order so the report reads.
+Nemotron-H-8B Mamba layer, batch 256, fp32 state, q = 1 (N with a first argument qN), W = 16;
+cursors from the benchmark's steady-state mix (about 1/16 of the rows flush at q = 1). Prints the
+launch order so the report reads.
 """
 
 from __future__ import annotations
