@@ -1,8 +1,8 @@
 """Turn the engine's rows into packed device inputs: token ids, ForwardContext metadata, logit rows.
 
-Built from Python lists on the host, then copied to the device once per tensor; nothing here
-reads device memory. On CUDA the copies go through pinned staging memory without blocking, so
-preparing a step never waits for the previous step's kernels.
+Built from Python lists on the host, then copied to the device in one packed copy; nothing
+here reads device memory. On CUDA the copy goes through pinned staging memory without
+blocking, so preparing a step never waits for the previous step's kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replayssm.engine.context import AttentionMetadata, MambaMetadata
+from replayssm.engine.host_pack import HostPack
 
 
 @dataclass
@@ -51,71 +52,94 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
-                 baseline: bool) -> BatchInputs:
-    """Pack rows (prefill first, then decode: engine decode rows, then forced) into device inputs."""
+                 baseline: bool, tables: torch.Tensor | None = None) -> BatchInputs:
+    """Pack rows (prefill first, then decode: engine decode rows, then forced) into device inputs.
+
+    Every list goes up in one host-to-device copy (engine/host_pack.py); the tensors are views of it.
+    tables: the rows' block tables already packed (engine/block_tables.py), in `rows` order.
+    """
     prefill = [r for r in rows if not r.decode]
     decode = [r for r in rows if r.decode and not r.forced] + [r for r in rows if r.forced]
     ordered = prefill + decode
     ids: list[int] = []
     slot_mapping: list[int] = []
-    cu_q, context_lens, tables = [0], [], []
+    cu_q, context_lens = [0], []
     offset_of: dict[int, int] = {}
+    max_blocks = max(len(r.block_table) for r in ordered)
+    flat: list[int] = []  # (rows, max_blocks) flattened, padded with -1 (when `tables` is not given)
     for r in ordered:
         offset_of[r.index] = len(ids)
         ids.extend(r.token_ids)
+        table = r.block_table
         for pos in range(r.start_pos, r.start_pos + len(r.token_ids)):
-            slot_mapping.append(r.block_table[pos // block_size] * block_size + pos % block_size)
+            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
         cu_q.append(len(ids))
         context_lens.append(r.start_pos + len(r.token_ids))
-        tables.append(r.block_table)
-    max_blocks = max(len(t) for t in tables)
-    padded_tables = [t + [-1] * (max_blocks - len(t)) for t in tables]
-
-    def dev(values, dtype):
-        return to_device(values, dtype, device)
-
-    attn = AttentionMetadata(
-        slot_mapping=dev(slot_mapping, torch.int64),
-        cu_seqlens_q=dev(cu_q, torch.int32),
-        block_tables=dev(padded_tables, torch.int32),
-        context_lens=dev(context_lens, torch.int32),
-        max_query_len=max(len(r.token_ids) for r in ordered),
-        max_context_len=max(context_lens),
-    )
+        if tables is None:
+            flat.extend(table)
+            flat.extend([-1] * (max_blocks - len(table)))
+    if tables is not None:
+        assert tables.shape == (len(rows), max_blocks), (tables.shape, len(rows), max_blocks)
+        if any(a is not b for a, b in zip(ordered, rows)):
+            position = {id(r): k for k, r in enumerate(rows)}
+            tables = tables[torch.tensor([position[id(r)] for r in ordered])]
+    pack = HostPack()
+    i64, i32 = torch.int64, torch.int32
+    parts = dict(ids=pack.add(ids, i64), slot_mapping=pack.add(slot_mapping, i64), cu_q=pack.add(cu_q, i32),
+                 tables=pack.add(flat if tables is None else tables, i32, (len(ordered), max_blocks)),
+                 context_lens=pack.add(context_lens, i32))
 
     p_cu = [0]
     for r in prefill:
         p_cu.append(p_cu[-1] + len(r.token_ids))
     q = max((len(r.token_ids) for r in decode), default=1)
-    token_index = None
     if any(len(r.token_ids) != q for r in decode):
         grid = [i * q + t for i, r in enumerate(decode) for t in range(len(r.token_ids))]
-        token_index = dev(grid, torch.int64)
-    dst = None
+        parts["token_index"] = pack.add(grid, i64)
     if baseline and any(r.spec_slots is not None for r in decode):
         # Plain decode rows next to verify rows keep their state in place after their one token.
-        dst = dev([(r.spec_slots if r.spec_slots is not None else [r.slot])
-                   + [-1] * (q - len(r.token_ids)) for r in decode], torch.int32)
+        dst = []
+        for r in decode:
+            dst.extend(r.spec_slots if r.spec_slots is not None else [r.slot])
+            dst.extend([-1] * (q - len(r.token_ids)))
+        parts["dst"] = pack.add(dst, i32, (len(decode), q))
     # Prefill checkpoints: the mixer writes the state and conv window after b tokens of the row.
     pub = [(i, b, d) for i, r in enumerate(prefill) for b, d in r.checkpoints]
-    mamba = MambaMetadata(
-        num_prefill_tokens=p_cu[-1],
-        prefill_cu_seqlens=dev(p_cu, torch.int32),
-        prefill_slots=dev([r.slot for r in prefill], torch.int32),
-        has_initial_state=dev([r.start_pos > 0 for r in prefill], torch.bool),
-        num_decode_rows=len(decode),
-        decode_q=q,
-        decode_slots=dev([r.slot for r in decode], torch.int32),
-        decode_token_index=token_index,
-        decode_dst_slots=dst,
-        publish_seq=dev([p[0] for p in pub], torch.int32) if pub else None,
-        publish_len=dev([p[1] for p in pub], torch.int32) if pub else None,
-        publish_dst=dev([p[2] for p in pub], torch.int64) if pub else None,
-    )
-
+    if pub:
+        parts.update(publish_seq=pack.add([p[0] for p in pub], i32),
+                     publish_len=pack.add([p[1] for p in pub], i32),
+                     publish_dst=pack.add([p[2] for p in pub], i64))
+    parts.update(p_cu=pack.add(p_cu, i32), prefill_slots=pack.add([r.slot for r in prefill], i32),
+                 has_initial_state=pack.add([r.start_pos > 0 for r in prefill], torch.bool),
+                 decode_slots=pack.add([r.slot for r in decode], i32))
     logit_index: list[int] = []
     for r in sorted(rows, key=lambda r: r.index):
         end = offset_of[r.index] + len(r.token_ids)
         logit_index.extend(range(end - r.num_logits, end))
-    return BatchInputs(dev(ids, torch.int64), attn, mamba, dev(logit_index, torch.int64), prefill, decode,
-                       offset_of)
+    parts["logit_index"] = pack.add(logit_index, i64)
+    sent = pack.send(device)
+    t = {name: sent[i] for name, i in parts.items()}
+
+    attn = AttentionMetadata(
+        slot_mapping=t["slot_mapping"],
+        cu_seqlens_q=t["cu_q"],
+        block_tables=t["tables"],
+        context_lens=t["context_lens"],
+        max_query_len=max(len(r.token_ids) for r in ordered),
+        max_context_len=max(context_lens),
+    )
+    mamba = MambaMetadata(
+        num_prefill_tokens=p_cu[-1],
+        prefill_cu_seqlens=t["p_cu"],
+        prefill_slots=t["prefill_slots"],
+        has_initial_state=t["has_initial_state"],
+        num_decode_rows=len(decode),
+        decode_q=q,
+        decode_slots=t["decode_slots"],
+        decode_token_index=t.get("token_index"),
+        decode_dst_slots=t.get("dst"),
+        publish_seq=t.get("publish_seq"),
+        publish_len=t.get("publish_len"),
+        publish_dst=t.get("publish_dst"),
+    )
+    return BatchInputs(t["ids"], attn, mamba, t["logit_index"], prefill, decode, offset_of)

@@ -35,13 +35,13 @@ from replayssm.cache.mamba_cache import KVCache, MambaCache, as_dtype
 from replayssm.distributed.parallel import TensorParallel
 from replayssm.distributed.sharding import local_config
 from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs, to_device
+from replayssm.engine.block_tables import block_table_tensor
 from replayssm.engine.context import ForwardContext
-from replayssm.engine.publish import decode_publications, publish_conv_windows, publish_states
+from replayssm.engine.decode_commit import commit_decode
 from replayssm.engine.row_checks import RowLimits, check_batch, check_slot, view_row
 from replayssm.models.config import MAMBA, ModelConfig
 from replayssm.models.loader import load_model
-from replayssm.ops.conv1d import causal_conv1d_commit
-from replayssm.ops.replay import replay_commit, replay_materialize
+from replayssm.ops.replay import replay_materialize
 
 
 @dataclass
@@ -165,10 +165,15 @@ class ModelRunner:
         """Forward one engine step; returns fp32 logits (sum of num_logits, vocab), rows in order."""
         if self._pending is not None:
             raise ValueError("commit() the previous step's rows before the next execute()")
-        views = [view_row(i, r, self._limits) for i, r in enumerate(rows)]
-        check_batch(views, self._limits)
+        limits = self._limits  # one RowLimits per step, not per row
+        views = [view_row(i, r, limits, check_blocks=False) for i, r in enumerate(rows)]
+        # Block ids of all rows are range-checked at once; on a failure the per-row checks name the row.
+        tables = block_table_tensor([v.block_table for v in views], self.num_kv_blocks)
+        if tables is None:
+            views = [view_row(i, r, limits) for i, r in enumerate(rows)]
+        check_batch(views, limits)
         batch = build_inputs(views, block_size=self.kv_block_size, device=self.device,
-                             baseline=not self.replayssm)
+                             baseline=not self.replayssm, tables=tables)
         if self.replayssm and batch.prefill:
             self._prepare_prefill_slots(batch.prefill)
         self._reset_cursors([d for v in views for _, d in v.checkpoints or ()])
@@ -225,30 +230,7 @@ class ModelRunner:
 
     def _commit_decode(self, batch: BatchInputs, rows: list[RowView], accepted: list[int]) -> None:
         """Cursor commit (once) and conv-window commit (per layer) for `rows`, a slice of batch.decode."""
-        first = batch.decode.index(rows[0])
-        q = batch.mamba.decode_q
-        slots = to_device([r.slot for r in rows], torch.int32, self.device)
-        acc = to_device(accepted, torch.int32, self.device)
-        cache = self.mamba_cache
-        # Checkpoint windows read the live window before its commit; states need the committed cursors.
-        pubs = decode_publications(rows, accepted, first)
-        publish_conv_windows(cache, pubs, q, self.device)
-        if self.replayssm:
-            replay_commit(cache.ring_start, cache.committed, slots, acc, q, self.window,
-                          ring_rows=cache.ring_rows)
-            for r, a in zip(rows, accepted):
-                h, o = self._committed[r.slot], self._ring_start[r.slot]
-                if h + q > self.window:
-                    self._ring_start[r.slot], self._committed[r.slot] = (o + h) % cache.ring_rows, a
-                else:
-                    self._committed[r.slot] = h + a
-        dst = None
-        if any(r.spec_slots is not None for r in rows):
-            dst = to_device([r.spec_slots[a - 1] if r.spec_slots is not None else r.slot
-                             for r, a in zip(rows, accepted)], torch.int32, self.device)
-        for conv, scratch in zip(cache.conv, cache.conv_scratch):
-            causal_conv1d_commit(conv, scratch[first:first + len(rows), :q], acc, slots, dst_indices=dst)
-        publish_states(self, pubs, self._next_seed())
+        commit_decode(self, batch, rows, accepted)
 
     def _prepare_prefill_slots(self, prefill: list[RowView]) -> None:
         """Prefill rows start from a bare S_0: fold committed ring entries first, then zero the cursors."""

@@ -31,8 +31,12 @@ def check_slot(slot: object, name: str, num_slots: int) -> None:
         raise ValueError(f"{name} must be in [0, {num_slots}), got {slot!r}")
 
 
-def view_row(i: int, r: Any, lim: RowLimits) -> RowView:
-    """Check row i (a `ScheduledRow`) and return how the runner sees it."""
+def view_row(i: int, r: Any, lim: RowLimits, check_blocks: bool = True) -> RowView:
+    """Check row i (a `ScheduledRow`) and return how the runner sees it.
+
+    check_blocks=False skips only the block-id range check, for callers that check every row's
+    ids at once (engine/block_tables.py) and rerun this with it when that check fails.
+    """
     q = len(r.token_ids)
     if q == 0:
         raise ValueError(f"rows[{i}].token_ids is empty")
@@ -43,7 +47,7 @@ def view_row(i: int, r: Any, lim: RowLimits) -> RowView:
         raise ValueError(f"rows[{i}].block_table covers {len(r.block_table) * lim.kv_block_size} "
                          f"tokens, needs {r.start_pos + q}")
     # min/max run in C: a Python loop over every id cost ~3 ms per step at 256 rows x 66 blocks.
-    if r.block_table and (min(r.block_table) < 0 or max(r.block_table) >= lim.num_kv_blocks):
+    if check_blocks and r.block_table and (min(r.block_table) < 0 or max(r.block_table) >= lim.num_kv_blocks):
         raise ValueError(f"rows[{i}].block_table has ids outside [0, {lim.num_kv_blocks})")
     if not 0 <= r.num_logits <= q:
         raise ValueError(f"rows[{i}].num_logits must be in [0, {q}], got {r.num_logits}")
@@ -65,7 +69,8 @@ def view_row(i: int, r: Any, lim: RowLimits) -> RowView:
         if not isinstance(b, int) or not 1 <= b <= q:
             raise ValueError(f"rows[{i}].checkpoints offset must be in [1, {q}], got {b!r}")
         check_slot(s, f"rows[{i}].checkpoints slot", lim.num_slots)
-    return RowView(i, list(r.token_ids), r.start_pos, list(r.block_table), r.slot, r.num_logits,
+    # block_table is not copied: it is read only while this step's inputs are built.
+    return RowView(i, list(r.token_ids), r.start_pos, r.block_table, r.slot, r.num_logits,
                    None if r.spec_slots is None else list(r.spec_slots), decode, forced,
                    [tuple(c) for c in r.checkpoints or ()])
 

@@ -222,3 +222,32 @@ def causal_conv1d_commit(
             raise ValueError(f"num_accepted: values must lie in [0, {q}], got {num_accepted.tolist()}")
     fn = pick_impl("conv1d", "causal_conv1d_commit", x, causal_conv1d_commit_ref)
     fn(conv_state, x, num_accepted, state_indices, dst_indices)
+
+
+def causal_conv1d_commit_layers(
+    conv_states: list[Tensor],
+    xs: list[Tensor],
+    num_accepted: Tensor,
+    state_indices: Tensor,
+    dst_indices: Tensor | None = None,
+) -> None:
+    """`causal_conv1d_commit(conv_states[l], xs[l], ...)` for every layer l, same indices for all.
+
+    The checks depend only on shapes, dtypes, devices and the shared index tensors, so they run
+    once per distinct (conv_state, x) layout instead of once per layer (all layers of a model
+    usually share one); every layer still gets exactly the public op's validation.
+    """
+    if len(conv_states) != len(xs):
+        raise ValueError(f"conv_states has {len(conv_states)} layers, xs has {len(xs)}")
+    checked = set()
+    for conv_state, x in zip(conv_states, xs):
+        key = None
+        if isinstance(conv_state, Tensor) and isinstance(x, Tensor):
+            key = (tuple(conv_state.shape), conv_state.dtype, conv_state.device,
+                   tuple(x.shape), x.dtype, x.device)
+        if key is None or key not in checked:
+            causal_conv1d_commit(conv_state, x, num_accepted, state_indices, dst_indices)
+            checked.add(key)
+            continue
+        fn = pick_impl("conv1d", "causal_conv1d_commit", x, causal_conv1d_commit_ref)
+        fn(conv_state, x, num_accepted, state_indices, dst_indices)
