@@ -145,15 +145,15 @@ class LLMEngine:
             for row, plan in zip(rows, plans):
                 row.checkpoints = [(p.offset, p.slot) for p in plan] or None
         logits = self.runner.execute(rows)
-        offsets, sample_rows = [], []
+        offsets, sample_rows, sampled = [], [], []
         offset = 0
-        for chunk, row, d in zip(chunks, rows, drafts):
+        for i, (chunk, row, d) in enumerate(zip(chunks, rows, drafts)):
             offsets.append(offset)
-            if chunk.samples and d is None:
+            if d is None and chunk.samples:
                 sample_rows.append(offset + row.num_logits - 1)
+                sampled.append(i)
             offset += row.num_logits
         assert logits.shape[0] == offset, (logits.shape, offset)
-        sampled = [i for i, (c, d) in enumerate(zip(chunks, drafts)) if c.samples and d is None]
         verified = [i for i, d in enumerate(drafts) if d is not None]
         tokens = logprobs = None
         if sampled:

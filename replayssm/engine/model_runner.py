@@ -35,7 +35,7 @@ from replayssm.cache.mamba_cache import KVCache, MambaCache, as_dtype
 from replayssm.distributed.parallel import TensorParallel
 from replayssm.distributed.sharding import local_config
 from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs, to_device
-from replayssm.engine.block_tables import block_table_tensor
+from replayssm.engine.block_tables import BlockTables
 from replayssm.engine.context import ForwardContext
 from replayssm.engine.decode_commit import commit_decode
 from replayssm.engine.row_checks import RowLimits, check_batch, check_slot, view_row
@@ -103,6 +103,7 @@ class ModelRunner:
         # Exact host mirror of ring_start / committed (index num_slots is the private scratch slot).
         self._ring_start = [0] * (num_slots + 1)
         self._committed = [0] * (num_slots + 1)
+        self._block_tables = BlockTables(num_slots, num_kv_blocks)  # host tables of the last steps
         self._seed, self._step = seed, 0
         self._pending: BatchInputs | None = None
         self._hidden: torch.Tensor | None = None
@@ -168,7 +169,7 @@ class ModelRunner:
         limits = self._limits  # one RowLimits per step, not per row
         views = [view_row(i, r, limits, check_blocks=False) for i, r in enumerate(rows)]
         # Block ids of all rows are range-checked at once; on a failure the per-row checks name the row.
-        tables = block_table_tensor([v.block_table for v in views], self.num_kv_blocks)
+        tables = self._block_tables.tensor([v.slot for v in views], [v.block_table for v in views])
         if tables is None:
             views = [view_row(i, r, limits) for i, r in enumerate(rows)]
         check_batch(views, limits)

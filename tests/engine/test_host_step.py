@@ -11,7 +11,7 @@ from conftest import requires_cuda
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replayssm.engine.block_tables import block_table_tensor
+from replayssm.engine.block_tables import BlockTables
 from replayssm.engine.decode_commit import mirror_commit
 from replayssm.engine.host_pack import HostPack, host_tensor
 from replayssm.engine.model_runner import ScheduledRow
@@ -53,21 +53,34 @@ def test_host_tensor_falls_back_to_torch_conversion():
         assert torch.equal(host_tensor(values, dt), torch.tensor(values, dtype=dt))
 
 
-@settings(deadline=None, max_examples=20)
+@settings(deadline=None, max_examples=15)
 @given(seed=st.integers(0, 2**16))
-def test_block_table_tensor_pads_and_checks(seed):
-    """Padded tables equal the nested -1-padded tensor; any id outside [0, N) gives None (checks rerun)."""
+def test_block_tables_match_padded_tables(seed):
+    """Over steps of growing, shrinking and replaced tables, BlockTables equals the nested -1-padded
+    tensor; a bad id (out of range, not an int) or a repeated slot gives None and changes nothing."""
     rng = random.Random(seed)
-    N = 50
-    tables = [[rng.randrange(N) for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 5))]
-    width = max(len(t) for t in tables)
-    want = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    assert torch.equal(block_table_tensor(tables, N), want)
-    bad = [list(t) for t in tables]
-    row = rng.randrange(len(bad))
-    bad[row][rng.randrange(len(bad[row]))] = rng.choice([-1, N, N + 7, 2**40])
-    assert block_table_tensor(bad, N) is None
-    assert block_table_tensor([[1.0, 2.0]], N) is None
+    S, N = 6, 40
+    bt = BlockTables(S, N)
+    tables = {s: [rng.randrange(N) for _ in range(rng.randint(1, 3))] for s in range(S)}
+    for _ in range(8):
+        for s in tables:
+            r = rng.random()
+            if r < 0.4:
+                tables[s] = tables[s] + [rng.randrange(N) for _ in range(rng.randint(1, 12))]
+            elif r < 0.5:
+                tables[s] = [rng.randrange(N) for _ in range(rng.randint(1, 4))]  # a new request
+            elif r < 0.6:
+                tables[s] = tables[s][:rng.randint(1, len(tables[s]))]
+        slots = rng.sample(range(S), rng.randint(1, S))
+        rows = [list(tables[s]) for s in slots]
+        if rng.random() < 0.3:
+            bad = [list(t) for t in rows]
+            bad[rng.randrange(len(bad))].append(rng.choice([-1, N, 2**40, 1.5]))
+            assert bt.tensor(slots, bad) is None
+            assert bt.tensor(slots + slots[:1], rows + rows[:1]) is None
+        width = max(len(t) for t in rows)
+        want = torch.tensor([t + [-1] * (width - len(t)) for t in rows], dtype=torch.int32)
+        assert torch.equal(bt.tensor(slots, rows), want)
 
 
 @settings(deadline=None, max_examples=20)
