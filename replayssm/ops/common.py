@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,3 +63,33 @@ def pick_impl(module: str, name: str, tensor: torch.Tensor, ref: Callable) -> Ca
     except ImportError:
         return ref
     return getattr(triton_module, f"{name}_triton", ref)
+
+
+# (tag, ids of the key tensors) -> (weak references to them, their version counters, value).
+_DERIVED: dict[tuple, tuple[list[weakref.ref], tuple[int, ...], Any]] = {}
+_DERIVED_MAX = 64
+
+
+def derived(tag: str, tensors: Sequence[torch.Tensor], build: Callable[[], Any]) -> Any:
+    """build(), computed once for as long as the same `tensors` live unmodified.
+
+    The layers of one forward pass get the same metadata tensors (cu_seqlens, slots, ...); what
+    depends only on them (index layouts read to the host) is built at the first layer and reused by
+    the others, so a step reads them back from the device once instead of once per layer. The value
+    must not reference the key tensors (it would keep them alive). A tensor changed in place (its
+    version counter moved) or a new tensor at a reused address misses.
+    """
+    try:
+        versions = tuple(t._version for t in tensors)
+    except RuntimeError:  # inference-mode tensors keep no version counter: no reuse
+        return build()
+    key = (tag, *(id(t) for t in tensors))
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[1] == versions and all(r() is t for r, t in zip(hit[0], tensors)):
+        return hit[2]
+    value = build()
+    if len(_DERIVED) >= _DERIVED_MAX:  # entries normally leave with their tensors; this bounds the rest
+        _DERIVED.clear()
+    refs = [weakref.ref(t, lambda _, k=key: _DERIVED.pop(k, None)) for t in tensors]
+    _DERIVED[key] = (refs, versions, value)
+    return value

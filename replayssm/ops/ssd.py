@@ -15,6 +15,8 @@ All math is fp32; the final states are written with stochastic rounding for fp16
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,7 @@ from replayssm.ops._checks import (
     check_tensor,
 )
 from replayssm.ops.common import pick_impl, softplus_dt, store_states
+from replayssm.ops.ssd_layout import ChunkLayout, chunk_layout
 
 
 def _segsum_exp(a: Tensor) -> Tensor:
@@ -36,34 +39,16 @@ def _segsum_exp(a: Tensor) -> Tensor:
     keep full fp32 precision however negative the prefix sums get.
     """
     L = a.shape[-1]
-    below = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
-    seg = torch.cumsum(a[..., :, None].expand(*a.shape, L).masked_fill(~below, 0.0), dim=-2)
-    keep = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device))
-    return torch.exp(seg.masked_fill(~keep, float("-inf")))
+    on_or_above, above = _triu_masks(L, a.device)
+    seg = torch.cumsum(a[..., :, None].expand(*a.shape, L).masked_fill(on_or_above, 0.0), dim=-2)
+    return torch.exp(seg.masked_fill_(above, float("-inf")))
 
 
-def _chunk_layout(cu: list[int], L: int, T: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """Token indices of every chunk (T marks a padding position) and each sequence's chunks.
-
-    Returns idx (nc, L) int64, first_chunk (n,) int64, table (n, max_chunks) int64 with nc
-    (a dummy identity chunk) where a sequence has no chunk at that position.
-    """
-    n = len(cu) - 1
-    counts = [-(-(cu[i + 1] - cu[i]) // L) for i in range(n)]
-    first, starts, ends = [], [], []
-    for i in range(n):
-        first.append(len(starts))
-        starts += range(cu[i], cu[i + 1], L)
-        ends += [cu[i + 1]] * counts[i]
-    nc = len(starts)
-    pos = torch.tensor(starts, dtype=torch.int64, device=device)[:, None] + torch.arange(L, device=device)
-    idx = torch.where(pos < torch.tensor(ends, dtype=torch.int64, device=device)[:, None], pos, T)
-    first_chunk = torch.tensor(first, dtype=torch.int64, device=device)
-    width = max(counts, default=0)
-    k = torch.arange(width, device=device)
-    count_t = torch.tensor(counts, dtype=torch.int64, device=device)
-    table = torch.where(k < count_t[:, None], first_chunk[:, None] + k, nc)
-    return idx.reshape(nc, L), first_chunk, table
+@functools.cache
+def _triu_masks(L: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(on or above, strictly above) the diagonal, (L, L) bool; made once per size and device."""
+    ones = torch.ones(L, L, dtype=torch.bool, device=device)
+    return torch.triu(ones), torch.triu(ones, diagonal=1)
 
 
 def ssd_chunked_scan_ref(
@@ -87,29 +72,25 @@ def ssd_chunked_scan_ref(
 ) -> tuple[Tensor, Tensor | None]:
     """Reference of `ssd_chunked_scan` (same signature): chunked, vectorized, fp32.
 
-    Reads cu_seqlens on the host once (the chunk layout depends on the lengths).
+    Reads its metadata (cu_seqlens, slots, flags, boundaries) on the host once per set of
+    metadata tensors: the layers of one forward pass share it (ops/ssd_layout.py).
     """
     T, H, P = x.shape
     N = B.shape[2]
     L = chunk_size
-    dev = x.device
-    slots = state_indices.long()
-    valid = slots >= 0
-    idx, first_chunk, table = _chunk_layout(cu_seqlens.tolist(), L, T, dev)
-    nc = idx.shape[0]
+    lay = chunk_layout(cu_seqlens, state_indices, has_initial_state, boundary_seq, boundary_len, L, T)
+    nc, n = lay.nc, lay.num_seqs
 
-    # One zero token at index T fills chunk tails: Δ = 0 there, so it neither decays nor adds.
-    def padded(t: Tensor) -> Tensor:
-        return torch.cat([t.float(), t.new_zeros((1, *t.shape[1:]), dtype=torch.float32)])[idx]
-
-    delta = padded(softplus_dt(dt, dt_bias, dt_softplus))  # (nc, L, H)
-    Bc, Cc = padded(B), padded(C)  # (nc, L, G, N): kept per group, never expanded to heads
+    delta = softplus_dt(dt, dt_bias, dt_softplus)[lay.idx]  # (nc, L, H)
+    if lay.pad is not None:  # Δ = 0 past a sequence's end: no decay, no input
+        delta.masked_fill_(lay.pad, 0.0)
+    Bc, Cc = B[lay.idx].float(), C[lay.idx].float()  # (nc, L, G, N): kept per group, never expanded to heads
     G = Bc.shape[2]
     a = (delta * A.float()).transpose(1, 2)  # (nc, H, L)
     decay = _segsum_exp(a)  # (nc, H, L, L)
     a_cum = torch.cumsum(a, dim=-1)  # (nc, H, L): from chunk start, inclusive
     # Δ_j x_j with heads split as (group, head in group): (nc, L, G, H/G, P)
-    xc = padded(x)  # (nc, L, H, P)
+    xc = x[lay.idx].float()  # (nc, L, H, P)
     dx = (delta[..., None] * xc).view(nc, L, G, H // G, P)
 
     # Intra-chunk (quadratic) outputs and the chunk states from zero.
@@ -119,39 +100,53 @@ def ssd_chunked_scan_ref(
     to_end = decay[:, :, -1, :].view(nc, G, H // G, L)  # exp(seg(last, j))
     s_chunk = torch.einsum("cgkj,cjgkp,cjgn->cgkpn", to_end, dx, Bc).reshape(nc, H, P, N)
 
-    # Chunk-to-chunk pass; index nc is an identity chunk for sequences with fewer chunks.
-    init = state[slots.clamp(min=0)].float()
-    init = torch.where((valid & has_initial_state)[:, None, None, None], init, 0.0)
-    chunk_decay = torch.cat([torch.exp(a_cum[:, :, -1]), a.new_ones(1, H)])
-    s_chunk = torch.cat([s_chunk, s_chunk.new_zeros(1, H, P, N)])
-    s_in = s_chunk.new_zeros(nc + 1, H, P, N)
-    cur = init
-    for k in range(table.shape[1]):
-        ids = table[:, k]
-        s_in[ids] = cur
-        cur = chunk_decay[ids][:, :, None, None] * cur + s_chunk[ids]
+    # Chunk-to-chunk pass over chunk positions; sequences in rank order (ops/ssd_layout.py).
+    init = _initial_states(state, lay, (n, H, P, N))
+    chunk_decay = torch.exp(a_cum[:, :, -1])[:, :, None, None]  # (nc, H, 1, 1)
+    s_in = s_chunk.new_empty(nc, H, P, N)
+    final = init.clone() if not lay.positions or lay.positions[0][1] < n else init.new_empty(n, H, P, N)
+    if lay.positions:
+        o, m, _ = lay.positions[0]
+        s_in[o : o + m] = init[:m]
+    for o, m, m_next in lay.positions:
+        # Sequences going on get the next position's incoming state; those ending here their final.
+        o_next = o + m
+        if m_next:
+            torch.addcmul(s_chunk[o : o + m_next], chunk_decay[o : o + m_next], s_in[o : o + m_next],
+                          out=s_in[o_next : o_next + m_next])
+        if m_next < m:
+            torch.addcmul(s_chunk[o + m_next : o_next], chunk_decay[o + m_next : o_next],
+                          s_in[o + m_next : o_next], out=final[m_next:m])
 
-    carried = torch.einsum("cgkpn,cign->cigkp", s_in[:nc].view(nc, G, H // G, P, N), Cc).reshape(nc, L, H, P)
+    carried = torch.einsum("cgkpn,cign->cigkp", s_in.view(nc, G, H // G, P, N), Cc).reshape(nc, L, H, P)
     y = y + torch.exp(a_cum).transpose(1, 2)[..., None] * carried
     y = y + D.float()[:, None] * xc
-    out = x.new_zeros((T + 1, H, P), dtype=torch.float32)
-    out[idx.reshape(-1)] = y.reshape(-1, H, P)  # padding positions all land on the dummy row T
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(len(slots), device=dev), (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=T
-    )
-    out = torch.where(valid[seq_of_token][:, None, None], out[:T], 0.0).to(x.dtype)
+    out = y[lay.token_chunk, lay.token_offset]
+    if lay.token_valid is not None:  # padding sequences output zeros
+        out = torch.where(lay.token_valid, out, 0.0)
+    out = out.to(x.dtype)
 
-    store_states(state, slots[valid], cur[valid], rand_seed)
+    if lay.store_rows is None:
+        store_states(state, lay.store_slots, final, rand_seed)
+    else:
+        store_states(state, lay.store_slots, final[lay.store_rows], rand_seed)
     if boundary_seq is None:
         return out, None
-    return out, _boundary_states(boundary_seq, boundary_len, first_chunk, L, init, s_in, decay, a_cum, dx, Bc)
+    return out, _boundary_states(lay, init, s_in, decay, a_cum, dx, Bc)
+
+
+def _initial_states(state: Tensor, lay: ChunkLayout, shape: tuple[int, ...]) -> Tensor:
+    """(n, H, P, N) fp32 initial state of each sequence in rank order (zeros without one)."""
+    if lay.init_mode == "none":
+        return torch.zeros(shape, dtype=torch.float32, device=state.device)
+    init = state[lay.read_slots].float()
+    if lay.init_mode == "some":
+        init = torch.where(lay.use_init[:, None, None, None], init, 0.0)
+    return init
 
 
 def _boundary_states(
-    boundary_seq: Tensor,
-    boundary_len: Tensor,
-    first_chunk: Tensor,
-    L: int,
+    lay: ChunkLayout,
     init: Tensor,
     s_in: Tensor,
     decay: Tensor,
@@ -160,20 +155,18 @@ def _boundary_states(
     Bc: Tensor,
 ) -> Tensor:
     """Exact fp32 state of sequence boundary_seq[j] after its first boundary_len[j] tokens: (m, H, P, N)."""
-    seq = boundary_seq.long()
-    length = boundary_len.long()
-    last = (length - 1).clamp(min=0)  # the last included token, relative to the sequence start
-    if dx.shape[0] == 0:  # no tokens at all: every boundary is an initial state
-        return init[seq].clone()
-    # Zero-length boundaries point at some valid chunk; their result is replaced by init below.
-    c = (first_chunk[seq] + last // L).clamp(max=dx.shape[0] - 1)
-    t = last % L
+    if lay.nc == 0:  # no tokens at all: every boundary is an initial state
+        return init[lay.b_rank]
+    # Zero-length boundaries point at chunk 0; their result is replaced by the initial state below.
+    c, t = lay.b_chunk, lay.b_offset
     weights = decay[c, :, t, :]  # (m, H, L): exp(seg(t, r)), zero for r > t
-    m, G, k = len(seq), dx.shape[2], dx.shape[3]
+    m, L, G, k = len(c), dx.shape[1], dx.shape[2], dx.shape[3]
     inner = torch.einsum("mgkr,mrgkp,mrgn->mgkpn", weights.view(m, G, k, L), dx[c], Bc[c])
     inner = inner.reshape(m, G * k, dx.shape[4], Bc.shape[3])
-    carried = torch.exp(a_cum[c, :, t])[:, :, None, None] * s_in[c]
-    return torch.where((length > 0)[:, None, None, None], carried + inner, init[seq])
+    states = torch.addcmul(inner, torch.exp(a_cum[c, :, t])[:, :, None, None], s_in[c])
+    if lay.b_empty is not None:
+        states = torch.where(lay.b_empty, init[lay.b_rank], states)
+    return states
 
 
 def _check_args(

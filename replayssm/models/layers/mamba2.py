@@ -23,6 +23,7 @@ from torch import nn
 from replayssm.distributed.parallel import SINGLE, TensorParallel
 from replayssm.distributed.sharding import MambaShard
 from replayssm.models.config import ModelConfig
+from replayssm.models.layers.conv_windows import conv_window_sources
 from replayssm.ops.common import store_states
 from replayssm.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from replayssm.ops.norm import rms_norm_gated
@@ -124,15 +125,15 @@ class Mamba2Mixer(nn.Module):
         """conv[publish_dst[j]] = the K-1 raw conv inputs before token publish_len[j] of its prefill row:
         from the row's tokens, or (near the row start) from the slot's window (zeros without one).
         Runs before the varlen conv overwrites the row's window."""
-        K1 = conv.shape[2]
-        seq = md.publish_seq.long()
-        pos = md.publish_len.long()[:, None] - K1 + torch.arange(K1, device=xbc.device)  # (m, K-1)
-        tok = xbc[md.prefill_cu_seqlens.long()[seq][:, None] + pos.clamp(min=0)].transpose(1, 2)
-        win = conv[md.prefill_slots.long()[seq]]  # (m, D, K-1), oldest first
-        win = win.gather(2, (pos + K1).clamp(0, K1 - 1)[:, None, :].expand(-1, win.shape[1], -1))
-        win = torch.where(md.has_initial_state[seq][:, None, None], win, torch.zeros((), dtype=win.dtype,
-                                                                                     device=win.device))
-        conv[md.publish_dst] = torch.where((pos >= 0)[:, None, :], tok.to(conv.dtype), win)
+        src = conv_window_sources(md, conv.shape[2])
+        tok = xbc[src.token].transpose(1, 2)  # (m, D, K-1)
+        if src.window_col is None:  # every boundary has K-1 tokens of its row before it
+            conv[md.publish_dst] = tok.to(conv.dtype)
+            return
+        win = conv[src.window_slot]  # (m, D, K-1), oldest first
+        win = win.gather(2, src.window_col.expand(-1, win.shape[1], -1))
+        win = torch.where(src.has_window, win, torch.zeros((), dtype=win.dtype, device=win.device))
+        conv[md.publish_dst] = torch.where(src.from_token, tok.to(conv.dtype), win)
 
     def _decode(self, xbc, dt, A, weight, ctx, seed: int) -> torch.Tensor:
         """Decode rows padded to (b, q): conv update, then ReplaySSM or the baseline state update."""

@@ -1,0 +1,140 @@
+"""Chunk layout of the chunked SSD scan: which token sits at which chunk position, built on the host.
+
+The scan cuts every packed sequence into chunks of L tokens. Chunks are numbered position-major:
+sequences are ranked by chunk count (most first, ties in input order) and the chunks at position
+k of the m_k sequences that have one are `offsets[k] .. offsets[k] + m_k - 1`, in rank order. So
+the chunk-to-chunk pass reads and writes contiguous slices (no gathers, no identity chunks):
+
+    chunk ids    k = 0       k = 1     k = 2        (3 sequences: 3, 1 and 2 chunks)
+                 [0 1 2]     [3 4]     [5]          ranks: seq 0 -> 0, seq 2 -> 1, seq 1 -> 2
+
+Positions past a sequence's end (its last chunk's tail) repeat the sequence's own last token;
+the scan zeroes Δ there, so they neither decay nor add, and no other sequence is read.
+Everything depends only on cu_seqlens, the slots, has_initial_state and the boundaries, which
+are read to the host once (one device read) and reused by every layer of a forward pass
+(`ops.common.derived`); the index tensors go up in one copy (pinned, asynchronous on CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from replayssm.ops.common import derived
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Host facts and device index tensors of one scan call (see the module docstring)."""
+
+    nc: int  # chunks
+    positions: list[tuple[int, int, int]]  # per chunk position k: (offsets[k], m_k, m_{k+1})
+    num_seqs: int
+    idx: Tensor  # (nc, L) int64: token at each chunk position
+    pad: Tensor | None  # (nc, L, 1) bool: position past its sequence's end (None: there is none)
+    token_chunk: Tensor  # (T,) int64: chunk of every token
+    token_offset: Tensor  # (T,) int64: its position in the chunk
+    read_slots: Tensor  # (n,) int64: slot of each sequence in rank order (0 for a padding sequence)
+    init_mode: str  # "none" (all start from zeros), "all" (all from their slot), "some"
+    use_init: Tensor | None  # (n,) bool in rank order, when init_mode == "some"
+    store_rows: Tensor | None  # (k,) int64 ranks of the valid sequences (None: all are valid)
+    store_slots: Tensor  # (k,) int64: their slots
+    token_valid: Tensor | None  # (T, 1, 1) bool: token of a valid sequence (None: all are)
+    b_chunk: Tensor | None  # (m,) int64: chunk holding each boundary's last token (0 if none)
+    b_offset: Tensor | None  # (m,) int64: that token's position in its chunk
+    b_rank: Tensor | None  # (m,) int64: rank of each boundary's sequence
+    b_empty: Tensor | None  # (m, 1, 1, 1) bool: zero-length boundary (None: there is none)
+
+
+def chunk_layout(cu_seqlens: Tensor, state_indices: Tensor, has_initial_state: Tensor,
+                 boundary_seq: Tensor | None, boundary_len: Tensor | None, L: int, T: int) -> ChunkLayout:
+    """The layout of a call with these metadata tensors, built once while they live unchanged."""
+    keys = [cu_seqlens, state_indices, has_initial_state]
+    if boundary_seq is not None:
+        keys += [boundary_seq, boundary_len]
+    return derived(f"ssd-layout-{L}-{T}", keys, lambda: _build(keys, L, T))
+
+
+def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
+    dev = keys[0].device
+    n = keys[1].shape[0]
+    # The one device read of the layout: every metadata tensor in a single transfer.
+    host = torch.cat([k.reshape(-1).long() for k in keys]).tolist()
+    cu, slots, init = host[: n + 1], host[n + 1 : 2 * n + 1], host[2 * n + 1 : 3 * n + 1]
+    m = (len(host) - 3 * n - 1) // 2
+    bseq, blen = host[3 * n + 1 : 3 * n + 1 + m], host[3 * n + 1 + m :]
+    counts = [-(-(cu[i + 1] - cu[i]) // L) for i in range(n)]
+    order = sorted(range(n), key=lambda i: -counts[i])
+    rank = [0] * n
+    for r, i in enumerate(order):
+        rank[i] = r
+    width = counts[order[0]] if n else 0
+    live = [sum(c > k for c in counts) for k in range(width + 1)]  # m_k
+    offsets = [0]
+    for k in range(width):
+        offsets.append(offsets[-1] + live[k])
+    nc = offsets[-1]
+    # Per chunk id: first token and its sequence's end; positions from there (host tensors).
+    start, end = [0] * nc, [0] * nc
+    for i in range(n):
+        for k in range(counts[i]):
+            start[offsets[k] + rank[i]], end[offsets[k] + rank[i]] = cu[i] + k * L, cu[i + 1]
+    pos = torch.tensor(start, dtype=torch.int64)[:, None] + torch.arange(L)
+    stop = torch.tensor(end, dtype=torch.int64)[:, None]
+    inside = pos < stop
+    token_pos = torch.empty(T, dtype=torch.int64)  # chunk * L + offset of every token
+    token_pos[pos[inside]] = torch.arange(nc * L).view(nc, L)[inside]
+    valid = [slots[i] >= 0 for i in order]
+    use = [valid[r] and bool(init[order[r]]) for r in range(n)]
+    init_mode = "all" if all(use) else "none" if not any(use) else "some"
+    rows = [r for r in range(n) if valid[r]]
+    b_chunk, b_offset = [], []
+    for s, length in zip(bseq, blen):
+        last = max(length - 1, 0)
+        b_chunk.append(offsets[last // L] + rank[s] if length > 0 else 0)
+        b_offset.append(last % L)
+    # Optional pieces are left out when the host already knows their answer.
+    pieces = {"idx": torch.where(inside, pos, stop - 1), "token_chunk": token_pos // L,
+              "token_offset": token_pos % L,
+              "read_slots": [max(slots[i], 0) for i in order], "store_slots": [slots[order[r]] for r in rows]}
+    if not bool(inside.all()):
+        pieces["pad"] = ~inside
+    if init_mode == "some":
+        pieces["use_init"] = [int(u) for u in use]
+    if len(rows) < n:
+        lengths = torch.tensor([cu[i + 1] - cu[i] for i in range(n)])
+        pieces["store_rows"] = rows
+        pieces["token_valid"] = torch.tensor([s >= 0 for s in slots]).repeat_interleave(lengths)
+    if m:
+        pieces.update(b_chunk=b_chunk, b_offset=b_offset, b_rank=[rank[s] for s in bseq])
+        if min(blen) == 0:
+            pieces["b_empty"] = [int(length == 0) for length in blen]
+    got = _upload(pieces, dev)
+    as_bool = lambda name, shape: got[name].bool().view(shape) if name in got else None  # noqa: E731
+    return ChunkLayout(
+        nc=nc, positions=[(offsets[k], live[k], live[k + 1]) for k in range(width)], num_seqs=n,
+        idx=got["idx"].view(nc, L), pad=as_bool("pad", (nc, L, 1)), token_chunk=got["token_chunk"],
+        token_offset=got["token_offset"],
+        read_slots=got["read_slots"], init_mode=init_mode, use_init=as_bool("use_init", (n,)),
+        store_rows=got.get("store_rows"), store_slots=got["store_slots"],
+        token_valid=as_bool("token_valid", (T, 1, 1)), b_chunk=got.get("b_chunk"),
+        b_offset=got.get("b_offset"), b_rank=got.get("b_rank"), b_empty=as_bool("b_empty", (m, 1, 1, 1)),
+    )
+
+
+def _upload(pieces: dict[str, list[int] | Tensor], device: torch.device) -> dict[str, Tensor]:
+    """Host lists / tensors -> int64 device tensors (flattened), views of one buffer sent in one copy
+    (pinned and asynchronous on CUDA: a pageable copy would wait for the stream)."""
+    host = [torch.as_tensor(v).reshape(-1).long() for v in pieces.values()]
+    flat = torch.cat(host) if host else torch.zeros(0, dtype=torch.int64)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        flat = flat.to(device)
+    out, at = {}, 0
+    for name, h in zip(pieces, host):
+        out[name] = flat[at : at + h.numel()]
+        at += h.numel()
+    return out
