@@ -77,9 +77,16 @@ class MambaCache:
         return [*self.state, *self.conv, *self.ring_x, *self.ring_B, *self.ring_dt,
                 self.ring_start, self.committed]
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """slot dst[i] <- slot src[i]: state, conv, ring and cursors. src/dst (m,) int64, dst distinct."""
-        for t in self.per_slot_tensors():
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, *, ring: bool = True) -> None:
+        """slot dst[i] <- slot src[i]: state, conv, ring and cursors. src/dst (m,) int64, dst distinct.
+
+        ring=False leaves dst's ring rows as they are: only for sources without committed ring
+        entries (a prefix checkpoint), whose ring rows are never read (cursors 0 are copied).
+        """
+        tensors = self.per_slot_tensors()
+        if not ring:
+            tensors = [*self.state, *self.conv, self.ring_start, self.committed]
+        for t in tensors:
             t[dst] = t[src]
 
     def reset_cursors(self, slots: torch.Tensor) -> None:

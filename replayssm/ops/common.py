@@ -56,13 +56,19 @@ def store_states(state: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
 def pick_impl(module: str, name: str, tensor: torch.Tensor, ref: Callable) -> Callable:
     """`<name>_triton` from `replayssm.ops.triton.<module>` for CUDA tensors when Triton imports,
     else `ref` (the PyTorch twin with the same signature). Triton stays an optional import."""
-    if not tensor.is_cuda:
+    if not tensor.is_cuda or module in _NO_TRITON:
         return ref
     try:
         triton_module = importlib.import_module(f"replayssm.ops.triton.{module}")
     except ImportError:
+        # A failed import is not cached by Python: it searched the path again at every call (every
+        # layer of every step, ~20 us each for the absent ssd module).
+        _NO_TRITON.add(module)
         return ref
     return getattr(triton_module, f"{name}_triton", ref)
+
+
+_NO_TRITON: set[str] = set()  # modules of replayssm.ops.triton that did not import
 
 
 # (tag, ids of the key tensors) -> (weak references to them, their version counters, value).
@@ -93,3 +99,19 @@ def derived(tag: str, tensors: Sequence[torch.Tensor], build: Callable[[], Any])
     refs = [weakref.ref(t, lambda _, k=key: _DERIVED.pop(k, None)) for t in tensors]
     _DERIVED[key] = (refs, versions, value)
     return value
+
+
+def upload(pieces: dict[str, Sequence[int] | torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host lists / tensors -> flat int64 tensors on `device`, views of one buffer sent in one copy
+    (pinned and asynchronous on CUDA: a pageable copy would wait for everything queued before it)."""
+    host = [torch.as_tensor(v).reshape(-1).long() for v in pieces.values()]
+    flat = torch.cat(host) if host else torch.zeros(0, dtype=torch.int64)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        flat = flat.to(device)
+    out, at = {}, 0
+    for name, h in zip(pieces, host):
+        out[name] = flat[at : at + h.numel()]
+        at += h.numel()
+    return out

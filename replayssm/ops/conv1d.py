@@ -21,6 +21,7 @@ from torch import Tensor
 
 from replayssm.ops._checks import FLOAT_DTYPES, check_indices, check_tensor
 from replayssm.ops.common import pick_impl
+from replayssm.ops.conv_layout import varlen_conv_layout
 
 _ACTIVATIONS = ("silu", None)
 
@@ -67,31 +68,35 @@ def causal_conv1d_varlen_ref(
     has_initial_state: Tensor,
     activation: str | None = "silu",
 ) -> Tensor:
-    """Reference of `causal_conv1d_varlen` (same signature), vectorized over all tokens."""
+    """Reference of `causal_conv1d_varlen` (same signature), vectorized over all tokens.
+
+    Reads its metadata on the host once per set of metadata tensors (ops/conv_layout.py): the layers
+    of one forward pass share it, and nothing here waits for the device.
+    """
     T, D = x.shape
     K = weight.shape[1]
-    n = state_indices.shape[0]
-    dev = x.device
-    slots = state_indices.long()
-    valid = slots >= 0
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seq_of_token = torch.repeat_interleave(torch.arange(n, device=dev), lengths, output_size=T)
-    # Extended layout: sequence i occupies [cu[i] + i*(K-1), cu[i+1] + (i+1)*(K-1)), its
-    # initial window first, so every token's K taps are contiguous and never cross sequences.
-    ext = torch.zeros(T + n * (K - 1), D, dtype=torch.float32, device=dev)
-    tok_pos = torch.arange(T, device=dev) + (seq_of_token + 1) * (K - 1)
-    ext[tok_pos] = x.float()
-    win_pos = (cu_seqlens[:-1].long() + torch.arange(n, device=dev) * (K - 1))[:, None] + torch.arange(
-        K - 1, device=dev
-    )
-    init = conv_state[slots.clamp(min=0)].float().transpose(1, 2)  # (n, K-1, D)
-    init = torch.where((valid & has_initial_state)[:, None, None], init, 0.0)
-    ext[win_pos.reshape(-1)] = init.reshape(-1, D)
-    y = _conv_taps(ext, tok_pos - (K - 1), weight, bias, activation)
-    y = torch.where(valid[seq_of_token][:, None], y, 0.0)
+    lay = varlen_conv_layout(cu_seqlens, state_indices, has_initial_state, K, T)
+    # ext: each sequence's initial window (zeros without one) in front of its tokens.
+    ext = torch.zeros(lay.rows, D, dtype=torch.float32, device=x.device)
+    ext[lay.token_row] = x.float()
+    if lay.init_mode != "none":
+        init = conv_state[lay.read_slots].float().transpose(1, 2)  # (n, K-1, D)
+        if lay.use_init is not None:
+            init = torch.where(lay.use_init, init, 0.0)
+        ext[lay.window_rows] = init.reshape(-1, D)
+    w = weight.float()
+    y = ext[lay.taps[0]] * w[:, 0]
+    for k in range(1, K):  # K is 2..4: one gather per tap
+        y += ext[lay.taps[k]] * w[:, k]
+    if bias is not None:
+        y += bias.float()
+    if activation == "silu":
+        y = F.silu(y)
+    if lay.token_valid is not None:  # padding sequences output zeros
+        y = torch.where(lay.token_valid, y, 0.0)
     # Final window: the last K-1 rows of each extended sequence (history when it is short).
-    final = ext[(win_pos + lengths[:, None]).reshape(-1)].view(n, K - 1, D).transpose(1, 2)
-    conv_state[slots[valid]] = final[valid].to(conv_state.dtype)
+    final = ext[lay.final_rows].view(lay.store_slots.shape[0], K - 1, D).transpose(1, 2)
+    conv_state[lay.store_slots] = final.to(conv_state.dtype)
     return y.to(x.dtype)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from replayssm.ops.common import derived
+from replayssm.ops.common import derived, upload
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
         pieces.update(b_chunk=b_chunk, b_offset=b_offset, b_rank=[rank[s] for s in bseq])
         if min(blen) == 0:
             pieces["b_empty"] = [int(length == 0) for length in blen]
-    got = _upload(pieces, dev)
+    got = upload(pieces, dev)
     as_bool = lambda name, shape: got[name].bool().view(shape) if name in got else None  # noqa: E731
     return ChunkLayout(
         nc=nc, positions=[(offsets[k], live[k], live[k + 1]) for k in range(width)], num_seqs=n,
@@ -122,19 +122,3 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
         token_valid=as_bool("token_valid", (T, 1, 1)), b_chunk=got.get("b_chunk"),
         b_offset=got.get("b_offset"), b_rank=got.get("b_rank"), b_empty=as_bool("b_empty", (m, 1, 1, 1)),
     )
-
-
-def _upload(pieces: dict[str, list[int] | Tensor], device: torch.device) -> dict[str, Tensor]:
-    """Host lists / tensors -> int64 device tensors (flattened), views of one buffer sent in one copy
-    (pinned and asynchronous on CUDA: a pageable copy would wait for the stream)."""
-    host = [torch.as_tensor(v).reshape(-1).long() for v in pieces.values()]
-    flat = torch.cat(host) if host else torch.zeros(0, dtype=torch.int64)
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    elif device.type != "cpu":
-        flat = flat.to(device)
-    out, at = {}, 0
-    for name, h in zip(pieces, host):
-        out[name] = flat[at : at + h.numel()]
-        at += h.numel()
-    return out
