@@ -86,12 +86,22 @@ def labels(engine):
             setattr(module, attr, orig)
 
 
-def attribute(trace: dict) -> dict[str, dict[str, float]]:
+def attribute(trace: dict, parts: tuple[str, ...] = PARTS) -> dict[str, dict[str, float]]:
     """Chrome trace -> {part: {kernel name: total us}}: each device kernel (memcpy, memset) goes to the
     innermost label open when it was launched (its runtime or driver call with the same correlation
     id); without a launch record or a label, to the part its name says (else "other"). A trace
     without device events (CPU run) attributes the outermost CPU ops instead, at their own start.
     Threads are not told apart: the engine labels and launches from one thread."""
+    out: dict[str, dict[str, float]] = {}
+    for part, e in attribute_events(trace, parts):
+        names = out.setdefault(part, {})
+        names[e["name"]] = names.get(e["name"], 0.0) + e["dur"]
+    return out
+
+
+def attribute_events(trace: dict, parts: tuple[str, ...] = PARTS) -> list[tuple[str, dict]]:
+    """(part, event) for every device event (or outermost CPU op without any), as `attribute` says;
+    labels are the user annotations named in `parts`."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     launch_at = {e["args"]["correlation"]: e["ts"] for e in events
@@ -106,15 +116,11 @@ def attribute(trace: dict) -> dict[str, dict[str, float]]:
                 end[e["tid"]] = e["ts"] + e["dur"]
                 items.append((e["ts"], e))
     spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-             if e.get("cat") == "user_annotation" and e["name"] in PARTS]
+             if e.get("cat") == "user_annotation" and e["name"] in parts]
     launched = [(t, e) for t, e in items if t is not None]
-    parts = _innermost(spans, [t for t, _ in launched]) + ["other"] * (len(items) - len(launched))
-    out: dict[str, dict[str, float]] = {}
-    for part, (_, e) in zip(parts, launched + [(t, e) for t, e in items if t is None]):
-        part = by_name(e["name"]) if part == "other" else part
-        names = out.setdefault(part, {})
-        names[e["name"]] = names.get(e["name"], 0.0) + e["dur"]
-    return out
+    labels = _innermost(spans, [t for t, _ in launched]) + ["other"] * (len(items) - len(launched))
+    ordered = launched + [(t, e) for t, e in items if t is None]
+    return [(by_name(e["name"]) if part == "other" else part, e) for part, (_, e) in zip(labels, ordered)]
 
 
 # Fallback for kernels whose launch the trace does not hold (e.g. no driver-API records).

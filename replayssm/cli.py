@@ -228,6 +228,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "layer part, SSM bytes against bandwidth) into e2e-profile.{json,md}")
     parser.add_argument("--profile-steps", type=int, default=16,
                         help="decode steps per profiled window (default: 16, one ring flush per row)")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="instead of the modes: profile one prefix-hit prefill step of mode (c) ON "
+                        "against OFF's prefill of the same prompt into e2e-prefill-profile.{json,md}")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -249,6 +252,12 @@ def run_bench(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     out = args.out or str(report.ROOT / "benchmarks" / "results")
     command = ["replayssm", *args.argv]
+    if args.profile_prefill:
+        prof, rep = _load_benchmark("profile_prefill"), _load_benchmark("report_prefill")
+        meta = report.run_meta(command)
+        doc = prof.run_prefill_profile(workload, log=log, save=lambda d: rep.write(d, out, meta))
+        print(rep.render(rep.write(doc, out, meta)))
+        return 0
     if args.profile:
         if args.profile_steps < 1:
             raise ValueError(f"--profile-steps must be >= 1, got {args.profile_steps}")
