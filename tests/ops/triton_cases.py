@@ -295,10 +295,13 @@ def run_interpreter(part: str) -> None:
             check_replay_cycle("cpu", q=q, N=16, config=whole, route=route, steps=6)
         # The precomputed-ring-term route: reductions (q = 1), tensor-core pieces with the
         # side-stream flush (16-row tiles, q = 3), pipelined pieces (q = 2).
+        # 8-row tiles fold with rank-one updates, 16-row tiles with a 3xTF32 product (.e: updates).
         check_replay_cycle("cpu", q=1, N=16, config=whole, route="lean", steps=6)
-        check_replay_cycle("cpu", q=2, N=16, config=whole, route="lean.s2.i4", steps=5)
+        check_replay_cycle("cpu", q=2, N=16, config=whole, route="lean.s2.i4.h2", steps=5)
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.c", steps=6,
                            act=torch.bfloat16)
+        check_replay_cycle("cpu", q=1, P=32, N=16, W=16, config=LaunchConfig(16, 1), route="lean.e.h3",
+                           steps=18, state_dtype=torch.float16, act=torch.bfloat16)
         # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,
                            act=torch.bfloat16)

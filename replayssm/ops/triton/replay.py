@@ -7,7 +7,11 @@ Forward of a row with slot s, h_c = committed[s], o = ring_start[s], q new token
     y_t = e^{Λ_t} (S0 C_t) + Σ_j Δ_j e^{Λ_t-Λ_j} (B_j·C_t) x_j + Σ_{k<=t} (same, new) + D x_t
 
 Routes (all read S0 once per row and write it only on flush rows):
-- "stream-list" (`replay_stream.py`, the default where its tiles fit): the weights launch of
+- "lean" (`replay_lean.py`, the default for one token where its tiles fit): the weights launch,
+  a launch that precomputes the ring term r_t of every row and head, an output launch over the
+  non-flush rows that is a gather-and-reduce of the state tiles plus r_t, and the flush rows
+  listed and folded (3xTF32 product) by a persistent launch.
+- "stream-list" (`replay_stream.py`, the default for several tokens): the weights launch of
   `replay_step.py`, a pipelined launch streaming every non-flush row (tensor-core pieces for
   several tokens), and the flush rows listed on the device and folded by a persistent launch.
   Suffixes .sN (pipeline stages), .iN (pieces per program) and .c (flush launch on a side
@@ -35,11 +39,13 @@ from replayssm.ops.triton.ssu import LaunchConfig
 
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
-# Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md): every q
-# takes the row-streaming route "stream-list" where its tiles fit (32x4 for one token, 64x4 for
-# several), else replay_step.py (q = 1) or the tensor-core route (q > 1).
+# Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
+# their whole tiles fit: one token takes "lean.c" at 32x4 (319 us vs 380 for "stream-list" at
+# the 8B headline), several take "stream-list" at 64x4; else replay_step.py (q = 1) or the
+# tensor-core route (q > 1).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
-STREAM_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))
+AUTO_ROUTES = (("lean.c", LaunchConfig(block_p=32, num_warps=4)),
+               ("stream-list", LaunchConfig(block_p=64, num_warps=4)))
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 
 
@@ -61,23 +67,24 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if b == 0:
         return y
     if route == "auto":
-        stream_cfg = STREAM_CONFIGS[q > 1]
-        if config is None and stream_supported(state.shape[2], state.shape[3], stream_cfg.block_p):
-            route, config = "stream-list", stream_cfg
+        auto_route, auto_cfg = AUTO_ROUTES[q > 1]
+        if config is None and stream_supported(state.shape[2], state.shape[3], auto_cfg.block_p):
+            route, config = auto_route, auto_cfg
         else:
             # The fused fold's stochastic rounding costs registers every program pays for (see
             # NOTES-kernels.md), so 16-bit states fold in their own launch.
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith(("stream-list", "lean")):
         # "stream-list|lean[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush
-        # launches on a side stream (replay_stream.py, replay_lean.py); lean also takes .d (fold
-        # as an fp32 product), .fROWS / .wWARPS (flush tile), .pN (flush programs per SM). The
-        # benchmarks sweep them.
+        # launches on a side stream (replay_stream.py, replay_lean.py); lean also takes .e (fold
+        # with fp32 rank-one updates instead of a 3xTF32 product), .fROWS / .wWARPS (flush tile),
+        # .pN (flush programs per SM), .hN (heads per ring-term program). The benchmarks sweep them.
         opts = route.split(".")[1:]
-        names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm")
-        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "d")}
-        if "d" in opts:
-            kw["dot_fold"] = True
+        names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm",
+                     h="heads_per_program")
+        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "e")}
+        if "e" in opts:
+            kw["dot_fold"] = False
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

@@ -42,36 +42,35 @@ def _ring_term_kernel(
     o = tl.load(ring_start_ptr + s64)
     if tl.program_id(1) == 0:
         tl.store(flag_ptr + i, (valid & (hc + Q > window)).to(tl.int32))
-    hh = tl.program_id(1) * HT + tl.arange(0, HT)
-    hm = hh < H
     p = tl.arange(0, BP)
     pm = p < P
     j = tl.arange(0, HB)
     jm = j < hc
     kk = tl.arange(0, QB)
     km = kk < Q
-    xrow0 = s64 * H * R + hh.to(tl.int64) * R  # (HT,) ring rows of (slot, head)
-    m3 = hm[:, None, None] & pm[None, None, :]
-    xh = tl.load(rx_ptr + (xrow0[:, None, None] + ((o + j) % R)[None, :, None]) * P + p[None, None, :],
-                 mask=m3 & jm[None, :, None], other=0.0).to(tl.float32)  # (HT, HB, BP)
-    xrows = x_ptr + i * sx_b + kk[None, :, None] * sx_t + hh[:, None, None] * sx_h + p[None, None, :]
-    xn_raw = tl.load(xrows, mask=m3 & km[None, :, None], other=0.0)
-    xn = xn_raw.to(tl.float32)  # (HT, QB, BP)
-    Dh = tl.load(D_ptr + hh, mask=hm, other=0.0)
-    JB: tl.constexpr = HB + QB
-    wbase = (i.to(tl.int64) * H + hh) * ((Q + 1) * JB)  # (HT,)
-    hp = hm[:, None] & pm[None, :]
-    for t in tl.static_range(Q):
-        wh = tl.load(w_ptr + wbase[:, None] + t * JB + j[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
-        wn = tl.load(w_ptr + wbase[:, None] + t * JB + HB + kk[None, :], mask=hm[:, None] & km[None, :],
-                     other=0.0)
-        rt = tl.sum(wh[:, :, None] * xh, axis=1) + tl.sum(wn[:, :, None] * xn, axis=1)
-        xt = tl.load(x_ptr + i * sx_b + t * sx_t + hh[:, None] * sx_h + p[None, :], mask=hp, other=0.0)
-        rt = tl.where(valid, rt + Dh[:, None] * xt.to(tl.float32), 0.0)
-        tl.store(r_ptr + ((i.to(tl.int64) * Q + t) * H + hh[:, None]) * P + p[None, :], rt, mask=hp)
     ok = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
-    tl.store(rx_ptr + (xrow0[:, None, None] + ((o + hc + kk) % R)[None, :, None]) * P + p[None, None, :],
-             xn_raw, mask=m3 & ok[None, :, None])
+    JB: tl.constexpr = HB + QB
+    # One head at a time on 2D tiles (a 3D (heads, rows, P) form was L1-bound at q = 4 on the H200).
+    for u in tl.static_range(HT):
+        h = tl.program_id(1) * HT + u
+        hv = (p * 0 + h) < H  # (BP,): this head exists
+        xrow0 = s64 * H * R + h.to(tl.int64) * R  # ring rows of (slot, head)
+        xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[:, None] * P + p[None, :],
+                     mask=jm[:, None] & (pm & hv)[None, :], other=0.0).to(tl.float32)  # (HB, BP)
+        xn_raw = tl.load(x_ptr + i * sx_b + kk[:, None] * sx_t + h * sx_h + p[None, :],
+                         mask=km[:, None] & (pm & hv)[None, :], other=0.0)
+        xn = xn_raw.to(tl.float32)  # (QB, BP)
+        Dh = tl.load(D_ptr + tl.minimum(h, H - 1))
+        wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
+        for t in tl.static_range(Q):
+            wh = tl.load(w_ptr + wbase + t * JB + j, mask=jm & ((j * 0 + h) < H), other=0.0)
+            wn = tl.load(w_ptr + wbase + t * JB + HB + kk, mask=km & ((kk * 0 + h) < H), other=0.0)
+            rt = tl.sum(wh[:, None] * xh, axis=0) + tl.sum(wn[:, None] * xn, axis=0)
+            xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p, mask=pm & hv, other=0.0)
+            rt = tl.where(valid, rt + Dh * xt.to(tl.float32), 0.0)
+            tl.store(r_ptr + ((i.to(tl.int64) * Q + t) * H + h) * P + p, rt, mask=pm & hv)
+        tl.store(rx_ptr + (xrow0 + (o + hc + kk) % R)[:, None] * P + p[None, :], xn_raw,
+                 mask=ok[:, None] & (pm & hv)[None, :])
 
 
 @triton.jit
@@ -179,9 +178,9 @@ def _lean_flush_kernel(
 ):
     # Persistent over the (head, P tile) pieces of the listed rows. A piece loads its tile once,
     # writes y_t = e^{Λ_t} (S0 C_t) + r_t, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32
-    # and writes it: one rank-one update per history entry in fp32 on the CUDA cores, or (DOT) one
-    # (BLOCK_P, KB) x (KB, N) 3xTF32 tensor-core product (~2^-21 relative error per product, the
-    # only route whose stored states see tensor-core arithmetic: a benchmark option).
+    # and writes it: (DOT) one (BLOCK_P, KB) x (KB, N) 3xTF32 tensor-core product onto the decayed
+    # tile (~2^-21 relative error per product against fp32's 2^-24; on the H200 it halved this
+    # launch, 82 -> 47 us, NOTES-kernels.md), or one fp32 rank-one update per history entry.
     NPT: tl.constexpr = P // BLOCK_P
     KB: tl.constexpr = 16 if HB < 16 else HB
     JB: tl.constexpr = HB + QB
@@ -243,15 +242,17 @@ def _lean_flush_kernel(
 
 def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                items: int = 1, stages: int = 1, concurrent: bool = False, heads_per_program: int = 4,
-                dot_fold: bool = False, flush_block_p: int | None = None, flush_warps: int | None = None,
+                items: int = 1, stages: int = 1, concurrent: bool = False,
+                heads_per_program: int | None = None, dot_fold: bool = True,
+                flush_block_p: int | None = None, flush_warps: int | None = None,
                 flush_programs_per_sm: int = 4) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
     Needs whole tiles (`replay_stream.stream_supported`); the caller checks. The flush launch has
     its own tile (flush_block_p rows, flush_warps warps; default the output tile) and runs
-    flush_programs_per_sm programs per SM (4 on the CPU interpreter's "SMs").
+    flush_programs_per_sm programs per SM (4 on the CPU interpreter's "SMs"); dot_fold folds with
+    one 3xTF32 product per piece (tiles of >= 16 rows), else with rank-one fp32 updates.
     """
     flush_block_p = flush_block_p or block_p
     flush_warps = flush_warps or num_warps
@@ -263,7 +264,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                            state_indices, window, dt_softplus)
     r = torch.empty(b, q, H, P, device=x.device, dtype=torch.float32)
     flags = torch.empty(b, device=x.device, dtype=torch.int32)
-    ht = min(heads_per_program, triton.next_power_of_2(H))
+    ht = heads_per_program or (4 if q == 1 else 1)
     _ring_term_kernel[(b, triton.cdiv(H, ht))](
         x, D, ring_x, ring_start, committed, state_indices, w, r, flags, int(window),
         x.stride(0), x.stride(1), x.stride(2), H, R,
