@@ -300,7 +300,7 @@ def run_interpreter(part: str) -> None:
         check_replay_cycle("cpu", q=2, N=16, config=whole, route="lean.s2.i4.h2", steps=5)
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.c", steps=6,
                            act=torch.bfloat16)
-        check_replay_cycle("cpu", q=1, P=32, N=16, W=16, config=LaunchConfig(16, 1), route="lean.e.h3",
+        check_replay_cycle("cpu", q=1, P=32, N=16, W=16, config=LaunchConfig(16, 1), route="lean.e.h2",
                            steps=18, state_dtype=torch.float16, act=torch.bfloat16)
         # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,

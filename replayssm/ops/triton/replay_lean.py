@@ -33,7 +33,8 @@ def _ring_term_kernel(
     BP: tl.constexpr,
 ):
     # Program (row i, block of HT heads): r_t for its heads, the x appends, and (first block) the
-    # row's flush flag.
+    # row's flush flag. Every load issues before the first store (a loop over heads with stores in
+    # between ran 5x slower on the H200: the stores may alias the next head's ring rows).
     i = tl.program_id(0)
     s = tl.load(idx_ptr + i)
     valid = s >= 0
@@ -42,35 +43,36 @@ def _ring_term_kernel(
     o = tl.load(ring_start_ptr + s64)
     if tl.program_id(1) == 0:
         tl.store(flag_ptr + i, (valid & (hc + Q > window)).to(tl.int32))
+    hh = tl.program_id(1) * HT + tl.arange(0, HT)
+    hm = hh < H
     p = tl.arange(0, BP)
     pm = p < P
     j = tl.arange(0, HB)
     jm = j < hc
     kk = tl.arange(0, QB)
     km = kk < Q
-    ok = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
+    xrow0 = s64 * H * R + hh.to(tl.int64) * R  # (HT,) ring rows of (slot, head)
+    m3 = hm[:, None, None] & pm[None, None, :]
+    xh = tl.load(rx_ptr + (xrow0[:, None, None] + ((o + j) % R)[None, :, None]) * P + p[None, None, :],
+                 mask=m3 & jm[None, :, None], other=0.0).to(tl.float32)  # (HT, HB, BP)
+    xrows = x_ptr + i * sx_b + kk[None, :, None] * sx_t + hh[:, None, None] * sx_h + p[None, None, :]
+    xn_raw = tl.load(xrows, mask=m3 & km[None, :, None], other=0.0)
+    xn = xn_raw.to(tl.float32)  # (HT, QB, BP)
+    Dh = tl.load(D_ptr + hh, mask=hm, other=0.0)
     JB: tl.constexpr = HB + QB
-    # One head at a time on 2D tiles (a 3D (heads, rows, P) form was L1-bound at q = 4 on the H200).
-    for u in tl.static_range(HT):
-        h = tl.program_id(1) * HT + u
-        hv = (p * 0 + h) < H  # (BP,): this head exists
-        xrow0 = s64 * H * R + h.to(tl.int64) * R  # ring rows of (slot, head)
-        xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[:, None] * P + p[None, :],
-                     mask=jm[:, None] & (pm & hv)[None, :], other=0.0).to(tl.float32)  # (HB, BP)
-        xn_raw = tl.load(x_ptr + i * sx_b + kk[:, None] * sx_t + h * sx_h + p[None, :],
-                         mask=km[:, None] & (pm & hv)[None, :], other=0.0)
-        xn = xn_raw.to(tl.float32)  # (QB, BP)
-        Dh = tl.load(D_ptr + tl.minimum(h, H - 1))
-        wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
-        for t in tl.static_range(Q):
-            wh = tl.load(w_ptr + wbase + t * JB + j, mask=jm & ((j * 0 + h) < H), other=0.0)
-            wn = tl.load(w_ptr + wbase + t * JB + HB + kk, mask=km & ((kk * 0 + h) < H), other=0.0)
-            rt = tl.sum(wh[:, None] * xh, axis=0) + tl.sum(wn[:, None] * xn, axis=0)
-            xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p, mask=pm & hv, other=0.0)
-            rt = tl.where(valid, rt + Dh * xt.to(tl.float32), 0.0)
-            tl.store(r_ptr + ((i.to(tl.int64) * Q + t) * H + h) * P + p, rt, mask=pm & hv)
-        tl.store(rx_ptr + (xrow0 + (o + hc + kk) % R)[:, None] * P + p[None, :], xn_raw,
-                 mask=ok[:, None] & (pm & hv)[None, :])
+    wbase = (i.to(tl.int64) * H + hh) * ((Q + 1) * JB)  # (HT,)
+    hp = hm[:, None] & pm[None, :]
+    for t in tl.static_range(Q):
+        wh = tl.load(w_ptr + wbase[:, None] + t * JB + j[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
+        wn = tl.load(w_ptr + wbase[:, None] + t * JB + HB + kk[None, :], mask=hm[:, None] & km[None, :],
+                     other=0.0)
+        rt = tl.sum(wh[:, :, None] * xh, axis=1) + tl.sum(wn[:, :, None] * xn, axis=1)
+        xt = tl.load(x_ptr + i * sx_b + t * sx_t + hh[:, None] * sx_h + p[None, :], mask=hp, other=0.0)
+        rt = tl.where(valid, rt + Dh[:, None] * xt.to(tl.float32), 0.0)
+        tl.store(r_ptr + ((i.to(tl.int64) * Q + t) * H + hh[:, None]) * P + p[None, :], rt, mask=hp)
+    ok = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
+    tl.store(rx_ptr + (xrow0[:, None, None] + ((o + hc + kk) % R)[None, :, None]) * P + p[None, None, :],
+             xn_raw, mask=m3 & ok[None, :, None])
 
 
 @triton.jit
@@ -264,7 +266,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                            state_indices, window, dt_softplus)
     r = torch.empty(b, q, H, P, device=x.device, dtype=torch.float32)
     flags = torch.empty(b, device=x.device, dtype=torch.int32)
-    ht = heads_per_program or (4 if q == 1 else 1)
+    ht = min(triton.next_power_of_2(heads_per_program or 4), triton.next_power_of_2(H))
     _ring_term_kernel[(b, triton.cdiv(H, ht))](
         x, D, ring_x, ring_start, committed, state_indices, w, r, flags, int(window),
         x.stride(0), x.stride(1), x.stride(2), H, R,
