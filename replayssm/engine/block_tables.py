@@ -14,6 +14,8 @@ from array import array
 
 import torch
 
+from replayssm.engine.host_pack import host_tensor
+
 
 class BlockTables:
     """Per-slot host copy of the last block tables seen (see the module docstring)."""
@@ -33,8 +35,11 @@ class BlockTables:
         rows, cols, ids = [], [], []  # new entries: slot row, column, block id
         clear_rows, clear_cols = [], []  # entries past a table that got shorter: back to -1
         changed = []
+        lists = self._lists
         for s, t in zip(slots, tables):
-            old = self._lists[s]
+            old = lists[s]
+            if t == old:  # the common case: nothing new since the last step (a C-level compare)
+                continue
             n = len(old)
             start = n if len(t) >= n and (t == old if len(t) == n else t[:n] == old) else 0
             if n > len(t):
@@ -65,4 +70,4 @@ class BlockTables:
             self._rows[torch.tensor(rows), torch.tensor(cols)] = values
         for s, t in changed:
             self._lists[s] = list(t)
-        return self._rows[torch.tensor(slots)][:, :width]
+        return self._rows[host_tensor(slots, torch.int64)][:, :width]
