@@ -231,7 +231,7 @@ class LLMEngine:
             return ScheduledRow(
                 token_ids=r.token_slice(chunk.start, chunk.start + 1) + list(drafts.tokens),
                 start_pos=chunk.start,
-                block_table=list(r.block_table),
+                block_table=r.block_table,  # read during this step only: no copy
                 slot=r.slots[0],
                 is_prefill=False,
                 num_logits=q,
@@ -248,7 +248,7 @@ class LLMEngine:
         return ScheduledRow(
             token_ids=r.token_slice(chunk.start, chunk.start + chunk.num_tokens),
             start_pos=chunk.start,
-            block_table=list(r.block_table),
+            block_table=r.block_table,  # read during this step only: no copy
             slot=r.slots[0],
             is_prefill=is_prefill,
             num_logits=num_logits,
