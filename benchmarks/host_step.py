@@ -11,6 +11,8 @@ for real; at this width their compute is small next to their Python overhead.
 
     python3 benchmarks/host_step.py                 # table: ms per step per phase, OFF and ON
     python3 benchmarks/host_step.py --profile on    # plus a cProfile of the ON steps (top by tottime)
+    python3 benchmarks/host_step.py --tables        # block tables alone: per-row checks + nested
+                                                    # torch.tensor (before) vs engine/block_tables.py
 
 Also reported: to_device calls per step (each is torch.tensor + pin_memory + an async copy on CUDA)
 and op-validation calls per step (replayssm/ops/_checks.py).
@@ -199,6 +201,36 @@ def run(setting: str, args, model_dir: str, profile: bool) -> dict:
     return out
 
 
+def bench_tables(batch: int, steps: int = 64) -> None:
+    """ms per step to turn `batch` block tables into the padded int32 tensor, range-checked: the
+    pre-BlockTables way (min/max per row, torch.tensor over the padded nested lists) vs BlockTables."""
+    import torch
+
+    from replayssm.engine.block_tables import BlockTables
+
+    rng, N = random.Random(0), 20000
+    for width, grow in ((65, 1 / 16), (65, 1.0), (3, 1 / 16)):
+        tables = [[rng.randrange(N) for _ in range(max(1, width - 4 + i % 4))] for i in range(batch)]
+        bt, slots = BlockTables(batch, N), list(range(batch))
+        bt.tensor(slots, [list(t) for t in tables])
+        old = new = 0.0
+        for _ in range(steps):
+            for t in tables:
+                if rng.random() < grow:
+                    t.append(rng.randrange(N))
+            rows = [list(t) for t in tables]
+            t0 = time.perf_counter()
+            assert all(min(t) >= 0 and max(t) < N for t in rows)
+            w = max(len(t) for t in rows)
+            torch.tensor([t + [-1] * (w - len(t)) for t in rows], dtype=torch.int32)
+            t1 = time.perf_counter()
+            bt.tensor(slots, rows)
+            new += time.perf_counter() - t1
+            old += t1 - t0
+        print(f"{batch} rows x ~{width} blocks, {grow:.3g} of rows grow per step: per-row checks + nested "
+              f"torch.tensor {old * 1e3 / steps:.3f} ms, BlockTables {new * 1e3 / steps:.3f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -212,11 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="", help="setting to run under cProfile too (off / on)")
     ap.add_argument("--profile-top", type=int, default=30)
     ap.add_argument("--repo", default=_REPO, help="checkout whose replayssm package is measured")
+    ap.add_argument("--tables", action="store_true", help="only the block-table microbenchmark")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
+    if args.tables:
+        bench_tables(args.batch)
+        return 0
     results = []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(TINY_8B))
