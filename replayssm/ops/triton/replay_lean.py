@@ -5,11 +5,11 @@ The streaming launch of `replay_stream.py` evaluates, per (head, P tile) piece,
 and so carries the ring rows, the weights and the new tokens next to the 16 KiB state tile. The
 H200 profile (benchmarks/NOTES-kernels.md, session 3) had that launch at ~300 µs against 246 µs
 for a bare gather-and-reduce of the same tiles. Here everything but the state product moves into
-a small launch over (row, head block) that writes the fp32 ring term
+a small launch (`replay_ring.py`) that writes the fp32 ring term
     r_t = Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t        (b, Q, H, P), zero on padding rows
 and appends the new x rows to the ring. The output launch over the non-flush rows is then the
 gather-and-reduce plus a scale and an add: y_t = e^{Λ_t} (S0 C_t) + r_t. Flush rows (a per-row
-flag from the same small launch) take the listed persistent fold of `replay_stream.py`.
+flag from the same small launch) are listed and folded by a persistent launch of their own.
 
 Launches: weights (`replay_step.py`) -> ring term -> outputs -> flush list -> flush fold; for one
 token the first two and the list are one launch (`replay_prep.py`).
@@ -22,59 +22,10 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_prep import launch_prep_one
+from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights
 from replayssm.ops.triton.replay_stream import _side_stream, stream_items
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
-
-
-@triton.jit
-def _ring_term_kernel(
-    x_ptr, D_ptr, rx_ptr, ring_start_ptr, committed_ptr, idx_ptr, w_ptr, r_ptr, flag_ptr, window,
-    sx_b, sx_t, sx_h, H, R,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, HT: tl.constexpr, P: tl.constexpr,
-    BP: tl.constexpr,
-):
-    # Program (row i, block of HT heads): r_t for its heads, the x appends, and (first block) the
-    # row's flush flag. Every load issues before the first store (a loop over heads with stores in
-    # between ran 5x slower on the H200: the stores may alias the next head's ring rows).
-    i = tl.program_id(0)
-    s = tl.load(idx_ptr + i)
-    valid = s >= 0
-    s64 = tl.maximum(s, 0).to(tl.int64)
-    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
-    o = tl.load(ring_start_ptr + s64)
-    if tl.program_id(1) == 0:
-        tl.store(flag_ptr + i, (valid & (hc + Q > window)).to(tl.int32))
-    hh = tl.program_id(1) * HT + tl.arange(0, HT)
-    hm = hh < H
-    p = tl.arange(0, BP)
-    pm = p < P
-    j = tl.arange(0, HB)
-    jm = j < hc
-    kk = tl.arange(0, QB)
-    km = kk < Q
-    xrow0 = s64 * H * R + hh.to(tl.int64) * R  # (HT,) ring rows of (slot, head)
-    m3 = hm[:, None, None] & pm[None, None, :]
-    xh = tl.load(rx_ptr + (xrow0[:, None, None] + ((o + j) % R)[None, :, None]) * P + p[None, None, :],
-                 mask=m3 & jm[None, :, None], other=0.0).to(tl.float32)  # (HT, HB, BP)
-    xrows = x_ptr + i * sx_b + kk[None, :, None] * sx_t + hh[:, None, None] * sx_h + p[None, None, :]
-    xn_raw = tl.load(xrows, mask=m3 & km[None, :, None], other=0.0)
-    xn = xn_raw.to(tl.float32)  # (HT, QB, BP)
-    Dh = tl.load(D_ptr + hh, mask=hm, other=0.0)
-    JB: tl.constexpr = HB + QB
-    wbase = (i.to(tl.int64) * H + hh) * ((Q + 1) * JB)  # (HT,)
-    hp = hm[:, None] & pm[None, :]
-    for t in tl.static_range(Q):
-        wh = tl.load(w_ptr + wbase[:, None] + t * JB + j[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
-        wn = tl.load(w_ptr + wbase[:, None] + t * JB + HB + kk[None, :], mask=hm[:, None] & km[None, :],
-                     other=0.0)
-        rt = tl.sum(wh[:, :, None] * xh, axis=1) + tl.sum(wn[:, :, None] * xn, axis=1)
-        xt = tl.load(x_ptr + i * sx_b + t * sx_t + hh[:, None] * sx_h + p[None, :], mask=hp, other=0.0)
-        rt = tl.where(valid, rt + Dh[:, None] * xt.to(tl.float32), 0.0)
-        tl.store(r_ptr + ((i.to(tl.int64) * Q + t) * H + hh[:, None]) * P + p[None, :], rt, mask=hp)
-    ok = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
-    tl.store(rx_ptr + (xrow0[:, None, None] + ((o + hc + kk) % R)[None, :, None]) * P + p[None, None, :],
-             xn_raw, mask=m3 & ok[None, :, None])
 
 
 @triton.jit
@@ -274,14 +225,8 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     else:
         w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                                state_indices, window, dt_softplus)
-        r = torch.empty(b, q, H, P, device=x.device, dtype=torch.float32)
-        flags = torch.empty(b, device=x.device, dtype=torch.int32)
-        ht = min(triton.next_power_of_2(heads_per_program or 4), triton.next_power_of_2(H))
-        _ring_term_kernel[(b, triton.cdiv(H, ht))](
-            x, D, ring_x, ring_start, committed, state_indices, w, r, flags, int(window),
-            x.stride(0), x.stride(1), x.stride(2), H, R,
-            Q=q, QB=QB, HB=HB, HT=ht, P=P, BP=triton.next_power_of_2(P), num_warps=4,
-        )
+        r, flags = launch_ring_term(x, D, ring_x, ring_start, committed, state_indices, w, window,
+                                    heads_per_program)
     mma = q > 1 and block_p >= 16
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
