@@ -42,7 +42,8 @@ def view_row(i: int, r: Any, lim: RowLimits, check_blocks: bool = True) -> RowVi
         raise ValueError(f"rows[{i}].token_ids is empty")
     if not isinstance(r.start_pos, int) or r.start_pos < 0:
         raise ValueError(f"rows[{i}].start_pos must be >= 0, got {r.start_pos!r}")
-    check_slot(r.slot, f"rows[{i}].slot", lim.num_slots)
+    if not isinstance(r.slot, int) or not 0 <= r.slot < lim.num_slots:  # (no name string per valid row)
+        check_slot(r.slot, f"rows[{i}].slot", lim.num_slots)
     if len(r.block_table) * lim.kv_block_size < r.start_pos + q:
         raise ValueError(f"rows[{i}].block_table covers {len(r.block_table) * lim.kv_block_size} "
                          f"tokens, needs {r.start_pos + q}")
@@ -72,7 +73,7 @@ def view_row(i: int, r: Any, lim: RowLimits, check_blocks: bool = True) -> RowVi
     # block_table is not copied: it is read only while this step's inputs are built.
     return RowView(i, list(r.token_ids), r.start_pos, r.block_table, r.slot, r.num_logits,
                    None if r.spec_slots is None else list(r.spec_slots), decode, forced,
-                   [tuple(c) for c in r.checkpoints or ()])
+                   [tuple(c) for c in r.checkpoints] if r.checkpoints else [])
 
 
 def check_batch(views: list[RowView], lim: RowLimits) -> None:
