@@ -160,11 +160,29 @@ def _lean_flush_kernel(
             n = tl.arange(0, N)
             tile = p[:, None] * N + n[None, :]
             S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
-            for t in tl.static_range(Q):
-                Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + n).to(tl.float32)
-                yt = tl.load(sc_ptr + scbase + t) * tl.sum(S0 * Ct[None, :], axis=1)
-                yt += tl.load(r_ptr + ((i.to(tl.int64) * Q + t) * H + h) * P + p)
-                tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+            if Q > 1:
+                # Several tokens: S0 C^T on the tensor cores, as `_lean_piece`.
+                TB: tl.constexpr = 16 if QB < 16 else QB
+                t = tl.arange(0, TB)
+                tm = t < Q
+                Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :],
+                             other=0.0).to(tl.float32)  # (N, TB)
+                if C_ptr.dtype.element_ty == tl.float32:
+                    acc = tl.dot(S0, Ct, input_precision="tf32x3")
+                else:
+                    hi = (S0.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+                    acc = tl.dot(hi, Ct, input_precision="tf32")
+                    acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
+                acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
+                acc += tl.load(r_ptr + ((i.to(tl.int64) * Q + t[None, :]) * H + h) * P + p[:, None],
+                               mask=tm[None, :], other=0.0)
+                tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None],
+                         acc.to(y_ptr.dtype.element_ty), mask=tm[None, :])
+            else:
+                Ct = tl.load(C_ptr + i * sC_b + g * sC_g + n).to(tl.float32)
+                yt = tl.load(sc_ptr + scbase) * tl.sum(S0 * Ct[None, :], axis=1)
+                yt += tl.load(r_ptr + (i.to(tl.int64) * H + h) * P + p)
+                tl.store(y_ptr + i * sy_b + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
             j = tl.arange(0, KB)
             jm = j < hc
             rows = (o + j) % R
