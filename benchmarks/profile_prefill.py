@@ -37,10 +37,13 @@ PARTS = ("engine: schedule (prefix match, block hashes)", "engine: slot copies (
          "mamba checkpoint conv windows", "mamba chunked scan", "mamba checkpoint states",
          "mamba gated norm", "mamba other (splits, copies)", "attention KV store",
          "attention prefill (paged, cached context)", "attention proj GEMM", "MLP", "lm_head", "sampling",
-         "commit", "other")
+         "commit", "engine.step (rest: outputs, token read-back)", "other")
 # Engine phases: top-level spans of a step, their host time is the step's host breakdown.
 PHASES = PARTS[:5] + ("sampling", "commit")
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# Calls that can wait for the device: syncs, and copies (a D2H or pageable copy waits; a pinned one
+# does not, its time shows it).
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync")
 
 
 @contextlib.contextmanager
@@ -76,6 +79,7 @@ def labels(engine):
     on(model.embeddings, "forward", "embedding")
     on(model, "compute_logits", "lm_head")
     on(model.norm_f, "forward", "norms")
+    on(engine, "step", "engine.step (rest: outputs, token read-back)")
     on(engine, "_sample", "sampling")
     on(engine.runner, "commit", "commit")
     on(engine.runner, "execute", "runner.execute glue (checks, inputs)")

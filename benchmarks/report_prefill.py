@@ -78,7 +78,8 @@ def render(doc: dict[str, Any]) -> str:
         b = off["phase_host_us"].get(phase, 0.0) if off is not None else 0.0
         if a or b:
             lines.append(f"| {phase} | {_ms(a)} | {_ms(b)} |")
-    lines += ["", "Host calls that wait for the device (sync, D2H copy, pageable copy), by label:", "",
+    lines += ["", "Host calls that can wait for the device (syncs and copies; a pinned H2D copy returns at "
+              "once), by label:", "",
               "| label | ON calls | ON ms | OFF calls | OFF ms |", "|---|---|---|---|---|"]
     labels = list(dict.fromkeys([*on["syncs"], *((off or {}).get("syncs") or {})]))
     for label in labels:
