@@ -296,9 +296,8 @@ def run_interpreter(part: str) -> None:
         # The precomputed-ring-term route: reductions (q = 1), tensor-core pieces with the
         # side-stream flush (16-row tiles, q = 3), pipelined pieces (q = 2).
         # 8-row tiles fold with rank-one updates, 16-row tiles with a 3xTF32 product (.e: updates);
-        # one token prepares in one launch (.u: three; H=12, G=2 in blocks of 4 heads: masked).
+        # H=12, G=2 in blocks of 4 heads: the last block masked.
         check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.h4", steps=6)
-        check_replay_cycle("cpu", q=1, N=16, config=whole, route="lean.u", steps=4)
         check_replay_cycle("cpu", q=2, N=16, config=whole, route="lean.s2.i4.h2", steps=5)
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.c", steps=6,
                            act=torch.bfloat16)

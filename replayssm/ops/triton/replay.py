@@ -40,7 +40,7 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.c" at 32x4 (319 us vs 380 for "stream-list" at
+# their whole tiles fit: one token takes "lean.c" at 32x4 (321 us vs 380 for "stream-list" at
 # the 8B headline), several take "stream-list" at 64x4; else replay_step.py (q = 1) or the
 # tensor-core route (q > 1).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
@@ -77,17 +77,14 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if route.startswith(("stream-list", "lean")):
         # "stream-list|lean[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush
         # launches on a side stream (replay_stream.py, replay_lean.py); lean also takes .e (fold
-        # with fp32 rank-one updates instead of a 3xTF32 product), .u (one token: weights, ring term
-        # and list in three launches, not one), .fROWS / .wWARPS (flush tile), .pN (flush programs
-        # per SM), .hN (heads per ring-term program). The benchmarks sweep them.
+        # with fp32 rank-one updates instead of a 3xTF32 product), .fROWS / .wWARPS (flush tile),
+        # .pN (flush programs per SM), .hN (heads per ring-term program). The benchmarks sweep them.
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm",
                      h="heads_per_program")
-        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "e", "u")}
+        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "e")}
         if "e" in opts:
             kw["dot_fold"] = False
-        if "u" in opts:
-            kw["merged"] = False
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

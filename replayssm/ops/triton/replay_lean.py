@@ -11,8 +11,9 @@ and appends the new x rows to the ring. The output launch over the non-flush row
 gather-and-reduce plus a scale and an add: y_t = e^{Λ_t} (S0 C_t) + r_t. Flush rows (a per-row
 flag from the same small launch) are listed and folded by a persistent launch of their own.
 
-Launches: weights (`replay_step.py`) -> ring term -> outputs -> flush list -> flush fold; for one
-token the first two and the list are one launch (`replay_prep.py`).
+Launches: weights (`replay_step.py`) -> ring term -> outputs -> flush list -> flush fold. Merging
+the first three into one launch for one token measured slower on the H200 (381 vs 321 µs at the
+8B headline, NOTES-kernels.md) and was dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.replay_prep import launch_prep_one
 from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights
 from replayssm.ops.triton.replay_stream import _side_stream, stream_items
@@ -218,15 +218,14 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                 items: int = 1, stages: int = 1, concurrent: bool = False,
                 heads_per_program: int | None = None, dot_fold: bool = True,
                 flush_block_p: int | None = None, flush_warps: int | None = None,
-                flush_programs_per_sm: int = 4, merged: bool = True) -> None:
+                flush_programs_per_sm: int = 4) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
     Needs whole tiles (`replay_stream.stream_supported`); the caller checks. The flush launch has
     its own tile (flush_block_p rows, flush_warps warps; default the output tile) and runs
     flush_programs_per_sm programs per SM (4 on the CPU interpreter's "SMs"); dot_fold folds with
-    one 3xTF32 product per piece (tiles of >= 16 rows), else with rank-one fp32 updates. One token
-    (merged) prepares in one launch (`replay_prep.py`) instead of weights, ring term and list.
+    one 3xTF32 product per piece (tiles of >= 16 rows), else with rank-one fp32 updates.
     """
     flush_block_p = flush_block_p or block_p
     flush_warps = flush_warps or num_warps
@@ -234,17 +233,10 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
-    records = count = None
-    if q == 1 and merged:
-        # Weights, ring term and flush records in one launch (replay_prep.py).
-        w, sc, r, flags, records, count = launch_prep_one(
-            x, dt, A, B, C, D, dt_bias, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, window,
-            dt_softplus, heads_per_program or 4)
-    else:
-        w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                               state_indices, window, dt_softplus)
-        r, flags = launch_ring_term(x, D, ring_x, ring_start, committed, state_indices, w, window,
-                                    heads_per_program)
+    w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                           state_indices, window, dt_softplus)
+    r, flags = launch_ring_term(x, D, ring_x, ring_start, committed, state_indices, w, window,
+                                heads_per_program)
     mma = q > 1 and block_p >= 16
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
@@ -257,12 +249,10 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         )
 
     def flush() -> None:
-        nonlocal records, count
-        if records is None:
-            records = torch.empty(b, 4, device=x.device, dtype=torch.int32)
-            count = torch.empty(1, device=x.device, dtype=torch.int32)
-            _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
-                                    BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
+        records = torch.empty(b, 4, device=x.device, dtype=torch.int32)
+        count = torch.empty(1, device=x.device, dtype=torch.int32)
+        _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
+                                BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
         programs = min(b * H * (P // flush_block_p), flush_programs_per_sm * _sm_count(x.device))
         _lean_flush_kernel[(programs,)](
             records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
