@@ -46,8 +46,8 @@ class CacheConfig:
     )
     prefix_checkpoint_interval: int | None = _doc(
         None,
-        "tokens between published Mamba checkpoints, a multiple of kv_block_size (default: the model's "
-        "scan chunk size rounded up to a multiple of kv_block_size); a prefix hit ends on a checkpoint",
+        "tokens between published Mamba checkpoints, a multiple of kv_block_size (default: kv_block_size); "
+        "a prefix hit ends on a checkpoint",
     )
 
     def __post_init__(self) -> None:

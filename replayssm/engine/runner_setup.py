@@ -91,8 +91,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         kv_block_size=cache.kv_block_size,
         tensor_parallel_size=tp,  # sizes per GPU: each rank holds 1/tp of the heads
     )
-    interval = (cache.prefix_checkpoint_interval
-                or default_checkpoint_interval(model_config, cache.kv_block_size))
+    interval = cache.prefix_checkpoint_interval or cache.kv_block_size
     kv_block_bytes = runner_cls.kv_block_bytes(model_config, **sizes)
     if spec.num_speculative_tokens and spec.speculative_method == "mtp" and model_config.mtp_layer_types:
         # The MTP head's attention KV is addressed by the same block ids: it grows every block.
@@ -162,13 +161,3 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         slot_pool=slot_pool,
         prefix_cache=prefix,
     )
-
-
-def default_checkpoint_interval(model_config: Any, kv_block_size: int) -> int:
-    """Tokens between prefix-cache checkpoints when not given: the model's scan chunk rounded up to a
-    whole number of KV blocks. Each checkpoint inside a prefill costs an extra state computation
-    (the H200 profile of a 1,040-token prefix-hit prefill of the 8B shape spent 45.8 of 181 ms on
-    65 of them at one per 16-token block); one per chunk cuts that ~8x for hits up to a chunk
-    (128 tokens there) shorter."""
-    chunk = getattr(model_config, "chunk_size", kv_block_size) or kv_block_size
-    return -(-chunk // kv_block_size) * kv_block_size
