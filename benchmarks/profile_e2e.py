@@ -38,52 +38,63 @@ def _wrap(fn, name: str):
     return labelled
 
 
+def layer_labels(model) -> list[tuple[object, str, str]]:
+    """(object, method, label) for the block parts every step profile labels (shared with
+    profile_prefill.py): residual, norms, Mamba projections, attention projections, MLP, embedding,
+    lm_head."""
+    out = []
+    for block in model.layers:
+        out += [(block, "forward", "residual / casts"), (block.norm, "forward", "norms")]
+        mixer = block.mixer
+        if block.kind == "mamba":
+            out += [(mixer, "forward", "mamba other (splits, copies)"),
+                    (mixer.in_proj, "forward", "mamba in/out proj GEMM"),
+                    (mixer.out_proj, "forward", "mamba in/out proj GEMM")]
+        elif block.kind == "attention":
+            out.append((mixer, "forward", "attention proj GEMM"))
+        else:
+            out.append((mixer, "forward", "MLP"))
+    return out + [(model.embeddings, "forward", "embedding"), (model, "compute_logits", "lm_head"),
+                  (model.norm_f, "forward", "norms")]
+
+
 @contextlib.contextmanager
+def patched_labels(methods: list[tuple[object, str, str]], functions: list[tuple[object, str, str]]):
+    """Wrap each object's method (an instance attribute) and each module's function in a
+    record_function label while the block runs; undone on exit."""
+    attrs, patched = [], []
+    for obj, attr, name in methods:
+        attrs.append((obj, attr))
+        setattr(obj, attr, _wrap(getattr(obj, attr), name))
+    for module, attr, name in functions:
+        patched.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, _wrap(getattr(module, attr), name))
+    try:
+        yield
+    finally:
+        for obj, attr in reversed(attrs):
+            delattr(obj, attr)
+        for module, attr, orig in reversed(patched):
+            setattr(module, attr, orig)
+
+
 def labels(engine):
     """Wrap the step's modules and ops in record_function labels named by PARTS (undone on exit)."""
     from replayssm.models.layers import attention, mamba2
 
-    model, patched, attrs = engine.runner.model, [], []
-
-    def on(obj, attr, name):
-        attrs.append((obj, attr))
-        setattr(obj, attr, _wrap(getattr(obj, attr), name))
-
-    def fn(module, attr, name):
-        patched.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, _wrap(getattr(module, attr), name))
-
-    for block in model.layers:
-        on(block, "forward", "residual / casts")
-        on(block.norm, "forward", "norms")
-        mixer = block.mixer
-        if block.kind == "mamba":
-            on(mixer, "forward", "mamba other (splits, copies)")
-            on(mixer.in_proj, "forward", "mamba in/out proj GEMM")
-            on(mixer.out_proj, "forward", "mamba in/out proj GEMM")
-        elif block.kind == "attention":
-            on(mixer, "forward", "attention proj GEMM")
-        else:
-            on(mixer, "forward", "MLP")
-    on(model.embeddings, "forward", "embedding")
-    on(model, "compute_logits", "lm_head")
-    on(model.norm_f, "forward", "norms")
-    on(engine, "_sample", "sampling")
-    on(engine.runner, "commit", "commit (conv windows, cursors)")
-    on(engine.runner, "execute", "runner.execute glue (inputs, indexing)")
-    for name in ("replay_forward", "selective_state_update"):
-        fn(mamba2, name, "mamba SSM (replay / state update)")
-    fn(mamba2, "causal_conv1d_update", "mamba conv")
-    fn(mamba2, "rms_norm_gated", "mamba gated norm")
-    fn(attention, "store_kv", "attention (KV store + paged decode)")
-    fn(attention, "paged_attention", "attention (KV store + paged decode)")
-    try:
-        yield
-    finally:
-        for obj, attr in attrs:
-            delattr(obj, attr)
-        for module, attr, orig in patched:
-            setattr(module, attr, orig)
+    methods = layer_labels(engine.runner.model) + [
+        (engine, "_sample", "sampling"),
+        (engine.runner, "commit", "commit (conv windows, cursors)"),
+        (engine.runner, "execute", "runner.execute glue (inputs, indexing)"),
+    ]
+    functions = [(mamba2, name, "mamba SSM (replay / state update)")
+                 for name in ("replay_forward", "selective_state_update")] + [
+        (mamba2, "causal_conv1d_update", "mamba conv"),
+        (mamba2, "rms_norm_gated", "mamba gated norm"),
+        (attention, "store_kv", "attention (KV store + paged decode)"),
+        (attention, "paged_attention", "attention (KV store + paged decode)"),
+    ]
+    return patched_labels(methods, functions)
 
 
 def attribute(trace: dict, parts: tuple[str, ...] = PARTS) -> dict[str, dict[str, float]]:

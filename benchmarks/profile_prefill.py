@@ -46,62 +46,36 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaMemcpyAsync")
 
 
-@contextlib.contextmanager
 def labels(engine):
     """record_function labels (PARTS) on the engine phases, layer parts and prefill ops (undone on exit)."""
     from replayssm.models.layers import attention, mamba2
     from replayssm.ops import ssd
 
-    wrap = _load("profile_e2e")._wrap
-    model, patched, attrs = engine.runner.model, [], []
-
-    def on(obj, attr, name):
-        attrs.append((obj, attr))
-        setattr(obj, attr, wrap(getattr(obj, attr), name))
-
-    def fn(module, attr, name):
-        patched.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, wrap(getattr(module, attr), name))
-
-    for block in model.layers:
-        on(block, "forward", "residual / casts")
-        on(block.norm, "forward", "norms")
-        mixer = block.mixer
-        if block.kind == "mamba":
-            on(mixer, "forward", "mamba other (splits, copies)")
-            on(mixer.in_proj, "forward", "mamba in/out proj GEMM")
-            on(mixer.out_proj, "forward", "mamba in/out proj GEMM")
-            on(mixer, "_publish_conv_windows", "mamba checkpoint conv windows")
-        elif block.kind == "attention":
-            on(mixer, "forward", "attention proj GEMM")
-        else:
-            on(mixer, "forward", "MLP")
-    on(model.embeddings, "forward", "embedding")
-    on(model, "compute_logits", "lm_head")
-    on(model.norm_f, "forward", "norms")
-    on(engine, "step", "engine.step (rest: outputs, token read-back)")
-    on(engine, "_sample", "sampling")
-    on(engine.runner, "commit", "commit")
-    on(engine.runner, "execute", "runner.execute glue (checks, inputs)")
-    on(engine.runner, "copy_slots", "engine: slot copies (checkpoint -> live)")
-    on(engine.scheduler, "schedule", "engine: schedule (prefix match, block hashes)")
+    e2e = _load("profile_e2e")
+    methods = e2e.layer_labels(engine.runner.model)
+    methods += [(block.mixer, "_publish_conv_windows", "mamba checkpoint conv windows")
+                for block in engine.runner.model.layers if block.kind == "mamba"]
+    methods += [
+        (engine, "step", "engine.step (rest: outputs, token read-back)"),
+        (engine, "_sample", "sampling"),
+        (engine.runner, "commit", "commit"),
+        (engine.runner, "execute", "runner.execute glue (checks, inputs)"),
+        (engine.runner, "copy_slots", "engine: slot copies (checkpoint -> live)"),
+        (engine.scheduler, "schedule", "engine: schedule (prefix match, block hashes)"),
+    ]
     if engine.prefix_cache is not None:
-        on(engine.prefix_cache, "plan", "engine: checkpoint plan")
-        on(engine.prefix_cache, "finish", "engine: publish + register blocks")
-    fn(mamba2, "causal_conv1d_varlen", "mamba conv (varlen)")
-    fn(mamba2, "ssd_chunked_scan", "mamba chunked scan")
-    fn(mamba2, "store_states", "mamba checkpoint states")
-    fn(ssd, "_boundary_states", "mamba checkpoint states")
-    fn(mamba2, "rms_norm_gated", "mamba gated norm")
-    fn(attention, "store_kv", "attention KV store")
-    fn(attention, "paged_attention", "attention prefill (paged, cached context)")
-    try:
-        yield
-    finally:
-        for obj, attr in attrs:
-            delattr(obj, attr)
-        for module, attr, orig in patched:
-            setattr(module, attr, orig)
+        methods += [(engine.prefix_cache, "plan", "engine: checkpoint plan"),
+                    (engine.prefix_cache, "finish", "engine: publish + register blocks")]
+    functions = [
+        (mamba2, "causal_conv1d_varlen", "mamba conv (varlen)"),
+        (mamba2, "ssd_chunked_scan", "mamba chunked scan"),
+        (mamba2, "store_states", "mamba checkpoint states"),
+        (ssd, "_boundary_states", "mamba checkpoint states"),
+        (mamba2, "rms_norm_gated", "mamba gated norm"),
+        (attention, "store_kv", "attention KV store"),
+        (attention, "paged_attention", "attention prefill (paged, cached context)"),
+    ]
+    return e2e.patched_labels(methods, functions)
 
 
 # Aten ops that launch no kernel of their own (views, allocation, dispatch to another op).

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights
-from replayssm.ops.triton.replay_stream import _side_stream, stream_items
+from replayssm.ops.triton.replay_stream import run_beside, stream_items
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 
 
@@ -262,18 +262,8 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
             STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=flush_warps,
         )
 
-    if concurrent and x.is_cuda:
-        # Disjoint rows; both only read the scratch (see replay_stream.launch_stream).
-        main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            flush()
-        outputs()
-        main.wait_stream(side)
-        return
-    outputs()
-    flush()
+    # Disjoint rows; both only read the scratch (see replay_stream.launch_stream).
+    run_beside(x.device, flush, outputs, concurrent)
 
 
 def _sm_count(device: torch.device) -> int:

@@ -142,21 +142,26 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, **meta,
         )
 
-    if concurrent and x.is_cuda:
-        # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
-        # weights scratch, so the latency-bound flush launch can run beside the bandwidth-bound
-        # stream launch: forked onto a side stream after the weights launch, joined before
-        # returning (the join also orders any reuse of this step's scratch after both).
-        main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            flush_launches()
-        stream_launch()
-        main.wait_stream(side)
+    # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
+    # weights scratch, so the latency-bound flush launch may run beside the bandwidth-bound one.
+    run_beside(x.device, flush_launches, stream_launch, concurrent)
+
+
+def run_beside(device: torch.device, side_work, main_work, concurrent: bool) -> None:
+    """main_work() on the current stream and side_work() beside it on the device's side stream
+    (forked after the work queued so far, joined before returning: the join also orders any reuse
+    of the step's scratch after both); one after the other when not concurrent or not on CUDA."""
+    if not (concurrent and device.type == "cuda"):
+        main_work()
+        side_work()
         return
-    stream_launch()
-    flush_launches()
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        side_work()
+    main_work()
+    main.wait_stream(side)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
