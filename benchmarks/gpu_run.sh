@@ -18,9 +18,9 @@ if [ "$2" = fi ]; then
     --restore .fi/fiws.tgz > "$OUT/fi-restore.log" 2>&1
   FI=--flashinfer
 fi
-# .c: flush launch on a side stream; .s1: no cp.async staging (loads straight to registers; run 6's
-# ncu had the staged stream launch L1/TEX-bound).
-CFG="baseline=64x8,replay=stream-list:32x4+stream-list.c:32x4+stream-list.s1:32x4+stream-list:16x2"
-CFG="$CFG+stream-list.c:16x2+stream-list:64x4+stream-list.c:64x4+fused:32x4+mma:64x4"
+# The measured defaults (lean.c:32x4 for one token, stream-list:64x4 for several) and their nearest
+# rivals (NOTES-kernels.md, session 4): .e = fp32 CUDA-core fold, .c = flush launches on a side stream.
+CFG="baseline=64x8,replay=lean.c:32x4+lean:32x4+lean.c.e:32x4+lean.c.f32.w8:32x4+stream-list:32x4"
+CFG="$CFG+stream-list:64x4+stream-list.c:64x4+lean.c:64x4"
 timeout 380 python3 benchmarks/bench_kernels.py $FI --out "$OUT" --batches 256,512,128,32,8,1 --configs "$CFG" \
   2>&1 | tee "$OUT/bench.log" | grep -E "^(copy|read|sweep|diag)|b=256"
