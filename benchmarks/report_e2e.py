@@ -293,11 +293,17 @@ def render_profile(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_profile(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """e2e-profile.json and e2e-profile.md under out_dir; returns the document with its meta."""
+def write_doc(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any], stem: str,
+              render: Any) -> dict[str, Any]:
+    """{stem}.json and {stem}.md (render(doc)) under out_dir; returns the document with its meta."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = {**meta, **doc}
-    write_atomic(out / "e2e-profile.json", json.dumps(doc, indent=1, default=str) + "\n")
-    write_atomic(out / "e2e-profile.md", render_profile(doc))
+    write_atomic(out / f"{stem}.json", json.dumps(doc, indent=1, default=str) + "\n")
+    write_atomic(out / f"{stem}.md", render(doc))
     return doc
+
+
+def write_profile(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """e2e-profile.json and e2e-profile.md under out_dir; returns the document with its meta."""
+    return write_doc(doc, out_dir, meta, "e2e-profile", render_profile)

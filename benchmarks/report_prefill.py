@@ -8,7 +8,6 @@ the device (sync calls).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +97,4 @@ def write(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dic
     """e2e-prefill-profile.json and .md under out_dir; returns the document with its meta."""
     from replayssm.cli import _load_benchmark
 
-    write_atomic = _load_benchmark("report_e2e").write_atomic
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = {**meta, **doc}
-    write_atomic(out / "e2e-prefill-profile.json", json.dumps(doc, indent=1, default=str) + "\n")
-    write_atomic(out / "e2e-prefill-profile.md", render(doc))
-    return doc
+    return _load_benchmark("report_e2e").write_doc(doc, out_dir, meta, "e2e-prefill-profile", render)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights
-from replayssm.ops.triton.replay_stream import run_beside, stream_items
+from replayssm.ops.triton.replay_stream import flush_programs, run_beside, stream_items
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 
 
@@ -253,7 +253,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         count = torch.empty(1, device=x.device, dtype=torch.int32)
         _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
                                 BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
-        programs = min(b * H * (P // flush_block_p), flush_programs_per_sm * _sm_count(x.device))
+        programs = min(b * H * (P // flush_block_p), flush_programs(x.device, flush_programs_per_sm))
         _lean_flush_kernel[(programs,)](
             records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
             *C.stride()[:3], *y.stride()[:3], H, G, R,
@@ -264,10 +264,3 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
 
     # Disjoint rows; both only read the scratch (see replay_stream.launch_stream).
     run_beside(x.device, flush, outputs, concurrent)
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 on the CPU interpreter)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -175,8 +175,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
-def flush_programs(device: torch.device) -> int:
-    """Programs of the persistent flush launch: a few per SM (4 on the CPU interpreter)."""
+def flush_programs(device: torch.device, per_sm: int = FLUSH_PROGRAMS_PER_SM) -> int:
+    """Programs of a persistent flush launch: per_sm per SM (the CPU interpreter counts one SM)."""
     if device.type != "cuda":
-        return 4
-    return FLUSH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
