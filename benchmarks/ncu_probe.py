@@ -7,6 +7,12 @@
 Nemotron-H-8B Mamba layer, batch 256, fp32 state, q = 1 (N with a first argument qN), W = 16;
 cursors from the benchmark's steady-state mix (about 1/16 of the rows flush at q = 1). Prints the
 launch order so the report reads.
+
+    python3 benchmarks/ncu_probe.py --times [qN] [route:tile ...]
+
+instead times each kernel of each route at full clocks (torch.profiler over 20 eager steps, after
+2 untimed ones) and prints microseconds per step per kernel, so a route's launches can be split
+without Nsight Compute's locked clocks.
 """
 
 from __future__ import annotations
@@ -20,23 +26,55 @@ from replayssm.ops.triton import replay as treplay
 from replayssm.ops.triton import ssu as tssu
 
 
+def _step(bench: Bench, tile: Tile, start, comm) -> None:
+    if not tile.route:
+        tssu.launch_ssu(bench.state, bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D,
+                        bench.dt_bias, bench.idx[0], None, True, 0, bench.y, tile.config)
+    else:
+        treplay.launch_replay_forward(
+            bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D, bench.dt_bias, bench.state,
+            bench.ring_x, bench.ring_B, bench.ring_dt, start.clone(), comm.clone(), bench.idx[0],
+            WINDOW, True, 0, bench.y, tile.config, tile.route)
+
+
+def times(bench: Bench, tiles: list[str], steps: int = 20) -> None:
+    """Microseconds per step of every kernel of each route (full clocks, eager launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start, comm = bench.cursors[0]
+    for text in tiles:
+        tile = Tile.parse(text)
+        for _ in range(2):
+            _step(bench, tile, start, comm)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                _step(bench, tile, start, comm)
+            torch.cuda.synchronize()
+        per = {}
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" and e.device_time_total > 0:
+                per[e.key] = e.device_time_total / steps
+        total = sum(per.values())
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+        print(f"times q={bench.case.q} {tile.name}: sum {total:.1f} us/step: {parts}", flush=True)
+
+
 def main() -> None:
     args = sys.argv[1:]
+    timing = "--times" in args
+    args = [a for a in args if a != "--times"]
     q = int(args.pop(0)[1:]) if args and args[0].startswith("q") else 1  # "q4": several tokens
     tiles = args or ["64x8", "fused:32x4", "stream-list:32x4"]
     bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
+    if timing:
+        times(bench, tiles)
+        return
     start, comm = bench.cursors[0]
     for text in tiles:
         tile = Tile.parse(text)
         for _ in range(2):  # the first call compiles; ncu profiles both launches
-            if not tile.route:
-                tssu.launch_ssu(bench.state, bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D,
-                                bench.dt_bias, bench.idx[0], None, True, 0, bench.y, tile.config)
-            else:
-                treplay.launch_replay_forward(
-                    bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D, bench.dt_bias, bench.state,
-                    bench.ring_x, bench.ring_B, bench.ring_dt, start.clone(), comm.clone(), bench.idx[0],
-                    WINDOW, True, 0, bench.y, tile.config, tile.route)
+            _step(bench, tile, start, comm)
         torch.cuda.synchronize()
         print(f"profiled {tile.name}", flush=True)
 

@@ -76,15 +76,16 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith(("stream-list", "lean")):
         # "stream-list|lean[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush
-        # launches on a side stream (replay_stream.py, replay_lean.py); lean also takes .e (fold
-        # with fp32 rank-one updates instead of a 3xTF32 product), .fROWS / .wWARPS (flush tile),
-        # .pN (flush programs per SM), .hN (heads per ring-term program). The benchmarks sweep them.
+        # launches on a side stream (replay_stream.py, replay_lean.py); .d / .e fold flush tiles
+        # with a 3xTF32 product / fp32 rank-one updates (lean's default .d, stream-list's .e);
+        # lean also takes .fROWS / .wWARPS (flush tile), .pN (flush programs per SM), .hN (heads
+        # per ring-term program). The benchmarks sweep them.
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm",
                      h="heads_per_program")
-        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "e")}
-        if "e" in opts:
-            kw["dot_fold"] = False
+        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "d", "e")}
+        if "e" in opts or "d" in opts:
+            kw["dot_fold"] = "d" in opts
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

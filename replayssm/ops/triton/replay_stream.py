@@ -108,7 +108,7 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                  items: int = 8, stages: int = 2, concurrent: bool = False) -> None:
+                  items: int = 8, stages: int = 2, concurrent: bool = False, dot_fold: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch).
@@ -124,7 +124,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
-    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=q > 1 and block_p >= 16,
+    # dot_fold: their flush pieces fold with one 3xTF32 product per chunk (MMA = 2).
+    mma = (2 if dot_fold else 1) if q > 1 and block_p >= 16 else 0
+    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
         # Flush rows listed on the device, then folded by a persistent launch.

@@ -1,0 +1,231 @@
+"""Graph-replayed decode timeline, mode (a) shape: where the GPU waits for the host.
+
+    python3 benchmarks/profile_gaps.py [--contexts 64,512,1000] [--steps 16] [--out DIR] [--quick]
+
+`replayssm bench --profile` labels kernels by layer part, which needs eager steps; the bench itself
+replays CUDA graphs, and its steps are longer than the GPU work they hold. This script builds the
+mode (a) engine (batch 256, CUDA graphs, W = 16) for ReplaySSM OFF and ON, decodes until each
+context length in --contexts, and there times --steps steps twice: plain (wall ms/step), then
+under torch.profiler with the engine's host phases labelled. From the trace:
+  - GPU busy ms/step: the union of device intervals (kernels, copies, memsets);
+  - GPU idle ms/step, split by the host phase running at each idle interval's midpoint
+    (innermost label), with gaps under 5 us counted apart as kernel boundaries;
+  - device ms/step per kernel group (SSM, conv, GEMM, attention, other) and the top kernels.
+The profiled steps run slower than the plain ones (labels cost host time); the plain wall is the
+measurement, the profiled split says where the waits are. Writes e2e-gaps.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from bench_e2e import NEMOTRON_H_8B, TINY  # noqa: E402
+from profile_e2e import _innermost, patched_labels  # noqa: E402
+
+HOST = ("host: step (loops, sync)", "host: schedule", "host: rows", "host: execute (checks, views)",
+        "host: build inputs", "host: graph run (copies, replay)", "host: sample", "host: commit",
+        "host: append tokens", "host: make_output")
+GROUPS = (("SSM", r"replay|ssu|_lean|_ring_term|_stream_kernel|_flush|_weights_kernel|fold"),
+          ("conv", r"conv"), ("attention", r"paged|attention|attn"),
+          ("GEMM", r"nvjet|gemm|cutlass|xmma|splitK"), ("norm", r"_norm_kernel"))
+SHORT_GAP_US = 5.0
+
+
+def host_labels(engine):
+    from replayssm.engine import llm_engine, model_runner
+
+    methods = [(engine, "step", HOST[0]), (engine.scheduler, "schedule", HOST[1]), (engine, "_row", HOST[2]),
+               (engine.runner, "execute", HOST[3]), (engine, "_sample", HOST[6]),
+               (engine.runner, "commit", HOST[7]), (engine.output, "append_token", HOST[8])]
+    if engine.runner.graphs is not None:
+        methods.append((engine.runner.graphs, "run", HOST[5]))
+    functions = [(model_runner, "build_inputs", HOST[4]), (llm_engine, "make_output", HOST[9])]
+    return patched_labels(methods, functions)
+
+
+def group(kernel: str) -> str:
+    return next((g for g, pat in GROUPS if re.search(pat, kernel, re.I)), "other")
+
+
+def analyse(trace: dict, steps: int) -> dict[str, Any]:
+    """Busy / idle / per-group device time per step from a chrome trace (see the module doc)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda x: x[0])
+    spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+             if e.get("cat") == "user_annotation" and e["name"] in HOST]
+    steps_spans = sorted(s for s in spans if s[2] == HOST[0])
+    if not steps_spans or not device:
+        return {"error": f"trace has {len(steps_spans)} steps and {len(device)} device events"}
+    t0, t1 = steps_spans[0][0], steps_spans[-1][1]
+    merged: list[list[float]] = []
+    for a, b, _ in device:
+        a, b = max(a, t0), min(b, t1)
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    busy = sum(b - a for a, b in merged)
+    gaps = [(a, b) for (_, a), (b, _) in zip([(None, t0)] + merged, merged + [(t1, None)]) if b > a]
+    long_gaps = [(a, b) for a, b in gaps if b - a >= SHORT_GAP_US]
+    owners = _innermost(spans, [(a + b) / 2 for a, b in long_gaps])
+    idle: dict[str, float] = {"kernel boundaries (< 5 us)": sum(b - a for a, b in gaps if b - a < SHORT_GAP_US)}
+    for (a, b), owner in zip(long_gaps, owners):
+        name = owner if owner in HOST else "between steps"
+        idle[name] = idle.get(name, 0.0) + (b - a)
+    groups: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for a, b, name in device:
+        groups[group(name)] = groups.get(group(name), 0.0) + (b - a)
+        kernels[name[:60]] = kernels.get(name[:60], 0.0) + (b - a)
+    host = {}
+    for a, b, name in spans:
+        host[name] = host.get(name, 0.0) + (b - a)
+    ms = lambda v: v / steps / 1e3  # noqa: E731
+    return {
+        "profiled_wall_ms_per_step": ms(t1 - t0),
+        "gpu_busy_ms_per_step": ms(busy),
+        "gpu_idle_ms_per_step": ms(t1 - t0 - busy),
+        "idle_ms_per_step_by_host_phase": {k: ms(v) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])},
+        "host_phase_ms_per_step_inclusive": {k: ms(v) for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
+        "device_ms_per_step_by_group": {k: ms(v) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms_per_step": {k: ms(v) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]},
+        "device_events": len(device),
+    }
+
+
+def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from replayssm.config import EngineConfig
+    from replayssm.engine.llm_engine import LLMEngine
+    from replayssm.sampling_params import SamplingParams
+
+    contexts = sorted(int(c) for c in args.contexts.split(","))
+    total = contexts[-1] + 2 * args.steps + 8
+    cuda = torch.cuda.is_available()
+    kw = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", replay_window=16,
+              state_dtype="float32", kv_block_size=16, max_num_batched_tokens=8192, load_format="dummy",
+              cuda_graphs=cuda, replayssm=replayssm, max_num_seqs=args.batch,
+              max_model_len=args.prompt + total + 1)
+    engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
+    rng = random.Random(f"gaps-{replayssm}")
+    params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", [rng.randrange(3, cfg["vocab_size"]) for _ in range(args.prompt)], params)
+    gc.collect()
+    gc.freeze()
+    out: dict[str, Any] = {"replayssm": replayssm, "points": []}
+    done = 0
+    for ctx in contexts:
+        while done < ctx - args.prompt:  # the first step prefills; decode steps then add one token each
+            engine.step()
+            done += 1
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / args.steps * 1e3
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with host_labels(engine), profile(activities=acts) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+        done += 2 * args.steps
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            point = analyse(json.loads(Path(path).read_text()), args.steps)
+        point.update(context=args.prompt + done, wall_ms_per_step=wall,
+                     graph_replays=getattr(engine.runner.graphs, "num_replays", None))
+        out["points"].append(point)
+        log(f"replayssm={replayssm} context~{point['context']}: wall {wall:.2f} ms/step; profiled "
+            f"{point.get('profiled_wall_ms_per_step', 0):.2f}, GPU busy {point.get('gpu_busy_ms_per_step', 0):.2f}, "
+            f"idle {point.get('gpu_idle_ms_per_step', 0):.2f}")
+    del engine
+    gc.unfreeze()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def render(doc: dict) -> str:
+    lines = ["# Graph-replayed decode steps: GPU busy and where it waits", "",
+             f"- commit `{doc['commit']}`, device {doc['device']}, command `{doc['command']}`",
+             f"- batch {doc['batch']}, prompt {doc['prompt']}, {doc['steps']} steps per point; wall = plain "
+             "steps, the rest from profiled steps (host labels add host time)", "",
+             "| setting | context | wall ms/step | profiled ms/step | GPU busy | GPU idle | idle by host phase (ms/step) "
+             "| device by group (ms/step) |", "|---|---|---|---|---|---|---|---|"]
+    for s in doc["settings"]:
+        for p in s["points"]:
+            if "error" in p:
+                lines.append(f"| {'on' if s['replayssm'] else 'off'} | {p['context']} | {p['wall_ms_per_step']:.2f} "
+                             f"| {p['error']} | | | | |")
+                continue
+            idle = ", ".join(f"{k} {v:.2f}" for k, v in p["idle_ms_per_step_by_host_phase"].items() if v >= 0.01)
+            grp = ", ".join(f"{k} {v:.2f}" for k, v in p["device_ms_per_step_by_group"].items())
+            lines.append(f"| {'on' if s['replayssm'] else 'off'} | {p['context']} | {p['wall_ms_per_step']:.2f} | "
+                         f"{p['profiled_wall_ms_per_step']:.2f} | {p['gpu_busy_ms_per_step']:.2f} | "
+                         f"{p['gpu_idle_ms_per_step']:.2f} | {idle} | {grp} |")
+    lines += ["", "Host phases, inclusive ms/step (last point of each setting):", ""]
+    for s in doc["settings"]:
+        p = s["points"][-1]
+        if "host_phase_ms_per_step_inclusive" in p:
+            hp = ", ".join(f"{k} {v:.2f}" for k, v in p["host_phase_ms_per_step_inclusive"].items())
+            lines.append(f"- {'on' if s['replayssm'] else 'off'}: {hp}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", default="64,512,1000", help="context lengths to profile at (tokens)")
+    ap.add_argument("--steps", type=int, default=16, help="steps per timed / profiled window (default 16 = W)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (a check of the script)")
+    args = ap.parse_args()
+    import torch
+
+    cfg = dict(NEMOTRON_H_8B)
+    if args.quick or not torch.cuda.is_available():
+        cfg = dict(TINY)
+        args.batch, args.prompt, args.steps = min(args.batch, 4), min(args.prompt, 5), min(args.steps, 3)
+        args.contexts = "8,12"
+    settings = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(cfg))
+        for on in (False, True):
+            settings.append(run_setting(cfg, model_dir, args, on, print))
+    from report_e2e import run_meta
+
+    meta = run_meta(["python3", "benchmarks/profile_gaps.py", *sys.argv[1:]])
+    doc = {**meta, "batch": args.batch, "prompt": args.prompt, "steps": args.steps, "settings": settings}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e-gaps.json").write_text(json.dumps(doc, indent=1))
+    (out / "e2e-gaps.md").write_text(render(doc))
+    print(render(doc))
+
+
+if __name__ == "__main__":
+    main()
