@@ -82,7 +82,8 @@ def analyse(trace: dict, steps: int) -> dict[str, Any]:
     gaps = [(a, b) for (_, a), (b, _) in zip([(None, t0)] + merged, merged + [(t1, None)]) if b > a]
     long_gaps = [(a, b) for a, b in gaps if b - a >= SHORT_GAP_US]
     owners = _innermost(spans, [(a + b) / 2 for a, b in long_gaps])
-    idle: dict[str, float] = {"kernel boundaries (< 5 us)": sum(b - a for a, b in gaps if b - a < SHORT_GAP_US)}
+    short = sum(b - a for a, b in gaps if b - a < SHORT_GAP_US)
+    idle: dict[str, float] = {"kernel boundaries (< 5 us)": short}
     for (a, b), owner in zip(long_gaps, owners):
         name = owner if owner in HOST else "between steps"
         idle[name] = idle.get(name, 0.0) + (b - a)
@@ -95,14 +96,15 @@ def analyse(trace: dict, steps: int) -> dict[str, Any]:
     for a, b, name in spans:
         host[name] = host.get(name, 0.0) + (b - a)
     ms = lambda v: v / steps / 1e3  # noqa: E731
+    desc = lambda d: sorted(d.items(), key=lambda kv: -kv[1])  # noqa: E731
     return {
         "profiled_wall_ms_per_step": ms(t1 - t0),
         "gpu_busy_ms_per_step": ms(busy),
         "gpu_idle_ms_per_step": ms(t1 - t0 - busy),
-        "idle_ms_per_step_by_host_phase": {k: ms(v) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])},
-        "host_phase_ms_per_step_inclusive": {k: ms(v) for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
-        "device_ms_per_step_by_group": {k: ms(v) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-        "top_kernels_ms_per_step": {k: ms(v) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]},
+        "idle_ms_per_step_by_host_phase": {k: ms(v) for k, v in desc(idle)},
+        "host_phase_ms_per_step_inclusive": {k: ms(v) for k, v in desc(host)},
+        "device_ms_per_step_by_group": {k: ms(v) for k, v in desc(groups)},
+        "top_kernels_ms_per_step": {k: ms(v) for k, v in desc(kernels)[:12]},
         "device_events": len(device),
     }
 
@@ -157,9 +159,9 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[s
         point.update(context=args.prompt + done, wall_ms_per_step=wall,
                      graph_replays=getattr(engine.runner.graphs, "num_replays", None))
         out["points"].append(point)
+        got = {k: point.get(f"{k}_ms_per_step", 0.0) for k in ("profiled_wall", "gpu_busy", "gpu_idle")}
         log(f"replayssm={replayssm} context~{point['context']}: wall {wall:.2f} ms/step; profiled "
-            f"{point.get('profiled_wall_ms_per_step', 0):.2f}, GPU busy {point.get('gpu_busy_ms_per_step', 0):.2f}, "
-            f"idle {point.get('gpu_idle_ms_per_step', 0):.2f}")
+            f"{got['profiled_wall']:.2f}, GPU busy {got['gpu_busy']:.2f}, idle {got['gpu_idle']:.2f}")
     del engine
     gc.unfreeze()
     gc.collect()
@@ -173,18 +175,19 @@ def render(doc: dict) -> str:
              f"- commit `{doc['commit']}`, device {doc['device']}, command `{doc['command']}`",
              f"- batch {doc['batch']}, prompt {doc['prompt']}, {doc['steps']} steps per point; wall = plain "
              "steps, the rest from profiled steps (host labels add host time)", "",
-             "| setting | context | wall ms/step | profiled ms/step | GPU busy | GPU idle | idle by host phase (ms/step) "
-             "| device by group (ms/step) |", "|---|---|---|---|---|---|---|---|"]
+             "| setting | context | wall ms/step | profiled ms/step | GPU busy | GPU idle "
+             "| idle by host phase (ms/step) | device by group (ms/step) |", "|---" * 8 + "|"]
     for s in doc["settings"]:
+        name = "on" if s["replayssm"] else "off"
         for p in s["points"]:
+            head = f"| {name} | {p['context']} | {p['wall_ms_per_step']:.2f} | "
             if "error" in p:
-                lines.append(f"| {'on' if s['replayssm'] else 'off'} | {p['context']} | {p['wall_ms_per_step']:.2f} "
-                             f"| {p['error']} | | | | |")
+                lines.append(head + f"{p['error']} | | | | |")
                 continue
-            idle = ", ".join(f"{k} {v:.2f}" for k, v in p["idle_ms_per_step_by_host_phase"].items() if v >= 0.01)
+            idle = ", ".join(f"{k} {v:.2f}" for k, v in p["idle_ms_per_step_by_host_phase"].items()
+                             if v >= 0.01)
             grp = ", ".join(f"{k} {v:.2f}" for k, v in p["device_ms_per_step_by_group"].items())
-            lines.append(f"| {'on' if s['replayssm'] else 'off'} | {p['context']} | {p['wall_ms_per_step']:.2f} | "
-                         f"{p['profiled_wall_ms_per_step']:.2f} | {p['gpu_busy_ms_per_step']:.2f} | "
+            lines.append(head + f"{p['profiled_wall_ms_per_step']:.2f} | {p['gpu_busy_ms_per_step']:.2f} | "
                          f"{p['gpu_idle_ms_per_step']:.2f} | {idle} | {grp} |")
     lines += ["", "Host phases, inclusive ms/step (last point of each setting):", ""]
     for s in doc["settings"]:
@@ -198,7 +201,7 @@ def render(doc: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="64,512,1000", help="context lengths to profile at (tokens)")
-    ap.add_argument("--steps", type=int, default=16, help="steps per timed / profiled window (default 16 = W)")
+    ap.add_argument("--steps", type=int, default=16, help="steps per timed / profiled window (16 = W)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
