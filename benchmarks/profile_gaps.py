@@ -1,6 +1,6 @@
 """Graph-replayed decode timeline, mode (a) shape: where the GPU waits for the host.
 
-    python3 benchmarks/profile_gaps.py [--contexts 64,512,1000] [--steps 16] [--out DIR] [--quick]
+    python3 benchmarks/profile_gaps.py [--contexts 64,512,1000] [--steps 16] [--cprofile] [--out D] [--quick]
 
 `replayssm bench --profile` labels kernels by layer part, which needs eager steps; the bench itself
 replays CUDA graphs, and its steps are longer than the GPU work they hold. This script builds the
@@ -18,9 +18,11 @@ measurement, the profiled split says where the waits are. Writes e2e-gaps.{json,
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import random
 import re
 import sys
@@ -109,6 +111,14 @@ def analyse(trace: dict, steps: int) -> dict[str, Any]:
     }
 
 
+def cprofile_top(prof, steps: int, n: int = 30) -> list[str]:
+    """The n functions with the most own time, as 'tottime cumtime ms/step calls/step name'."""
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [f"{tt / steps * 1e3:8.3f} {ct / steps * 1e3:8.3f} {nc / steps:8.1f} {Path(f).name}:{line}({fn})"
+            for (f, line, fn), (_, nc, tt, ct, _) in rows]
+
+
 def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -139,12 +149,13 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[s
             done += 1
         if cuda:
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             engine.step()
         if cuda:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / args.steps * 1e3
+        cpu = (time.process_time() - c) / args.steps * 1e3
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with host_labels(engine), profile(activities=acts) as prof:
             for _ in range(args.steps):
@@ -152,12 +163,25 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[s
             if cuda:
                 torch.cuda.synchronize()
         done += 2 * args.steps
+        top = None
+        if args.cprofile:
+            prof_py = cProfile.Profile()
+            prof_py.enable()
+            for _ in range(args.steps):
+                engine.step()
+            prof_py.disable()
+            done += args.steps
+            top = cprofile_top(prof_py, args.steps)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
             point = analyse(json.loads(Path(path).read_text()), args.steps)
-        point.update(context=args.prompt + done, wall_ms_per_step=wall,
+        point.update(context=args.prompt + done, wall_ms_per_step=wall, process_cpu_ms_per_step=cpu,
                      graph_replays=getattr(engine.runner.graphs, "num_replays", None))
+        if top is not None:
+            point["cprofile_top_ms_per_step"] = top
+            for row in top[:15]:
+                log(f"  cprofile {row}")
         out["points"].append(point)
         got = {k: point.get(f"{k}_ms_per_step", 0.0) for k in ("profiled_wall", "gpu_busy", "gpu_idle")}
         log(f"replayssm={replayssm} context~{point['context']}: wall {wall:.2f} ms/step; profiled "
@@ -205,6 +229,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--cprofile", action="store_true",
+                    help="after each point, one more window under cProfile (own-time top 30 into the JSON)")
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (a check of the script)")
     args = ap.parse_args()
     import torch

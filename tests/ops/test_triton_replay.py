@@ -42,7 +42,7 @@ def test_replay_cycle_stream_gpu(state_dtype, q, route):
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
 
 
-LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e"]
+LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e", "lean.o"]
 
 
 @requires_cuda

@@ -84,16 +84,17 @@ def _lean_piece(
 def _lean_kernel(
     C_ptr, state_ptr, idx_ptr, flag_ptr, y_ptr, sc_ptr, r_ptr, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G,
     Q: tl.constexpr, QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
-    NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr,
+    NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr, ALL: tl.constexpr,
 ):
     # ITEMS consecutive pieces of one row (ITEMS divides the row's piece count); the slot and the
     # flush flag are both indexed by the row, so the tile load waits on one small load only.
+    # ALL: flush rows too (their outputs come from the same S0; the flush launch only folds).
     w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
     i = w0 // per_row
     first = w0 % per_row
     s = tl.load(idx_ptr + i)
-    f = tl.load(flag_ptr + i)
+    f = 0 if ALL else tl.load(flag_ptr + i)
     s64 = tl.maximum(s, 0).to(tl.int64)  # padding rows read slot 0, zeroed in the piece
     if f == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
@@ -129,13 +130,15 @@ def _lean_flush_kernel(
     sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, DOT: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr,
+    MAXV: tl.constexpr, OUT: tl.constexpr,
 ):
     # Persistent over the (head, P tile) pieces of the listed rows. A piece loads its tile once,
     # writes y_t = e^{Λ_t} (S0 C_t) + r_t, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32
     # and writes it: (DOT) one (BLOCK_P, KB) x (KB, N) 3xTF32 tensor-core product onto the decayed
     # tile (~2^-21 relative error per product against fp32's 2^-24; on the H200 it halved this
     # launch, 82 -> 47 us, NOTES-kernels.md), or one fp32 rank-one update per history entry.
+    # Without OUT (the output launch took these rows too) a piece only folds, an NS-column chunk
+    # at a time (3xTF32 product), so few registers are live and many pieces stream at once.
     NPT: tl.constexpr = P // BLOCK_P
     KB: tl.constexpr = 16 if HB < 16 else HB
     JB: tl.constexpr = HB + QB
@@ -156,7 +159,23 @@ def _lean_flush_kernel(
         wf = (i.to(tl.int64) * H + h) * ((Q + 1) * JB) + Q * JB
         xrow0 = s64 * H * R + h * R
         Brow0 = s64 * G * R + g * R
-        if DOT:
+        if not OUT:
+            j = tl.arange(0, KB)
+            jm = j < hc
+            rows = (o + j) % R
+            xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jm[None, :],
+                         other=0.0).to(tl.float32) * tl.load(w_ptr + wf + j, mask=jm, other=0.0)[None, :]
+            decay = tl.load(sc_ptr + scbase + Q)
+            for c in tl.static_range(NC):
+                n = c * NS + tl.arange(0, NS)
+                tile = p[:, None] * N + n[None, :]
+                S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+                Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
+                             other=0.0).to(tl.float32)  # (KB, NS)
+                S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
+                S = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
+                tl.store(state_ptr + sbase + tile, S)
+        elif DOT:
             n = tl.arange(0, N)
             tile = p[:, None] * N + n[None, :]
             S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
@@ -210,7 +229,8 @@ def _lean_flush_kernel(
                 Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0)
                 Bj = Bj.to(tl.float32)
                 S += (fj * xj)[None, :, None] * Bj[:, None, :]
-        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+        if OUT:
+            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
 
 
 def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
@@ -218,7 +238,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                 items: int = 1, stages: int = 1, concurrent: bool = False,
                 heads_per_program: int | None = None, dot_fold: bool = True,
                 flush_block_p: int | None = None, flush_warps: int | None = None,
-                flush_programs_per_sm: int = 4) -> None:
+                flush_programs_per_sm: int = 4, outputs_all: bool = False) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
@@ -226,8 +246,11 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     its own tile (flush_block_p rows, flush_warps warps; default the output tile) and runs
     flush_programs_per_sm programs per SM (4 on the CPU interpreter's "SMs"); dot_fold folds with
     one 3xTF32 product per piece (tiles of >= 16 rows), else with rank-one fp32 updates.
+    outputs_all: the output launch takes every row and the flush launch (after it, on the same
+    stream: it overwrites tiles the output launch reads) only folds; flush rows read S0 twice.
     """
     flush_block_p = flush_block_p or block_p
+    outputs_all = outputs_all and flush_block_p >= 16  # the fold-only pieces are products
     flush_warps = flush_warps or num_warps
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -245,7 +268,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         _lean_kernel[(b * H * (P // block_p) // k,)](
             C, state, state_indices, flags, y, sc, r, *C.stride()[:3], *y.stride()[:3], H, G,
             Q=q, QB=QB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k, STAGES=stages, MMA=mma,
-            num_warps=num_warps,
+            ALL=outputs_all, num_warps=num_warps,
         )
 
     def flush() -> None:
@@ -258,9 +281,13 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
             records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
             *C.stride()[:3], *y.stride()[:3], H, G, R,
             Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=flush_block_p, NS=min(N, 32),
-            DOT=dot_fold and flush_block_p >= 16,
-            STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=flush_warps,
+            DOT=dot_fold and flush_block_p >= 16, STATE_DTYPE=sdt, MAXV=max_finite(sdt),
+            OUT=not outputs_all, num_warps=flush_warps,
         )
 
+    if outputs_all:
+        outputs()
+        flush()
+        return
     # Disjoint rows; both only read the scratch (see replay_stream.launch_stream).
     run_beside(x.device, flush, outputs, concurrent)
