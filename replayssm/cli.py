@@ -34,7 +34,7 @@ _SIZE_UNITS = {
 ENGINE_FLAGS = {
     EngineConfig: (
         "device", "dtype", "replayssm", "replay_window", "tokenizer", "load_format", "cuda_graphs",
-        "tensor_parallel_size",
+        "tensor_parallel_size", "host_threads",
     ),
     CacheConfig: (
         "memory_budget",

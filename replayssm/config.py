@@ -149,8 +149,14 @@ class EngineConfig:
         "config.json alone, for benchmarks)"
     )
     cuda_graphs: bool = _doc(
-        False, "replay decode/verify steps as CUDA graphs (needs fp32 state; NOT yet verified on a GPU, "
-        "hence off by default)"
+        False, "replay decode/verify steps as CUDA graphs (needs fp32 state and tensor_parallel_size 1; "
+        "tested against eager steps on an H200)"
+    )
+    host_threads: int = _doc(
+        1, "CPU threads for PyTorch's host-side ops (torch.set_num_threads) in an engine on CUDA: a "
+        "step's host tensors are small, and PyTorch's default thread pool spun up to 15 cores and "
+        "doubled the H200 host loop once block tables outgrew its parallel grain; 0 leaves PyTorch's "
+        "setting (CPU engines always do: their model runs on those threads)"
     )
     tensor_parallel_size: int = _doc(
         1, "GPUs (CPU processes with device cpu) that split every layer's heads and weights; "
@@ -174,6 +180,7 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("host_threads", self.host_threads, 0)
         if self.tensor_parallel_size > 1 and self.cuda_graphs:
             raise ValueError("cuda_graphs=True does not support tensor_parallel_size > 1 yet "
                              "(graphs with NCCL collectives are untested)")

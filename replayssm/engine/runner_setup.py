@@ -80,6 +80,11 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     device, dtype = config.resolved_device(), config.resolved_dtype()
+    if device.startswith("cuda") and config.host_threads:
+        import torch
+
+        # Process-wide, like every torch thread setting: the engine owns its process's host loop.
+        torch.set_num_threads(config.host_threads)
     max_model_len = config.scheduler.max_model_len or model_config.max_model_len
     cache, spec = config.cache, config.spec
     sizes = dict(

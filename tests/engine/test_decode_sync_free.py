@@ -89,3 +89,22 @@ def test_engine_verify_step_syncs_once(tmp_path, replayssm):
     outs, syncs = _warm_step_syncs(tmp_path, 24, replayssm=replayssm, num_speculative_tokens=3,
                                    speculative_method="synthetic", synthetic_acceptance_length=2.5)
     assert len(outs) == 3 and len(syncs) <= 1, syncs
+
+
+@requires_cuda
+@pytest.mark.parametrize("host_threads, want", [(1, 1), (3, 3), (0, None)])
+def test_engine_on_cuda_sets_host_threads(tmp_path, host_threads, want):
+    """An engine on CUDA sets PyTorch's CPU threads to host_threads (0: left as it was)."""
+    from replayssm.config import EngineConfig
+    from replayssm.engine.llm_engine import LLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    before = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        LLMEngine(EngineConfig.from_kwargs(str(tmp_path), device="cuda", dtype="bfloat16",
+                                           load_format="dummy", max_num_seqs=2, memory_budget=1 << 26,
+                                           host_threads=host_threads))
+        assert torch.get_num_threads() == (want or 5)
+    finally:
+        torch.set_num_threads(before)

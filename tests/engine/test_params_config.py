@@ -47,6 +47,7 @@ def test_sampling_params_defaults_and_normalization():
         ({"memory_budget": 0}, "memory_budget"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"no_such_flag": 1}, "no_such_flag"),
+        ({"host_threads": -1}, "host_threads"),
     ],
 )
 def test_bad_engine_args_name_the_field(kwargs, field):
@@ -63,3 +64,18 @@ def test_engine_kwargs_route_to_sub_configs():
     assert c.scheduler == SchedulerConfig(max_num_seqs=3)
     assert c.cache == CacheConfig(kv_block_size=8)
     assert c.spec.num_speculative_tokens == 2 and not c.replayssm
+
+
+def test_cpu_engine_keeps_torch_threads():
+    """host_threads applies to engines on CUDA only: a CPU engine's model runs on torch's threads."""
+    import torch
+
+    from replayssm.engine.llm_engine import LLMEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        LLMEngine(EngineConfig.from_kwargs("demo", device="cpu", host_threads=1, max_num_seqs=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
