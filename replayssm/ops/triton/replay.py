@@ -79,8 +79,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # launches on a side stream (replay_stream.py, replay_lean.py); .d / .e fold flush tiles
         # with a 3xTF32 product / fp32 rank-one updates (lean's default .d, stream-list's .e);
         # lean also takes .fROWS / .wWARPS (flush tile), .pN (flush programs per SM), .hN (heads
-        # per ring-term program) and .o (outputs of every row in one launch, the flush launch after
-        # it only folds). The benchmarks sweep them.
+        # per ring-term program); .o (both routes): outputs of every row in one launch, the flush
+        # launch after it only folds. The benchmarks sweep them.
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm",
                      h="heads_per_program")

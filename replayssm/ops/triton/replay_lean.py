@@ -233,6 +233,30 @@ def _lean_flush_kernel(
             tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
 
 
+def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w, sc,
+                 r, block_p: int, num_warps: int, programs_per_sm: int = 4, dot_fold: bool = True,
+                 outputs: bool = True) -> None:
+    """List the rows that flush this step, then fold them with a persistent launch (programs_per_sm
+    programs per SM); outputs: the same launch writes their y from r (else it only folds, and needs
+    block_p >= 16). w, sc: the weights launch's scratch; r: the ring term (unused without outputs)."""
+    S, H, P, N = state.shape
+    b, q = C.shape[:2]
+    G, R = ring_B.shape[1], ring_x.shape[2]
+    sdt = tl_dtype(state.dtype)
+    records = torch.empty(b, 4, device=C.device, dtype=torch.int32)
+    count = torch.empty(1, device=C.device, dtype=torch.int32)
+    _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
+                            BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
+    programs = min(b * H * (P // block_p), flush_programs(C.device, programs_per_sm))
+    _lean_flush_kernel[(programs,)](
+        records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
+        *C.stride()[:3], *y.stride()[:3], H, G, R,
+        Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
+        NS=min(N, 32), DOT=dot_fold and block_p >= 16, STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT=outputs,
+        num_warps=num_warps,
+    )
+
+
 def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                 items: int = 1, stages: int = 1, concurrent: bool = False,
@@ -254,15 +278,14 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     flush_warps = flush_warps or num_warps
     S, H, P, N = state.shape
     b, q = x.shape[:2]
-    G, R = B.shape[2], ring_x.shape[2]
-    QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
+    G = B.shape[2]
+    QB = triton.next_power_of_2(q)
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                            state_indices, window, dt_softplus)
     r, flags = launch_ring_term(x, D, ring_x, ring_start, committed, state_indices, w, window,
                                 heads_per_program)
     mma = q > 1 and block_p >= 16
     k = stream_items(H, P, block_p, items)
-    sdt = tl_dtype(state.dtype)
 
     def outputs() -> None:
         _lean_kernel[(b * H * (P // block_p) // k,)](
@@ -272,18 +295,9 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         )
 
     def flush() -> None:
-        records = torch.empty(b, 4, device=x.device, dtype=torch.int32)
-        count = torch.empty(1, device=x.device, dtype=torch.int32)
-        _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
-                                BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
-        programs = min(b * H * (P // flush_block_p), flush_programs(x.device, flush_programs_per_sm))
-        _lean_flush_kernel[(programs,)](
-            records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
-            *C.stride()[:3], *y.stride()[:3], H, G, R,
-            Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=flush_block_p, NS=min(N, 32),
-            DOT=dot_fold and flush_block_p >= 16, STATE_DTYPE=sdt, MAXV=max_finite(sdt),
-            OUT=not outputs_all, num_warps=flush_warps,
-        )
+        launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w,
+                     sc, r, flush_block_p, flush_warps, flush_programs_per_sm, dot_fold,
+                     outputs=not outputs_all)
 
     if outputs_all:
         outputs()

@@ -34,10 +34,11 @@ def _stream_kernel(
     w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
-    MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+    MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
 ):
-    # Non-flush rows only (flush rows are the flush launch's). ITEMS divides H * (P / BLOCK_P), so
-    # every program stays inside one row.
+    # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
+    # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
+    # program stays inside one row.
     w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
     i = w0 // per_row
@@ -47,7 +48,7 @@ def _stream_kernel(
     s64 = tl.maximum(s, 0).to(tl.int64)
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
-    if (valid & (hc + Q > window)) == 0:
+    if ALL or (valid & (hc + Q > window)) == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                        w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -108,10 +109,12 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                  items: int = 8, stages: int = 2, concurrent: bool = False, dot_fold: bool = False) -> None:
+                  items: int = 8, stages: int = 2, concurrent: bool = False, dot_fold: bool = False,
+                  outputs_all: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
-    launches run on a side stream beside the streaming launch).
+    launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
+    the streaming launch takes every row and the lean route's fold-only launch follows it.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -138,11 +141,22 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
                                    state_indices, y, w, sc, *common, **meta)
 
+    outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
+
     def stream_launch() -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, **meta,
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
         )
+
+    if outputs_all:
+        # The fold overwrites tiles the streaming launch reads: after it, on the same stream.
+        from replayssm.ops.triton.replay_lean import launch_flush
+
+        stream_launch()
+        launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w,
+                     sc, sc, block_p, num_warps, outputs=False)
+        return
 
     # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
     # weights scratch, so the latency-bound flush launch may run beside the bandwidth-bound one.
