@@ -11,11 +11,13 @@ Routes (all read S0 once per row and write it only on flush rows):
   a launch that precomputes the ring term r_t of every row and head, an output launch over the
   non-flush rows that is a gather-and-reduce of the state tiles plus r_t, and the flush rows
   listed and folded (3xTF32 product) by a persistent launch.
-- "stream-list" (`replay_stream.py`, the default for several tokens): the weights launch of
-  `replay_step.py`, a pipelined launch streaming every non-flush row (tensor-core pieces for
-  several tokens), and the flush rows listed on the device and folded by a persistent launch.
-  Suffixes .sN (pipeline stages), .iN (pieces per program) and .c (flush launch on a side
-  stream) are for the benchmark sweeps.
+- "stream-list" (`replay_stream.py`): the weights launch of `replay_step.py`, a pipelined launch
+  streaming every non-flush row (tensor-core pieces for several tokens), and the flush rows
+  listed on the device and folded by a persistent launch. Suffixes .sN (pipeline stages), .iN
+  (pieces per program) and .c (flush launch on a side stream) are for the benchmark sweeps.
+  "stream-list.o" (the default for several tokens) streams the outputs of every row and then
+  folds the flush rows in a fold-only launch: flush rows read S0 twice, but neither launch holds
+  outputs and fold at once (q = 4, 8B, b = 256 on the H200: 500 vs 582 µs, NOTES-kernels.md).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -41,11 +43,11 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
 # their whole tiles fit: one token takes "lean.c" at 32x4 (321 us vs 380 for "stream-list" at
-# the 8B headline), several take "stream-list" at 64x4; else replay_step.py (q = 1) or the
-# tensor-core route (q > 1).
+# the 8B headline), several take "stream-list.o" at 64x4 (500 us vs 582 for "stream-list.c" at
+# q = 4); else replay_step.py (q = 1) or the tensor-core route (q > 1).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.c", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list", LaunchConfig(block_p=64, num_warps=4)))
+               ("stream-list.o", LaunchConfig(block_p=64, num_warps=4)))
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 
 
