@@ -24,7 +24,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights
-from replayssm.ops.triton.replay_stream import flush_programs, run_beside, stream_items
+from replayssm.ops.triton.replay_stream import LIST_BLOCK, flush_programs, run_beside, stream_items
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 
 
@@ -246,7 +246,7 @@ def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices,
     records = torch.empty(b, 4, device=C.device, dtype=torch.int32)
     count = torch.empty(1, device=C.device, dtype=torch.int32)
     _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
-                            BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
+                            BLOCK=LIST_BLOCK, num_warps=4)
     programs = min(b * H * (P // block_p), flush_programs(C.device, programs_per_sm))
     _lean_flush_kernel[(programs,)](
         records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),

@@ -26,6 +26,10 @@ from replayssm.ops.triton.replay_step import launch_weights
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
 FLUSH_PROGRAMS_PER_SM = 4
+# Rows per iteration of the one-program flush list kernels: fixed, so every batch size (every CUDA
+# graph bucket) shares one compiled kernel. Sized by batch, each new bucket compiled its own
+# mid-run: several seconds in the first timed run of (b) on the H200 (benchmarks/NOTES-e2e.md).
+LIST_BLOCK = 1024
 
 
 @triton.jit
@@ -136,7 +140,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         rows = torch.empty(b, device=x.device, dtype=torch.int32)
         count = torch.empty(1, device=x.device, dtype=torch.int32)
         _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
-                                 BLOCK=min(1024, triton.next_power_of_2(b)), num_warps=4)
+                                 BLOCK=LIST_BLOCK, num_warps=4)
         programs = min(b * H * (P // block_p), flush_programs(x.device))
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
                                    state_indices, y, w, sc, *common, **meta)
