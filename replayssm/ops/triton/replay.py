@@ -58,8 +58,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
 
     route "stream-list" (with its sweep suffixes): `replay_stream.py`; "fused":
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
-    folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`; "auto":
-    "stream-list" where its tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
+    folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`; "auto": AUTO_ROUTES
+    ("lean.c" for one token, "stream-list.o" for several) where their tiles fit, else "mma" for
+    q > 1, "fused" (fp32 state) or "split";
     "weights": the weights launch alone (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
