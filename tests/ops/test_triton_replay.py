@@ -30,7 +30,8 @@ def test_replay_cycle_gpu(state_dtype, q, route):
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
 
 
-STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.c.d"]
+STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.c.d",
+                 "stream-list.o", "stream-list.m", "stream-list.m.s1"]
 
 
 @requires_cuda

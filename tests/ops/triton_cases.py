@@ -312,6 +312,9 @@ def run_interpreter(part: str) -> None:
         # .o: outputs of every row in one launch, flush pieces only fold (column chunks of NS=16).
         check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o",
                            steps=12, act=torch.bfloat16)
+        # .m: flush rows folded inside the streaming launch (3xTF32 chunks), fp16 pool rounding.
+        check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="stream-list.m",
+                           steps=12, state_dtype=torch.float16, act=torch.bfloat16)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
         check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,

@@ -83,13 +83,16 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # with a 3xTF32 product / fp32 rank-one updates (lean's default .d, stream-list's .e);
         # lean also takes .fROWS / .wWARPS (flush tile), .pN (flush programs per SM), .hN (heads
         # per ring-term program); .o (both routes): outputs of every row in one launch, the flush
-        # launch after it only folds. The benchmarks sweep them.
+        # launch after it only folds; .m (stream-list, several tokens): flush rows folded inside
+        # the streaming launch, no flush launches. The benchmarks sweep them.
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm",
                      h="heads_per_program")
-        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "d", "e", "o")}
+        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "d", "e", "m", "o")}
         if "o" in opts:
             kw["outputs_all"] = True
+        if "m" in opts:
+            kw["merged"] = True
         if "e" in opts or "d" in opts:
             kw["dot_fold"] = "d" in opts
         cfg = config or CONFIG

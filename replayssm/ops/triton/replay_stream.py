@@ -39,10 +39,12 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
+    MERGED: tl.constexpr,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
-    # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
-    # program stays inside one row.
+    # (a fold-only launch then folds the flush rows), or with MERGED every row, flush rows folded
+    # here too (one 3xTF32 product per NS-column chunk, from the tile chunk the outputs just
+    # read). ITEMS divides H * (P / BLOCK_P), so every program stays inside one row.
     w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
     i = w0 // per_row
@@ -52,7 +54,19 @@ def _stream_kernel(
     s64 = tl.maximum(s, 0).to(tl.int64)
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
-    if ALL or (valid & (hc + Q > window)) == 0:
+    flush = valid & (hc + Q > window)
+    if MERGED:
+        if flush:
+            for k in tl.range(0, ITEMS, num_stages=STAGES):
+                _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
+                           y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
+                           sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, 2, STATE_DTYPE, MAXV)
+        else:
+            for k in tl.range(0, ITEMS, num_stages=STAGES):
+                _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
+                           y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
+                           sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
+    elif ALL or flush == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                        w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -114,11 +128,13 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                   items: int = 8, stages: int = 2, concurrent: bool = False, dot_fold: bool = False,
-                  outputs_all: bool = False) -> None:
+                  outputs_all: bool = False, merged: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
-    the streaming launch takes every row and the lean route's fold-only launch follows it.
+    the streaming launch takes every row and the lean route's fold-only launch follows it. merged
+    (several tokens, tiles of >= 16 rows): the streaming launch takes every row and folds the flush
+    rows itself, so a flush tile is read once; no flush launches.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -146,13 +162,18 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                                    state_indices, y, w, sc, *common, **meta)
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
+    merged = merged and mma > 0  # its flush pieces fold as tensor-core products
 
     def stream_launch() -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, MERGED=merged,
+            **meta,
         )
 
+    if merged:
+        stream_launch()
+        return
     if outputs_all:
         # The fold overwrites tiles the streaming launch reads: after it, on the same stream.
         from replayssm.ops.triton.replay_lean import launch_flush
