@@ -56,6 +56,17 @@ def test_replay_cycle_lean_gpu(state_dtype, q, route):
 
 
 @requires_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("block", [(64, 4), (32, 4), (16, 2)])
+def test_replay_cycle_mono_gpu(state_dtype, q, block):
+    """On the GPU: the one-launch route (small batches) matches the reference at each tile."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    _cycle_gpu(q=q, state_dtype=state_dtype, route="mono", config=LaunchConfig(*block))
+
+
+@requires_cuda
 @pytest.mark.parametrize("q, block", [(1, (64, 4)), (1, (64, 8)), (4, (32, 4)), (4, (64, 4))])
 def test_replay_cycle_lean_tiles_gpu(q, block):
     """On the GPU: the lean route's other tiles match the reference."""

@@ -35,6 +35,7 @@ import triton.language as tl
 from replayssm.ops.triton.replay_fold import launch_fold, replay_materialize_triton
 from replayssm.ops.triton.replay_lean import launch_lean
 from replayssm.ops.triton.replay_mma import MMA_CONFIG, launch_mma
+from replayssm.ops.triton.replay_mono import launch_mono
 from replayssm.ops.triton.replay_step import launch_step
 from replayssm.ops.triton.replay_stream import launch_stream, stream_supported
 from replayssm.ops.triton.ssu import LaunchConfig
@@ -106,6 +107,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                concurrent="c" in opts, **kw)
+        return y
+    if route == "mono":
+        cfg = config or CONFIG
+        launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
         return y
     if route in ("fused", "split", "weights"):
         cfg = config or CONFIG

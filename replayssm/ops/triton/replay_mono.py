@@ -1,0 +1,143 @@
+"""ReplaySSM forward step in one launch (route "mono"), for small batches.
+
+The other routes split a step into a weights launch, output launches and flush launches, which
+pays at large batches (B·C once per group, the fold's registers kept out of the streaming
+programs) but costs a launch latency each: at batch 32 of the Nemotron-3 Super TP8 shape
+(H = 16) the four launches of stream-list took 41 us against 28 us for the baseline's one
+(benchmarks/NOTES-kernels.md, session 6). Here one program per (row, head, P tile) does it all:
+
+    1. B·C, the cumulative decays and the coefficients of `replay_step._weights_kernel`, for its
+       own head only (B·C recomputed per head and P tile: ~QB (HB + QB) N products, small next
+       to the tile's P N), while the tile's load is in flight;
+    2. y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t, one reduction over N per
+       token on the CUDA cores (as `replay_pieces._piece`);
+    3. appends: x rows (every program, its P tile), Δ (P tile 0), B (P tile 0 of the group's
+       first head), never onto a history row;
+    4. flush rows (h_c + Q > W): S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32, written with
+       stochastic rounding for 16-bit pools.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from replayssm.ops.triton.replay_stream import stream_supported
+from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.ssu import softplus_dt
+
+
+@triton.jit
+def _mono_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
+    ring_start_ptr, committed_ptr, idx_ptr, y_ptr, seed_mix, window,
+    sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.program_id(2)
+    s = tl.load(idx_ptr + i)
+    valid = s >= 0
+    s64 = tl.maximum(s, 0).to(tl.int64)  # padding rows read slot 0: outputs zeroed, nothing written
+    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
+    o = tl.load(ring_start_ptr + s64)
+    hpg = H // G
+    g = h // hpg
+    # The tile first, as (NC, BLOCK_P, NS) like `_piece`: its load overlaps the coefficients.
+    NC: tl.constexpr = N // NS
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
+    tile = p[None, :, None] * N + ncol[:, None, :]
+    sbase = (s64 * H + h) * (P * N)
+    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+
+    n = tl.arange(0, BLOCK_N)
+    nm = n < N
+    j = tl.arange(0, HB)
+    jm = j < hc
+    t = tl.arange(0, QB)
+    tm = t < Q
+    rows = (o + j) % R
+    Brow0 = s64 * G * R + g * R
+    xrow0 = s64 * H * R + h * R
+    Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
+                 other=0.0).to(tl.float32)
+    tn = tm[:, None] & nm[None, :]
+    Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
+    Cq = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
+    Cq = Cq.to(tl.float32)
+    bch = tl.sum(Cq[:, None, :] * Bh[None, :, :], axis=2)  # (QB, HB)
+    bcn = tl.sum(Cq[:, None, :] * Bn_raw.to(tl.float32)[None, :, :], axis=2)  # (QB, QB)
+    # Λ from the stored history Δ and the new Δ; exponents clamped <= 0 as the weights launch.
+    A = tl.load(A_ptr + h)
+    dth = tl.load(rdt_ptr + xrow0 + rows, mask=jm, other=0.0)
+    cumh = tl.cumsum(dth, axis=0) * A
+    lam_h = tl.sum(dth, axis=0) * A
+    dtn = tl.load(dt_ptr + i * sdt_b + t * sdt_t + h * sdt_h, mask=tm, other=0.0).to(tl.float32)
+    dtn = tl.where(tm, softplus_dt(dtn, tl.load(dt_bias_ptr + h), DT_SOFTPLUS), 0.0)
+    cumn = lam_h + tl.cumsum(dtn, axis=0) * A
+    wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * bch
+    wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * bcn
+    wn = tl.where(t[None, :] <= t[:, None], wn, 0.0)  # causal: token k <= t
+    sc = tl.exp(cumn)
+
+    xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
+    xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
+    xn_raw = tl.load(xrows, mask=tm[:, None], other=0.0)
+    xn = xn_raw.to(tl.float32)
+    Dh = tl.load(D_ptr + h)
+    for tt in tl.static_range(Q):
+        sel = t == tt
+        Ct = tl.load(C_ptr + i * sC_b + tt * sC_t + g * sC_g + ncol).to(tl.float32)
+        yt = tl.sum(tl.where(sel, sc, 0.0)) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
+        wht = tl.sum(tl.where(sel[:, None], wh, 0.0), axis=0)
+        wnt = tl.sum(tl.where(sel[:, None], wn, 0.0), axis=0)
+        xt = tl.sum(tl.where(sel[:, None], xn, 0.0), axis=0)
+        yt += tl.sum(wht[:, None] * xh, axis=0) + tl.sum(wnt[:, None] * xn, axis=0) + Dh * xt
+        yt = tl.where(valid, yt, 0.0)
+        tl.store(y_ptr + i * sy_b + tt * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+
+    # Appends after the history (never a history row). Validity and "which program" as tensors
+    # (a scalar bool in a mask trips the interpreter).
+    kv = tm & ((t * 0 + s) >= 0)
+    arow = (o + hc + t) % R
+    tl.store(rx_ptr + (xrow0 + arow)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None])
+    kv0 = kv & ((t * 0 + pid_p) == 0)
+    tl.store(rdt_ptr + xrow0 + arow, dtn, mask=kv0)
+    kvg = kv0 & ((t * 0 + h % hpg) == 0)
+    tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=kvg[:, None] & nm[None, :])
+
+    if valid & (hc + Q > window):
+        fh = dth * tl.exp(tl.minimum(lam_h - cumh, 0.0))  # fold coefficients (HB,)
+        S = S0 * tl.exp(lam_h)
+        # Unrolled over the window with masked loads (f = 0 past h_c), as `_piece`.
+        for jj in tl.static_range(HB):
+            r = (o + jj) % R
+            f = tl.sum(tl.where(j == jj, fh, 0.0))
+            xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
+            Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0).to(tl.float32)
+            S += (f * xj)[None, :, None] * Bj[:, None, :]
+        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+
+
+def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int) -> None:
+    """One launch, grid (P / block_p, H, b); needs whole tiles (`replay_stream.stream_supported`)."""
+    S, H, P, N = state.shape
+    b, q = x.shape[:2]
+    G, R = B.shape[2], ring_x.shape[2]
+    if not stream_supported(P, N, block_p):
+        raise ValueError(f"route 'mono' needs block_p dividing P and N a multiple of 32 (P={P}, N={N})")
+    sdt = tl_dtype(state.dtype)
+    _mono_kernel[(P // block_p, H, b)](
+        x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
+        seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
+        *y.stride()[:3], H, G, R,
+        Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
+        BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
+        MAXV=max_finite(sdt), num_warps=num_warps,
+    )
