@@ -50,15 +50,19 @@ class Tile:
     """A replay route ("" for the baseline, else fused | split | mma) and its tile config."""
 
     route: str
-    config: LaunchConfig
+    config: LaunchConfig | None  # None: the route picks (route "auto": what the public op runs)
 
     @staticmethod
     def parse(text: str) -> Tile:
+        if text == "auto":
+            return Tile("auto", None)
         route, _, cfg = text.rpartition(":")
         return Tile(route, LaunchConfig(*map(int, cfg.split("x"))))
 
     @property
     def name(self) -> str:
+        if self.config is None:
+            return self.route
         prefix = f"{self.route}:" if self.route else ""
         return f"{prefix}{self.config.block_p}x{self.config.num_warps}w"
 
@@ -249,9 +253,16 @@ def measure(bench: Bench, impl: str, tile: Tile, sweep: bool = False) -> dict:
         nbytes = bench.bytes_per_step(impl)
     H, P, N, G = SHAPES[bench.case.shape]
     return dict(asdict(bench.case), H=H, P=P, N=N, G=G, window=WINDOW, act_dtype="bf16", impl=impl,
-                route=tile.route, block_p=tile.config.block_p, num_warps=tile.config.num_warps,
+                route=tile.route, block_p=tile.config.block_p if tile.config else None,
+                num_warps=tile.config.num_warps if tile.config else None,
                 us_per_step=us, bytes_per_step=nbytes, gbps=nbytes / us / 1e3, n_sets=bench.n_sets, reps=reps,
                 sweep=sweep)
+
+
+def _tile_name(row: dict) -> str:
+    """The Tile.name of a measured row."""
+    cfg = LaunchConfig(row["block_p"], row["num_warps"]) if row["block_p"] is not None else None
+    return Tile(row["route"], cfg).name
 
 
 def git_commit() -> str:
@@ -274,6 +285,9 @@ def main() -> None:
     ap.add_argument("--configs", default="",
                     help="sweep override, e.g. replay=fused:64x8+split:32x4,baseline=64x8")
     ap.add_argument("--qs", default=",".join(map(str, QS)))
+    ap.add_argument("--extra", default="",
+                    help="replay tiles also timed at every case, e.g. mono:64x4+lean.c:32x4 (rows marked "
+                         "extra, left out of the tables)")
     ap.add_argument("--flashinfer", action="store_true",
                     help="also time FlashInfer's kernels on fp32 cases (bench_flashinfer.py)")
     ap.add_argument("--fi-target", default="/tmp/fi", help="where flashinfer_build.py installed FlashInfer")
@@ -309,7 +323,7 @@ def main() -> None:
                     desc.append(f"{c.name} refused ({e})")
             rows += trials
             top = min(trials, key=lambda r: r["us_per_step"])
-            best[(impl, q)] = Tile(top["route"], LaunchConfig(top["block_p"], top["num_warps"]))
+            best[(impl, q)] = next(c for c in SWEEP[impl] if c.name == _tile_name(top))
             desc = ", ".join(desc)
             print(f"sweep q={q} {impl}: {desc}", flush=True)
         del bench
@@ -341,6 +355,17 @@ def main() -> None:
                         rows.append(r)
                         print(f"{shape} {sd} q={q} b={b} {impl}: {r['us_per_step']:.2f} us "
                               f"{r['gbps']:.0f} GB/s", flush=True)
+                    extras = []
+                    for tile in map(Tile.parse, filter(None, args.extra.split("+"))):
+                        try:
+                            r = dict(measure(bench, "replay", tile), extra=True)
+                        except ValueError as e:  # a tile the route refuses at this case
+                            extras.append(f"{tile.name} refused ({e})")
+                            continue
+                        rows.append(r)
+                        extras.append(f"{tile.name} {r['us_per_step']:.2f}")
+                    if extras:
+                        print(f"{shape} {sd} q={q} b={b} extra: {', '.join(extras)}", flush=True)
                     if fi is not None:
                         rows += fi.rows(bench, time_graph)
                     del bench

@@ -19,7 +19,7 @@ FI_IMPLS = ("fi_baseline", "fi_replay")  # bench_flashinfer.py rows (--flashinfe
 def _index(rows: list[dict]) -> dict:
     by = {}
     for r in rows:
-        if not r["sweep"] and not r.get("diag"):
+        if not r["sweep"] and not r.get("diag") and not r.get("extra"):
             by[(r["shape"], r["batch"], r["state_dtype"], r["q"], r["impl"])] = r
     return by
 
@@ -115,7 +115,8 @@ def _flashinfer(meta: dict, by: dict) -> list[str]:
 
 
 def _sweep(rows: list[dict]) -> list[str]:
-    key = lambda r: (f"{r['route']}:" if r.get("route") else "") + f"{r['block_p']}x{r['num_warps']}w"
+    key = lambda r: r["route"] if r["block_p"] is None else (  # noqa: E731
+        (f"{r['route']}:" if r.get("route") else "") + f"{r['block_p']}x{r['num_warps']}w")
     cols = sorted({key(r) for r in rows if r["sweep"]})
     out = ["### Tile sweep (nemotron-h-8b, batch 256, fp32): us per step", "",
            "| impl | q | " + " | ".join(cols) + " |"]
