@@ -50,6 +50,20 @@ CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.c", LaunchConfig(block_p=32, num_warps=4)),
                ("stream-list.o", LaunchConfig(block_p=64, num_warps=4)))
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
+# Tiny steps take "mono", one launch: the split routes' four or five launches cost more than their
+# bytes there. H200, fp32 state (benchmarks/NOTES-kernels.md, session 6): Nemotron-H-8B b = 1
+# 6.0 vs 11.9 us (q = 1), 13.2 vs 34.4 (q = 4); TP8 shape (H = 16) b = 32, q = 1: 15.0 vs 19.1;
+# but 8B b = 8 (1,024 rows x heads) q = 4: 69.6 vs 45.5, and q = 1 b = 256: 533 vs 322.
+MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
+MONO_MAX_ROW_HEADS = (512, 256)  # b * H at or below which "auto" takes "mono" (one token, several)
+
+
+def auto_route(b: int, q: int, H: int, P: int, N: int) -> tuple[str, LaunchConfig] | None:
+    """The route and tile "auto" takes for b rows of q tokens; None where no whole-tile route fits."""
+    if b * H <= MONO_MAX_ROW_HEADS[q > 1] and stream_supported(P, N, MONO_CONFIG.block_p):
+        return "mono", MONO_CONFIG
+    route, cfg = AUTO_ROUTES[q > 1]
+    return (route, cfg) if stream_supported(P, N, cfg.block_p) else None
 
 
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
@@ -59,9 +73,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
 
     route "stream-list" (with its sweep suffixes): `replay_stream.py`; "fused":
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
-    folded by `replay_fold.py`; "mma": tensor-core outputs + `replay_fold.py`; "auto": AUTO_ROUTES
-    ("lean.c" for one token, "stream-list.o" for several) where their tiles fit, else "mma" for
-    q > 1, "fused" (fp32 state) or "split";
+    folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch; "auto": `auto_route` ("mono"
+    for tiny steps, else "lean.c" for one token, "stream-list.o" for several) where their tiles
+    fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights": the weights launch alone (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
@@ -71,9 +85,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if b == 0:
         return y
     if route == "auto":
-        auto_route, auto_cfg = AUTO_ROUTES[q > 1]
-        if config is None and stream_supported(state.shape[2], state.shape[3], auto_cfg.block_p):
-            route, config = auto_route, auto_cfg
+        picked = auto_route(b, q, *state.shape[1:]) if config is None else None
+        if picked is not None:
+            route, config = picked
         else:
             # The fused fold's stochastic rounding costs registers every program pays for (see
             # NOTES-kernels.md), so 16-bit states fold in their own launch.
