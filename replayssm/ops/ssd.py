@@ -75,10 +75,26 @@ def ssd_chunked_scan_ref(
     Reads its metadata (cu_seqlens, slots, flags, boundaries) on the host once per set of
     metadata tensors: the layers of one forward pass share it (ops/ssd_layout.py).
     """
+    lay = chunk_layout(cu_seqlens, state_indices, has_initial_state, boundary_seq, boundary_len, chunk_size,
+                       x.shape[0])
+    out, pieces = scan_without_boundaries(x, dt, A, B, C, D, dt_bias, state, lay, chunk_size, dt_softplus,
+                                          rand_seed)
+    if boundary_seq is None:
+        return out, None
+    return out, _boundary_states(lay, *pieces)
+
+
+def scan_without_boundaries(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor, state: Tensor,
+    lay: ChunkLayout, chunk_size: int, dt_softplus: bool, rand_seed: int,
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The reference scan up to the boundary states: (y, (init, s_in, decay, a_cum, dx, Bc)).
+
+    Writes the final states; s_in (nc, H, P, N) fp32 is the state entering each chunk.
+    """
     T, H, P = x.shape
     N = B.shape[2]
     L = chunk_size
-    lay = chunk_layout(cu_seqlens, state_indices, has_initial_state, boundary_seq, boundary_len, L, T)
     nc, n = lay.nc, lay.num_seqs
 
     delta = softplus_dt(dt, dt_bias, dt_softplus)[lay.idx]  # (nc, L, H)
@@ -130,9 +146,7 @@ def ssd_chunked_scan_ref(
         store_states(state, lay.store_slots, final, rand_seed)
     else:
         store_states(state, lay.store_slots, final[lay.store_rows], rand_seed)
-    if boundary_seq is None:
-        return out, None
-    return out, _boundary_states(lay, init, s_in, decay, a_cum, dx, Bc)
+    return out, (init, s_in, decay, a_cum, dx, Bc)
 
 
 def _initial_states(state: Tensor, lay: ChunkLayout, shape: tuple[int, ...]) -> Tensor:

@@ -46,6 +46,14 @@ class ChunkLayout:
     b_offset: Tensor | None  # (m,) int64: that token's position in its chunk
     b_rank: Tensor | None  # (m,) int64: rank of each boundary's sequence
     b_empty: Tensor | None  # (m, 1, 1, 1) bool: zero-length boundary (None: there is none)
+    # Index tensors of the Triton kernels (ops/triton/ssd.py), int64; sequences in rank order.
+    chunk_len: Tensor  # (nc,): positions of each chunk inside its sequence (the rest is padding)
+    chunk_valid: Tensor  # (nc,): 1 if the chunk's sequence has a slot (a padding sequence outputs 0)
+    chunk_offsets: Tensor  # (width,): offsets[k], first chunk id at chunk position k
+    seq_chunks: Tensor  # (n,): chunk count of each sequence
+    init_slot: Tensor  # (n,): slot holding its initial state, -1 to start from zeros
+    final_slot: Tensor  # (n,): slot its final state goes to, -1 for a padding sequence
+    b_flag: Tensor | None  # (m,): 1 for a zero-length boundary
 
 
 def chunk_layout(cu_seqlens: Tensor, state_indices: Tensor, has_initial_state: Tensor,
@@ -77,10 +85,11 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
         offsets.append(offsets[-1] + live[k])
     nc = offsets[-1]
     # Per chunk id: first token and its sequence's end; positions from there (host tensors).
-    start, end = [0] * nc, [0] * nc
+    start, end, seq = [0] * nc, [0] * nc, [0] * nc
     for i in range(n):
         for k in range(counts[i]):
-            start[offsets[k] + rank[i]], end[offsets[k] + rank[i]] = cu[i] + k * L, cu[i + 1]
+            c = offsets[k] + rank[i]
+            start[c], end[c], seq[c] = cu[i] + k * L, cu[i + 1], i
     pos = torch.tensor(start, dtype=torch.int64)[:, None] + torch.arange(L)
     stop = torch.tensor(end, dtype=torch.int64)[:, None]
     inside = pos < stop
@@ -111,6 +120,12 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
         pieces.update(b_chunk=b_chunk, b_offset=b_offset, b_rank=[rank[s] for s in bseq])
         if min(blen) == 0:
             pieces["b_empty"] = [int(length == 0) for length in blen]
+        pieces["b_flag"] = [int(length == 0) for length in blen]
+    pieces.update(chunk_len=[min(e - s, L) for s, e in zip(start, end)],
+                  chunk_valid=[int(slots[i] >= 0) for i in seq],
+                  chunk_offsets=offsets[:width], seq_chunks=[counts[i] for i in order],
+                  init_slot=[slots[order[r]] if use[r] else -1 for r in range(n)],
+                  final_slot=[slots[i] for i in order])
     got = upload(pieces, dev)
     as_bool = lambda name, shape: got[name].bool().view(shape) if name in got else None  # noqa: E731
     return ChunkLayout(
@@ -121,4 +136,7 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
         store_rows=got.get("store_rows"), store_slots=got["store_slots"],
         token_valid=as_bool("token_valid", (T, 1, 1)), b_chunk=got.get("b_chunk"),
         b_offset=got.get("b_offset"), b_rank=got.get("b_rank"), b_empty=as_bool("b_empty", (m, 1, 1, 1)),
+        chunk_len=got["chunk_len"], chunk_valid=got["chunk_valid"], chunk_offsets=got["chunk_offsets"],
+        seq_chunks=got["seq_chunks"], init_slot=got["init_slot"], final_slot=got["final_slot"],
+        b_flag=got.get("b_flag"),
     )

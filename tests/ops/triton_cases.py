@@ -331,6 +331,10 @@ def run_interpreter(part: str) -> None:
     elif part == "conv":
         check_conv("cpu")
         check_conv("cpu", K=2, q=1, act=torch.bfloat16, bias=False)
+    elif part == "ssd":
+        from ssd_cases import run_interpreter as run_ssd
+
+        run_ssd()
     else:
         raise ValueError(f"part: unknown {part!r}")
 

@@ -1,0 +1,167 @@
+"""Chunked SSD prefill scan in Triton (twin of `ops/ssd.py: ssd_chunked_scan_ref`).
+
+Four launches per call (kernels in ops/triton/ssd_kernels.py), over the reference's chunk layout
+(ops/ssd_layout.py, built on the host once per forward pass and shared by the layers):
+
+    chunk states   (nc, H, P tiles)  state of every chunk from zero, and its total decay
+    chunk pass     (n, H, P tiles)   sequential over a sequence's chunks: states entering each
+                                     chunk (in place) and the final state into the slot
+    outputs        (nc, H, P tiles)  intra-chunk (quadratic) + carried-state + D x outputs
+    boundaries     (m, H, P tiles)   exact state after each requested prefix (when asked)
+
+All math is fp32; one (nc, H, P, N) fp32 buffer and one (nc, H) buffer are the only temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from replayssm.ops.ssd import scan_without_boundaries
+from replayssm.ops.ssd_layout import ChunkLayout, chunk_layout
+from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
+from replayssm.ops.triton.ssd_kernels import (
+    boundary_kernel,
+    chunk_output_kernel,
+    chunk_pass_kernel,
+    chunk_state_kernel,
+)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Rows of the state tile over P, and warps per program (per kind of launch)."""
+
+    block_p: int = 64
+    num_warps: int = 4
+    pass_block_p: int = 32
+    pass_warps: int = 4
+
+
+CONFIG = LaunchConfig()
+
+
+@dataclass(frozen=True)
+class _Shape:
+    H: int
+    P: int
+    N: int
+    HPG: int
+    L: int
+    block_l: int
+    block_p: int
+    block_n: int
+
+
+def _shape(x: Tensor, B: Tensor, L: int, block_p: int) -> _Shape:
+    _, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    # tl.dot needs every dimension >= 16: smaller chunks, heads and states are padded and masked.
+    return _Shape(H, P, N, H // G, L, max(16, triton.next_power_of_2(L)),
+                  max(16, min(block_p, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(N)))
+
+
+def _dense(t: Tensor) -> Tensor:
+    """Unit stride on the last dimension (the kernels index it densely)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def launch_boundaries(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, dt_bias: Tensor, state: Tensor,
+                      lay: ChunkLayout, s_in: Tensor, chunk_size: int, dt_softplus: bool,
+                      config: LaunchConfig = CONFIG, out: Tensor | None = None) -> Tensor:
+    """(m, H, P, N) fp32 states after each boundary, from s_in (nc, H, P, N) fp32, the states entering
+    each chunk. Zero-length boundaries read the initial state from s_in, or from the pool for a
+    sequence without chunks (its slot then holds its initial state: the scan wrote it unchanged)."""
+    x, B = _dense(x), _dense(B)
+    sh = _shape(x, B, chunk_size, config.block_p)
+    m = lay.b_rank.shape[0]
+    if out is None:
+        out = torch.empty(m, sh.H, sh.P, sh.N, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return out
+    s_ptr = s_in if s_in.numel() else out  # no chunks: only zero-length boundaries, s_in never read
+    grid = (m, sh.H, triton.cdiv(sh.P, sh.block_p))
+    boundary_kernel[grid](
+        x, dt, A, B, dt_bias, lay.idx, lay.chunk_len, s_ptr, state,
+        lay.b_chunk, lay.b_offset, lay.b_rank, lay.b_flag, lay.seq_chunks, lay.init_slot, out,
+        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), sh.H, sh.HPG, sh.L,
+        P=sh.P, N=sh.N, BLOCK_L=sh.block_l, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
+        DT_SOFTPLUS=bool(dt_softplus), num_warps=config.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
+                state: Tensor, lay: ChunkLayout, chunk_size: int, dt_softplus: bool, rand_seed: int,
+                config: LaunchConfig = CONFIG, y: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Outputs y (T, H, P) in x.dtype and the states entering each chunk (nc, H, P, N) fp32; writes the
+    final states of the sequences with a slot."""
+    x, B, C = _dense(x), _dense(B), _dense(C)
+    sh = _shape(x, B, chunk_size, config.block_p)
+    nc, n = lay.nc, lay.num_seqs
+    assert state.is_contiguous(), "state pool must be contiguous (offsets are linear indices)"
+    s = torch.empty(nc, sh.H, sh.P, sh.N, dtype=torch.float32, device=x.device)
+    sums = torch.empty(nc, sh.H, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x) if y is None else y
+    strides = (x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1))
+    blocks = dict(P=sh.P, N=sh.N, BLOCK_L=sh.block_l, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
+                  DT_SOFTPLUS=bool(dt_softplus), num_warps=config.num_warps)
+    tiles = triton.cdiv(sh.P, sh.block_p)
+    if nc:
+        chunk_state_kernel[(nc, sh.H, tiles)](
+            x, dt, A, B, dt_bias, lay.idx, lay.chunk_len, s, sums, *strides, sh.H, sh.HPG, sh.L, **blocks
+        )
+    if n:
+        pass_p = max(16, min(config.pass_block_p, triton.next_power_of_2(sh.P)))
+        sd = tl_dtype(state.dtype)
+        s_ptr = s if nc else state  # no chunks: the loop never runs, the buffers are never read
+        chunk_pass_kernel[(n, sh.H, triton.cdiv(sh.P, pass_p))](
+            s_ptr, sums if nc else state, state, lay.chunk_offsets if nc else lay.seq_chunks, lay.seq_chunks,
+            lay.init_slot, lay.final_slot, seed_mix(rand_seed), sh.H,
+            P=sh.P, N=sh.N, BLOCK_P=pass_p, BLOCK_N=sh.block_n, STATE_DTYPE=sd, MAXV=max_finite(sd),
+            num_warps=config.pass_warps,
+        )  # fmt: skip
+    if nc:
+        chunk_output_kernel[(nc, sh.H, tiles)](
+            x, dt, A, B, C, D, dt_bias, lay.idx, lay.chunk_len, lay.chunk_valid, s, y,
+            *strides, C.stride(0), C.stride(1), y.stride(0), y.stride(1), sh.H, sh.HPG, sh.L,
+            F32_DOT=x.dtype == torch.float32, **blocks,
+        )  # fmt: skip
+    return y, s
+
+
+def ssd_chunked_scan_triton(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    cu_seqlens: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    *,
+    chunk_size: int = 64,
+    dt_softplus: bool = True,
+    rand_seed: int = 0,
+    boundary_seq: Tensor | None = None,
+    boundary_len: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """`ssd_chunked_scan` in Triton (API.md; arguments validated by the public op).
+
+    x (T, H, P); dt (T, H); B, C (T, G, N) in x.dtype; A, D, dt_bias (H,) fp32; state (S, H, P, N)
+    fp32/fp16/bf16, final states written with the reference's stochastic rounding bits. Returns y
+    (T, H, P) in x.dtype and the (m, H, P, N) fp32 boundary states (None when not asked).
+    """
+    lay = chunk_layout(cu_seqlens, state_indices, has_initial_state, boundary_seq, boundary_len, chunk_size,
+                       x.shape[0])
+    y, (_, s_in, *_) = scan_without_boundaries(x, dt, A, B, C, D, dt_bias, state, lay, chunk_size,
+                                               dt_softplus, rand_seed)
+    if boundary_seq is None:
+        return y, None
+    return y, launch_boundaries(x, dt, A, B, dt_bias, state, lay, s_in, chunk_size, dt_softplus)
