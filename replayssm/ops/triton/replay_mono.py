@@ -13,8 +13,9 @@ programs) but costs a launch latency each: at batch 32 of the Nemotron-3 Super T
        token on the CUDA cores (as `replay_pieces._piece`);
     3. appends: x rows (every program, its P tile), Δ (P tile 0), B (P tile 0 of the group's
        first head), never onto a history row;
-    4. flush rows (h_c + Q > W): S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32, written with
-       stochastic rounding for 16-bit pools.
+    4. flush rows (h_c + Q > W): S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, one 3xTF32 tensor-core
+       product per column chunk (~2^-21 relative error per product, as the other routes' folds),
+       written with stochastic rounding for 16-bit pools.
 """
 
 from __future__ import annotations
@@ -46,13 +47,11 @@ def _mono_kernel(
     o = tl.load(ring_start_ptr + s64)
     hpg = H // G
     g = h // hpg
-    # The tile first, as (NC, BLOCK_P, NS) like `_piece`: its load overlaps the coefficients.
     NC: tl.constexpr = N // NS
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
     tile = p[None, :, None] * N + ncol[:, None, :]
     sbase = (s64 * H + h) * (P * N)
-    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
 
     n = tl.arange(0, BLOCK_N)
     nm = n < N
@@ -64,13 +63,10 @@ def _mono_kernel(
     Brow0 = s64 * G * R + g * R
     xrow0 = s64 * H * R + h * R
     Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
-                 other=0.0).to(tl.float32)
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_N)
     tn = tm[:, None] & nm[None, :]
     Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
-    Cq = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
-    Cq = Cq.to(tl.float32)
-    bch = tl.sum(Cq[:, None, :] * Bh[None, :, :], axis=2)  # (QB, HB)
-    bcn = tl.sum(Cq[:, None, :] * Bn_raw.to(tl.float32)[None, :, :], axis=2)  # (QB, QB)
+    Bn = Bn_raw.to(tl.float32)  # (QB, BLOCK_N)
     # Λ from the stored history Δ and the new Δ; exponents clamped <= 0 as the weights launch.
     A = tl.load(A_ptr + h)
     dth = tl.load(rdt_ptr + xrow0 + rows, mask=jm, other=0.0)
@@ -79,11 +75,21 @@ def _mono_kernel(
     dtn = tl.load(dt_ptr + i * sdt_b + t * sdt_t + h * sdt_h, mask=tm, other=0.0).to(tl.float32)
     dtn = tl.where(tm, softplus_dt(dtn, tl.load(dt_bias_ptr + h), DT_SOFTPLUS), 0.0)
     cumn = lam_h + tl.cumsum(dtn, axis=0) * A
-    wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * bch
-    wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * bcn
-    wn = tl.where(t[None, :] <= t[:, None], wn, 0.0)  # causal: token k <= t
-    sc = tl.exp(cumn)
 
+    # Coefficients one token at a time, so no (tokens, history, N) product is ever live, and
+    # before the tile is loaded, so B never shares the registers with it.
+    wh = tl.zeros((QB, HB), dtype=tl.float32)
+    wn = tl.zeros((QB, QB), dtype=tl.float32)
+    for tt in tl.static_range(Q):
+        Crow = tl.load(C_ptr + i * sC_b + tt * sC_t + g * sC_g + n, mask=nm, other=0.0).to(tl.float32)
+        cum_t = tl.sum(tl.where(t == tt, cumn, 0.0))
+        wht = dth * tl.exp(tl.minimum(cum_t - cumh, 0.0)) * tl.sum(Crow[None, :] * Bh, axis=1)
+        wnt = dtn * tl.exp(tl.minimum(cum_t - cumn, 0.0)) * tl.sum(Crow[None, :] * Bn, axis=1)
+        wnt = tl.where(t <= tt, wnt, 0.0)  # causal: token k <= t
+        wh = tl.where((t == tt)[:, None], wht[None, :], wh)
+        wn = tl.where((t == tt)[:, None], wnt[None, :], wn)
+
+    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # (NC, BLOCK_P, NS), as `_piece`
     xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
                  other=0.0).to(tl.float32)  # (HB, BLOCK_P)
     xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
@@ -93,7 +99,7 @@ def _mono_kernel(
     for tt in tl.static_range(Q):
         sel = t == tt
         Ct = tl.load(C_ptr + i * sC_b + tt * sC_t + g * sC_g + ncol).to(tl.float32)
-        yt = tl.sum(tl.where(sel, sc, 0.0)) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
+        yt = tl.exp(tl.sum(tl.where(sel, cumn, 0.0))) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
         wht = tl.sum(tl.where(sel[:, None], wh, 0.0), axis=0)
         wnt = tl.sum(tl.where(sel[:, None], wn, 0.0), axis=0)
         xt = tl.sum(tl.where(sel[:, None], xn, 0.0), axis=0)
@@ -112,26 +118,38 @@ def _mono_kernel(
     tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=kvg[:, None] & nm[None, :])
 
     if valid & (hc + Q > window):
-        fh = dth * tl.exp(tl.minimum(lam_h - cumh, 0.0))  # fold coefficients (HB,)
-        S = S0 * tl.exp(lam_h)
-        # Unrolled over the window with masked loads (f = 0 past h_c), as `_piece`.
-        for jj in tl.static_range(HB):
-            r = (o + jj) % R
-            f = tl.sum(tl.where(j == jj, fh, 0.0))
-            xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
-            Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0).to(tl.float32)
-            S += (f * xj)[None, :, None] * Bj[:, None, :]
-        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+        # The fold, an NS-column chunk at a time as one (BLOCK_P, KB) x (KB, NS) 3xTF32 product onto
+        # the decayed chunk (as the lean fold-only launch), the chunk read again (an L2 hit): the
+        # whole-tile fold's registers would cut the occupancy of every program, flush or not.
+        KB: tl.constexpr = 16 if HB < 16 else HB
+        jk = tl.arange(0, KB)
+        jkm = jk < hc
+        krows = (o + jk) % R
+        dtk = tl.load(rdt_ptr + xrow0 + krows, mask=jkm, other=0.0)
+        fk = dtk * tl.exp(tl.minimum(lam_h - tl.cumsum(dtk, axis=0) * A, 0.0))  # fold coefficients
+        xf = tl.load(rx_ptr + (xrow0 + krows)[None, :] * P + p[:, None], mask=jkm[None, :],
+                     other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
+        decay = tl.exp(lam_h)
+        for c in tl.static_range(NC):
+            nc = c * NS + tl.arange(0, NS)
+            ctile = p[:, None] * N + nc[None, :]
+            S0c = tl.load(state_ptr + sbase + ctile).to(tl.float32)
+            Bc = tl.load(rB_ptr + (Brow0 + krows)[:, None] * N + nc[None, :], mask=jkm[:, None],
+                         other=0.0).to(tl.float32)  # (KB, NS)
+            S = tl.dot(xf, Bc, S0c * decay, input_precision="tf32x3")
+            S = stochastic_round(S, sbase + ctile, seed_mix, STATE_DTYPE, MAXV)
+            tl.store(state_ptr + sbase + ctile, S)
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int) -> None:
-    """One launch, grid (P / block_p, H, b); needs whole tiles (`replay_stream.stream_supported`)."""
+    """One launch, grid (P / block_p, H, b); needs whole tiles (`replay_stream.stream_supported`) of
+    >= 16 rows (the fold's tensor-core product)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
-    if not stream_supported(P, N, block_p):
-        raise ValueError(f"route 'mono' needs block_p dividing P and N a multiple of 32 (P={P}, N={N})")
+    if not stream_supported(P, N, block_p) or block_p < 16:
+        raise ValueError(f"route 'mono' needs block_p >= 16 dividing P and N a multiple of 32 (P={P}, N={N})")
     sdt = tl_dtype(state.dtype)
     _mono_kernel[(P // block_p, H, b)](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
