@@ -96,10 +96,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # "stream-list|lean[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush
         # launches on a side stream (replay_stream.py, replay_lean.py); .d / .e fold flush tiles
         # with a 3xTF32 product / fp32 rank-one updates (lean's default .d, stream-list's .e);
-        # lean also takes .fROWS / .wWARPS (flush tile), .pN (flush programs per SM), .hN (heads
-        # per ring-term program); .o (both routes): outputs of every row in one launch, the flush
-        # launch after it only folds; .m (stream-list, several tokens): flush rows folded inside
-        # the streaming launch, no flush launches. The benchmarks sweep them.
+        # lean also takes .fROWS / .wWARPS (flush tile), .pN (flush programs per SM; stream-list
+        # .o too, for its fold-only launch), .hN (heads per ring-term program); .o (both routes):
+        # outputs of every row in one launch, the flush launch after it only folds; .m
+        # (stream-list, several tokens): flush rows folded inside the streaming launch, no flush
+        # launches. The benchmarks sweep them.
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm",
                      h="heads_per_program")

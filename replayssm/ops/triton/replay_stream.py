@@ -128,13 +128,14 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                   items: int = 8, stages: int = 2, concurrent: bool = False, dot_fold: bool = False,
-                  outputs_all: bool = False, merged: bool = False) -> None:
+                  outputs_all: bool = False, merged: bool = False, flush_programs_per_sm: int = 4) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
     the streaming launch takes every row and the lean route's fold-only launch follows it. merged
     (several tokens, tiles of >= 16 rows): the streaming launch takes every row and folds the flush
-    rows itself, so a flush tile is read once; no flush launches.
+    rows itself, so a flush tile is read once; no flush launches. flush_programs_per_sm: programs
+    per SM of the fold-only launch (outputs_all).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -180,7 +181,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
 
         stream_launch()
         launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w,
-                     sc, sc, block_p, num_warps, outputs=False)
+                     sc, sc, block_p, num_warps, flush_programs_per_sm, outputs=False)
         return
 
     # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
