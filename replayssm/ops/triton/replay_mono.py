@@ -130,12 +130,13 @@ def _mono_kernel(
         xf = tl.load(rx_ptr + (xrow0 + krows)[None, :] * P + p[:, None], mask=jkm[None, :],
                      other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
         decay = tl.exp(lam_h)
-        for c in tl.static_range(NC):
-            nc = c * NS + tl.arange(0, NS)
+        FNS: tl.constexpr = 16 if NS > 16 else NS  # narrow chunks: few registers live in the fold
+        for c in tl.static_range(N // FNS):
+            nc = c * FNS + tl.arange(0, FNS)
             ctile = p[:, None] * N + nc[None, :]
             S0c = tl.load(state_ptr + sbase + ctile).to(tl.float32)
             Bc = tl.load(rB_ptr + (Brow0 + krows)[:, None] * N + nc[None, :], mask=jkm[:, None],
-                         other=0.0).to(tl.float32)  # (KB, NS)
+                         other=0.0).to(tl.float32)  # (KB, FNS)
             S = tl.dot(xf, Bc, S0c * decay, input_precision="tf32x3")
             S = stochastic_round(S, sbase + ctile, seed_mix, STATE_DTYPE, MAXV)
             tl.store(state_ptr + sbase + ctile, S)
