@@ -315,8 +315,8 @@ def run_interpreter(part: str) -> None:
         # mono: one launch per step; two P tiles (appends from tile 0 only), a masked window (W=5).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono", steps=6,
                            act=torch.bfloat16)
-        check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono", steps=10,
-                           state_dtype=torch.float16)
+        check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono.e", steps=10,
+                           state_dtype=torch.float16)  # .e: the tile loaded before the coefficients
         # .m: flush rows folded inside the streaming launch (3xTF32 chunks), fp16 pool rounding.
         check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="stream-list.m",
                            steps=12, state_dtype=torch.float16, act=torch.bfloat16)

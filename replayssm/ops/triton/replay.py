@@ -123,10 +123,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                concurrent="c" in opts, **kw)
         return y
-    if route == "mono":
+    if route in ("mono", "mono.e"):  # .e: the tile's load issued before the coefficients
         cfg = config or CONFIG
         launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
+                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
+                    early=route == "mono.e")
         return y
     if route in ("fused", "split", "weights"):
         cfg = config or CONFIG
