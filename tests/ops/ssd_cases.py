@@ -22,7 +22,7 @@ from replayssm.ops.ssd import scan_without_boundaries, ssd_chunked_scan_ref  # n
 from replayssm.ops.ssd_layout import chunk_layout  # noqa: E402
 
 # Whether `ssd_chunked_scan_triton` runs the Triton scan (else the reference scan + Triton boundaries).
-ENTRY_IS_FULL = False
+ENTRY_IS_FULL = True
 ORACLE_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 REF_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -146,3 +146,5 @@ def run_interpreter() -> None:
     check_ssd_scan("cpu", lengths=[0, 0], chunk=16, pad_seq=None, full=full, seed=2)
     check_ssd_scan("cpu", lengths=[33, 32], H=2, G=1, P=16, N=16, chunk=32, act=torch.bfloat16,
                    state_dtype=torch.bfloat16, pad_seq=None, full=full, seed=3)
+    # The model's chunk size: a sequence across a chunk end, a boundary every 16 tokens.
+    check_ssd_scan("cpu", lengths=[140, 5, 9], H=2, G=1, P=16, N=32, chunk=128, full=full, every=16, seed=4)

@@ -20,7 +20,6 @@ import torch
 import triton
 from torch import Tensor
 
-from replayssm.ops.ssd import scan_without_boundaries
 from replayssm.ops.ssd_layout import ChunkLayout, chunk_layout
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.ssd_kernels import (
@@ -35,8 +34,9 @@ from replayssm.ops.triton.ssd_kernels import (
 class LaunchConfig:
     """Rows of the state tile over P, and warps per program (per kind of launch)."""
 
-    block_p: int = 64
-    num_warps: int = 4
+    block_p: int = 64  # chunk states, outputs and boundaries
+    num_warps: int = 4  # chunk states and boundaries
+    out_warps: int = 8  # outputs (three (L, L)-sized tiles live)
     pass_block_p: int = 32
     pass_warps: int = 4
 
@@ -128,7 +128,7 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
         chunk_output_kernel[(nc, sh.H, tiles)](
             x, dt, A, B, C, D, dt_bias, lay.idx, lay.chunk_len, lay.chunk_valid, s, y,
             *strides, C.stride(0), C.stride(1), y.stride(0), y.stride(1), sh.H, sh.HPG, sh.L,
-            F32_DOT=x.dtype == torch.float32, **blocks,
+            F32_DOT=x.dtype == torch.float32, **(blocks | dict(num_warps=config.out_warps)),
         )  # fmt: skip
     return y, s
 
@@ -160,8 +160,7 @@ def ssd_chunked_scan_triton(
     """
     lay = chunk_layout(cu_seqlens, state_indices, has_initial_state, boundary_seq, boundary_len, chunk_size,
                        x.shape[0])
-    y, (_, s_in, *_) = scan_without_boundaries(x, dt, A, B, C, D, dt_bias, state, lay, chunk_size,
-                                               dt_softplus, rand_seed)
+    y, s_in = launch_scan(x, dt, A, B, C, D, dt_bias, state, lay, chunk_size, dt_softplus, rand_seed)
     if boundary_seq is None:
         return y, None
     return y, launch_boundaries(x, dt, A, B, dt_bias, state, lay, s_in, chunk_size, dt_softplus)

@@ -46,10 +46,10 @@ def state_from_zero(x_ptr, B_ptr, tok, live, delta, a, t, x_off, b_off, sx_t, sB
                     BLOCK_L: tl.constexpr):
     """Σ_{j<=t} exp(seg(t, j)) Δ_j x_j B_jᵀ over one chunk: (BLOCK_P, BLOCK_N) fp32."""
     k = tl.arange(0, BLOCK_L)
-    upto = tl.where(k <= t, a, 0.0)
-    # Σ_{j<k<=t} a_k: a suffix sum less its own first term, off by eps (|a_j| + |seg|) at most (a
-    # difference of prefix sums would be off by eps |a_1 + ... + a_t|, large next to a short segment).
-    seg = tl.cumsum(upto, axis=0, reverse=True) - upto
+    # seg(t, j) = Σ_{j<k<=t} a_k summed directly (a difference of prefix sums would be off by
+    # eps |a_1 + ... + a_t|, large next to a short segment; a reverse scan is avoided on purpose).
+    inside = (k[:, None] > k[None, :]) & (k[:, None] <= t)  # [k, j]: a_k belongs to seg(t, j)
+    seg = tl.sum(tl.where(inside, a[:, None], 0.0), axis=0)
     w = tl.where(k <= t, tl.exp(seg) * delta, 0.0)
     rows = tok[:, None]
     xs = tl.load(x_ptr + x_off + rows * sx_t + p[None, :], mask=live[:, None] & pm[None, :], other=0.0)
@@ -135,9 +135,12 @@ def chunk_output_kernel(
     n = tl.arange(0, BLOCK_N)
     pm, nm = p < P, n < N
     ln = live[:, None] & nm[None, :]
-    cs = tl.load(C_ptr + g * sC_g + tok[:, None] * sC_t + n[None, :], mask=ln, other=0.0)
-    bs = tl.load(B_ptr + g * sB_g + tok[:, None] * sB_t + n[None, :], mask=ln, other=0.0)
-    cs, bs = cs.to(tl.float32), bs.to(tl.float32)
+    # Ordered so that few big tiles are live at once: carried term, then C·B, then the scores.
+    cs = tl.load(C_ptr + g * sC_g + tok[:, None] * sC_t + n[None, :], mask=ln, other=0.0).to(tl.float32)
+    base = (c.to(tl.int64) * H + h) * (P * N)
+    s_in = tl.load(s_ptr + base + p[:, None] * N + n[None, :], mask=pm[:, None] & nm[None, :], other=0.0)
+    acc = tl.exp(a_cum)[:, None] * tl.dot(cs, tl.trans(s_in), input_precision="tf32x3")
+    bs = tl.load(B_ptr + g * sB_g + tok[:, None] * sB_t + n[None, :], mask=ln, other=0.0).to(tl.float32)
     if F32_DOT:
         cb = tl.dot(cs, tl.trans(bs), input_precision="tf32x3")
     else:
@@ -145,11 +148,7 @@ def chunk_output_kernel(
     scores = tl.where(i[:, None] >= i[None, :], cb * tl.exp(seg) * delta[None, :], 0.0)
     xs = tl.load(x_ptr + h * sx_h + tok[:, None] * sx_t + p[None, :], mask=live[:, None] & pm[None, :],
                  other=0.0).to(tl.float32)
-    acc = tl.dot(scores, xs, input_precision="tf32x3")
-    base = (c.to(tl.int64) * H + h) * (P * N)
-    s_in = tl.load(s_ptr + base + p[:, None] * N + n[None, :], mask=pm[:, None] & nm[None, :], other=0.0)
-    carried = tl.dot(cs, tl.trans(s_in), input_precision="tf32x3")
-    acc = acc + tl.exp(a_cum)[:, None] * carried
+    acc = tl.dot(scores, xs, acc=acc, input_precision="tf32x3")
     acc = acc + tl.load(D_ptr + h) * xs
     keep = (i * 0 + tl.load(valid_ptr + c)) != 0
     acc = tl.where(keep[:, None], acc, 0.0)

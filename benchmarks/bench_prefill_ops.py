@@ -1,0 +1,127 @@
+"""Chunked SSD prefill scan on the GPU: PyTorch reference vs Triton, ms and launches per call.
+
+One Mamba layer's scan at the Nemotron-H-8B head shape (H=128, P=64, N=128, G=8, chunk 128),
+bf16 activations, one sequence from an initial state with 65 boundary states (the prefix-hit
+checkpoints: one per 16 tokens at 1,040 tokens), at 1,040 and 16,384 tokens. The chunk layout is
+built once per case, as the layers of one forward pass share it. Prints per case: ms per call
+(CUDA events, median of `--iters`), kernel launches per call (torch.profiler), and the Triton
+result's largest error relative to the reference's largest magnitude. `--sweep` also times
+Triton tile configs (block_p; warps of the state/boundary and of the output launches).
+
+    python3 benchmarks/bench_prefill_ops.py [--tokens 1040 16384] [--iters 10] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from replayssm.ops.ssd import ssd_chunked_scan_ref
+from replayssm.ops.ssd_layout import chunk_layout
+
+H, P, N, G, CHUNK = 128, 64, 128, 8, 128
+
+
+def problem(T: int, boundaries: int, state_dtype: torch.dtype, seed: int = 0, device: str = "cuda") -> dict:
+    """One sequence of T tokens from its slot's state, `boundaries` evenly spaced boundary lengths."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dev = dict(device=device)
+    return dict(
+        x=torch.randn(T, H, P, generator=g, **dev).bfloat16(),
+        dt=torch.randn(T, H, generator=g, **dev) - 2.0,
+        A=-torch.rand(H, generator=g, **dev) * 8 - 0.5,
+        B=(torch.randn(T, G, N, generator=g, **dev) / N**0.5).bfloat16(),
+        C=torch.randn(T, G, N, generator=g, **dev).bfloat16(),
+        D=torch.randn(H, generator=g, **dev),
+        dt_bias=torch.randn(H, generator=g, **dev) * 0.5,
+        state=torch.randn(4, H, P, N, generator=g, **dev).to(state_dtype),
+        cu_seqlens=torch.tensor([0, T], dtype=torch.int32, **dev),
+        state_indices=torch.tensor([2], dtype=torch.int32, **dev),
+        has_initial_state=torch.tensor([True], **dev),
+        boundary_seq=torch.zeros(boundaries, dtype=torch.int32, **dev),
+        boundary_len=torch.tensor([round((k + 1) * T / boundaries) for k in range(boundaries)],
+                                  dtype=torch.int32, **dev),
+    )
+
+
+def time_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median ms of one call over `iters` calls after two warm-up calls (compiles Triton)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def launches(fn: Callable[[], object]) -> int:
+    """Kernels one call launches (device-side events under torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, sweep: bool) -> None:
+    """Time and count one token count; prints one line per implementation."""
+    from replayssm.ops.triton import ssd as tssd
+
+    pb = problem(T, boundaries, state_dtype)
+    pristine = pb["state"].clone()
+    names = ("cu_seqlens", "state_indices", "has_initial_state", "boundary_seq", "boundary_len")
+    meta = [pb[k] for k in names]
+    lay = chunk_layout(*meta, CHUNK, T)
+    ops = [pb[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "state")]
+    kw = dict(boundary_seq=pb["boundary_seq"], boundary_len=pb["boundary_len"], chunk_size=CHUNK)
+
+    def ref() -> tuple:
+        return ssd_chunked_scan_ref(*ops, *meta[:3], **kw)
+
+    def tri(config: tssd.LaunchConfig = tssd.CONFIG) -> tuple:
+        y, s_in = tssd.launch_scan(*ops, lay, CHUNK, True, 0, config)
+        return y, tssd.launch_boundaries(*ops[:4], ops[6], ops[7], lay, s_in, CHUNK, True, config)
+
+    y_ref, b_ref = ref()
+    pb["state"].copy_(pristine)
+    y_tri, b_tri = tri()
+    err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+              for a, b in ((y_tri, y_ref), (b_tri, b_ref)))
+    rows = [("reference", ref), ("triton", tri)]
+    if sweep:
+        for bp in (32, 64):
+            for w, ow in ((4, 4), (4, 8), (8, 8)):
+                cfg = tssd.LaunchConfig(block_p=bp, num_warps=w, out_warps=ow)
+                rows.append((f"triton block_p={bp} warps={w}/{ow}", lambda c=cfg: tri(c)))
+    for name, fn in rows:
+        ms = time_ms(fn, iters)
+        print(f"T={T:6d} {name:32s} {ms:9.3f} ms  {launches(fn):5d} launches", flush=True)
+    print(f"T={T:6d} triton vs reference: max rel err {err:.2e} (y and boundary states)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1040, 16384])
+    ap.add_argument("--boundaries", type=int, default=65)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--state-dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    print(f"8B shape H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 activations, {args.state_dtype} pool, "
+          f"{args.boundaries} boundaries, {torch.cuda.get_device_name()}")
+    for T in args.tokens:
+        run_case(T, args.boundaries, getattr(torch, args.state_dtype), args.iters, args.sweep)
+
+
+if __name__ == "__main__":
+    main()
