@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from replayssm.ops.conv1d import causal_conv1d_commit_ref, causal_conv1d_update_ref
+from replayssm.ops.conv1d import causal_conv1d_commit_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from replayssm.ops.replay import replay_commit_ref, replay_forward_ref, replay_materialize_ref
 from replayssm.ops.rounding import stochastic_round_ref
 from replayssm.ops.ssu import selective_state_update_ref
@@ -239,6 +239,48 @@ def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=Tru
         assert torch.equal(c1, c2), "commit differs from reference"
 
 
+def check_conv_varlen(device, *, Dc=40, K=4, lengths=(0, 1, 2, 13, 5, 0, 3, 30, 1), S=13, act=torch.float32,
+                      state_dtype=None, bias=True, strided=False, blocks=None, seed=0) -> None:
+    """Varlen prefill conv vs reference: outputs (NaN-poisoned buffer), windows bit-exact, others untouched.
+
+    Sequences of the given lengths (0, shorter than K-1, across token blocks) in permuted slots of a
+    larger pool, two of them padding (-1, one non-empty), has_initial_state mixed.
+    """
+    from replayssm.ops.triton import conv1d
+
+    torch.manual_seed(seed)
+    n = len(lengths)
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(device)
+    idx = torch.randperm(S)[:n].to(torch.int32)
+    idx[[n - 2, 1 if n > 2 else 0]] = -1  # the next-to-last sequence (30 tokens by default) and a short one
+    idx = idx.to(device)
+    init = (torch.arange(n) % 3 != 1).to(device)
+    cs = torch.randn(S, Dc, K - 1).to(state_dtype or act).to(device)
+    # strided: x is a column slice of a wider buffer (rows strided by Dc + 24), as a split view is.
+    wide = torch.randn(T, Dc + 24).to(act).to(device)
+    x = wide[:, 8 : 8 + Dc] if strided else wide[:, :Dc].contiguous()
+    w = torch.randn(Dc, 1, K).to(act).to(device)[:, 0, :]
+    bb = torch.randn(Dc).to(act).to(device) if bias else None
+    kw = dict(block_t=blocks[0], block_d=blocks[1]) if blocks else {}
+    for activation in ("silu", None):
+        runs = []
+        for _ in range(2):
+            c1 = cs.clone()
+            y = torch.full((T, Dc), float("nan"), dtype=act, device=device)
+            conv1d.causal_conv1d_varlen_triton(x, w, bb, c1, cu, idx, init, activation, out=y, **kw)
+            runs.append((y, c1))
+        y, c1 = runs[0]
+        assert torch.equal(runs[1][0], y) and torch.equal(runs[1][1], c1), "two runs differ"
+        c2 = cs.clone()
+        y_ref = causal_conv1d_varlen_ref(x, w, bb, c2, cu, idx, init, activation)
+        _close("varlen y", y, y_ref, act)
+        assert torch.equal(c1, c2), f"varlen windows differ from reference (K={K})"
+        _untouched("varlen windows", c1, cs, idx)
+        pad = torch.repeat_interleave(idx.cpu() < 0, torch.tensor(lengths)).to(device)
+        assert bool((y[pad] == 0).all()), "padding sequence output is not zero"
+
+
 def check_norm(device, *, rows=7, shapes=((96, 24), (256, 64), (40, 40)), seed=0) -> None:
     """Triton RMSNorm / gated RMSNorm vs their references: dtypes, gate on/off, masked groups, strides."""
     from replayssm.ops.norm import rms_norm_gated_ref, rms_norm_ref
@@ -331,6 +373,11 @@ def run_interpreter(part: str) -> None:
     elif part == "conv":
         check_conv("cpu")
         check_conv("cpu", K=2, q=1, act=torch.bfloat16, bias=False)
+        # Tiles of 8 tokens x 16 channels: sequences span blocks and blocks hold several sequences.
+        check_conv_varlen("cpu", blocks=(8, 16))
+        check_conv_varlen("cpu", K=2, act=torch.bfloat16, bias=False, strided=True, blocks=(8, 16))
+        check_conv_varlen("cpu", K=3, act=torch.bfloat16, state_dtype=torch.float32, blocks=(16, 32),
+                          lengths=(4, 0, 1, 9, 2))
     elif part == "ssd":
         from ssd_cases import run_interpreter as run_ssd
 
