@@ -10,7 +10,7 @@ from interpret import run_interpreted
 pytest.importorskip("triton")
 
 # Nemotron-like prefill batch: one 1,100-token sequence, empty / 1-token / shorter-than-K-1 ones, and
-# lengths around the 64-token block; index 10 (200 tokens) and index 1 are padding in check_conv_varlen.
+# lengths around multiples of the 32-token block; check_conv_varlen pads index 10 (200 tokens) and 1.
 GPU_LENGTHS = (1100, 0, 1, 2, 3, 700, 37, 64, 65, 5, 200, 3)
 
 

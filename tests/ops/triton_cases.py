@@ -402,6 +402,8 @@ def run_gpu_smoke() -> None:
                                                       state_dtype=torch.float16),
         "conv K4 q4 bf16": lambda: check_conv("cuda", Dc=1000, K=4, b=12, q=4, S=40, act=torch.bfloat16),
         "conv K2 q3 fp32": lambda: check_conv("cuda", Dc=1000, K=2, b=12, q=3, S=40),
+        "conv varlen K4 bf16": lambda: check_conv_varlen("cuda", Dc=2560, K=4, S=40, act=torch.bfloat16,
+                                                         strided=True, lengths=(1100, 0, 1, 2, 70, 65, 9, 3)),
     }
     for name, fn in checks.items():
         try:

@@ -120,20 +120,19 @@ def causal_conv1d_commit_triton(conv_state: torch.Tensor, x: torch.Tensor, num_a
     )
 
 
-# Varlen prefill tiles: BLOCK_T tokens x BLOCK_D channels per program (bf16 rows of 256 bytes).
-VARLEN_BLOCK_T = 64
+# Varlen prefill tiles: BLOCK_T tokens x BLOCK_D channels per program (bf16 rows of 256 bytes; the
+# K shifted x tiles load as 16-byte vectors, ~120 registers a thread at 4 warps with no spill).
+VARLEN_BLOCK_T = 32
 VARLEN_BLOCK_D = 128
 
 
 @triton.jit
-def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, cu_ptr, idx_ptr, init_ptr, y_ptr,
-                        T, Dc, n, nsteps, sx_t, sx_d, sw_d, sw_k, sy_t, scs_s, scs_d, scs_k,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, cu_ptr, idx_ptr, y_ptr, T, Dc, n, nsteps,
+                        sx_t, sx_d, sw_d, sw_k, sy_t,
+                        K: tl.constexpr, K1: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    K1: tl.constexpr = K - 1
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    tm = t < T
     cm = c < Dc
     # Sequence of each token: the largest i < n with cu[i] <= t (empty sequences repeat a value).
     lo = tl.zeros([BLOCK_T], dtype=tl.int32)
@@ -143,53 +142,71 @@ def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, cu_ptr, idx_ptr, init_pt
         go = tl.load(cu_ptr + mid) <= t
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
-    off = t - tl.load(cu_ptr + lo)
-    slot = tl.load(idx_ptr + lo)
-    live = tm & (slot >= 0)  # padding sequences read nothing and output zeros
-    init = live & (tl.load(init_ptr + lo) != 0)
-    win = cs_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * scs_s + c[None, :] * scs_d
+    # The first K-1 tokens of a sequence read its window: the window launch computes them.
+    mine = (t < T) & (t - tl.load(cu_ptr + lo) >= K1)
+    live = mine & (tl.load(idx_ptr + lo) >= 0)  # padding sequences read nothing and output zeros
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for k in tl.static_range(K):
-        # Tap k reads input p = off - (K-1) + k of the sequence: a token when p >= 0, else window
-        # column K-1 + p (the old window: the final one is written by the next launch).
-        p = off + (k - K1)
-        from_x = p >= 0
         xrow = (t + (k - K1)).to(tl.int64)
-        xv = tl.load(x_ptr + xrow[:, None] * sx_t + c[None, :] * sx_d,
-                     mask=(live & from_x)[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        wv = tl.load(win + (p + K1)[:, None] * scs_k, mask=(init & ~from_x)[:, None] & cm[None, :],
-                     other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + xrow[:, None] * sx_t + c[None, :] * sx_d, mask=live[:, None] & cm[None, :],
+                     other=0.0)
         wk = tl.load(w_ptr + c * sw_d + k * sw_k, mask=cm, other=0.0).to(tl.float32)
-        acc += (xv + wv) * wk[None, :]  # the two masks are disjoint: one of xv, wv is zero
+        acc += xv.to(tl.float32) * wk[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     acc = tl.where(live[:, None], acc, 0.0)
     tl.store(y_ptr + t.to(tl.int64)[:, None] * sy_t + c[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=tm[:, None] & cm[None, :])
+             mask=mine[:, None] & cm[None, :])
 
 
 @triton.jit
-def _conv_varlen_window_kernel(x_ptr, cs_ptr, cu_ptr, idx_ptr, init_ptr, Dc, sx_t, sx_d, scs_s, scs_d, scs_k,
-                               K1: tl.constexpr, KB: tl.constexpr, BLOCK_D: tl.constexpr):
+def _conv_varlen_window_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, cu_ptr, idx_ptr, init_ptr, y_ptr, Dc,
+                               sx_t, sx_d, sw_d, sw_k, sy_t, scs_s, scs_d, scs_k,
+                               K: tl.constexpr, K1: tl.constexpr, KB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               SILU: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = c < Dc
     slot = tl.load(idx_ptr + i)
     start = tl.load(cu_ptr + i)
     length = tl.load(cu_ptr + i + 1) - start
     j = tl.arange(0, KB)
-    init = (j * 0 + tl.load(init_ptr + i)) != 0  # scalar flags as vectors: the interpreter needs them
-    # New column j is element length + j of [old window, tokens]: a token unless the sequence is short.
+    # Scalar flags as vectors (the interpreter masks with tensors only).
+    init = (j * 0 + tl.load(init_ptr + i)) != 0
+    live = cm & ((c * 0 + slot) >= 0)
+    win = cs_ptr + tl.maximum(slot, 0).to(tl.int64) * scs_s + c[None, :] * scs_d
+    # Outputs of the sequence's first min(K-1, length) tokens: row j's tap k is element j + k of
+    # e = [old window (K-1), tokens].
+    acc = tl.zeros([KB, BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(K):
+        e = j + k
+        in_win = e < K1
+        wv = tl.load(win + e[:, None] * scs_k, mask=(in_win & init)[:, None] & live[None, :], other=0.0)
+        xrow = (start + e - K1).to(tl.int64)
+        xv = tl.load(x_ptr + xrow[:, None] * sx_t + c[None, :] * sx_d,
+                     mask=(~in_win & (e - K1 < length))[:, None] & live[None, :], other=0.0)
+        wk = tl.load(w_ptr + c * sw_d + k * sw_k, mask=cm, other=0.0).to(tl.float32)
+        acc += (wv.to(tl.float32) + xv.to(tl.float32)) * wk[None, :]  # disjoint masks: one is zero
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    acc = tl.where(live[None, :], acc, 0.0)
+    first = (j < K1) & (j < length)
+    tl.store(y_ptr + (start + j).to(tl.int64)[:, None] * sy_t + c[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=first[:, None] & cm[None, :])
+    # New window column j: element length + j of e (a token unless the sequence is short).
     pos = length + j
     from_win = pos < K1
-    m = (j < K1)[:, None] & (((c * 0 + slot) >= 0) & (c < Dc))[None, :]
-    win = cs_ptr + tl.maximum(slot, 0).to(tl.int64) * scs_s + c[None, :] * scs_d
-    wv = tl.load(win + pos[:, None] * scs_k, mask=m & (from_win & init)[:, None], other=0.0)
+    m = (j < K1)[:, None] & live[None, :]
+    ov = tl.load(win + pos[:, None] * scs_k, mask=m & (from_win & init)[:, None], other=0.0)
     xrow = (start + pos - K1).to(tl.int64)
-    xv = tl.load(x_ptr + xrow[:, None] * sx_t + c[None, :] * sx_d, mask=m & ~from_win[:, None], other=0.0)
-    # Every read of this slot's window (here and in the conv launch) precedes this write.
-    tl.store(win + j[:, None] * scs_k, tl.where(from_win[:, None], wv, xv.to(wv.dtype)), mask=m)
+    nv = tl.load(x_ptr + xrow[:, None] * sx_t + c[None, :] * sx_d, mask=m & ~from_win[:, None], other=0.0)
+    # Threads of this program read window columns that others overwrite: every read before any write.
+    tl.debug_barrier()
+    tl.store(win + j[:, None] * scs_k, tl.where(from_win[:, None], ov, nv.to(ov.dtype)), mask=m)
 
 
 def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -205,15 +222,17 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
     (zero outputs, no read, no write); has_initial_state (n,) bool (False: zero window).
     out: optional (T, D) x.dtype contiguous buffer for y. Returns y (T, D) in x.dtype.
 
-    Two launches and no host read: (1) grid (token blocks, channel blocks) computes every output
-    from the OLD windows; (2) grid (n, channel blocks) writes each final window (last K-1 of
-    [window, tokens]). Writing in (1) would race: a slot's window is read by the programs of its
-    sequence's first tokens and may be overwritten by another program of the same launch.
-    Each token finds its sequence by a binary search of cu_seqlens on the device (log2(n) loads
-    of a cached array per token block) rather than from per-token metadata built on the host:
-    nothing is read back or uploaded, the launches are capturable in a CUDA graph, and no layer
-    depends on `ops.common.derived` hitting (it cannot under inference mode, which keeps no
-    tensor versions).
+    Two launches, no host read, each output written once:
+      tokens   grid (token blocks, channel blocks): outputs of tokens at offset >= K-1 in their
+               sequence, all K taps from x (contiguous 16-byte loads; conv_state untouched);
+      windows  grid (n, channel blocks): outputs of each sequence's first K-1 tokens (taps in
+               the old window) and then its final window (last K-1 of [window, tokens]).
+    A slot's window is read and overwritten only by its own program (slots are distinct), so no
+    ordering between programs is needed. Each token finds its sequence by a binary search of
+    cu_seqlens on the device (log2(n) loads of a cached array per token block) rather than from
+    per-token metadata built on the host: nothing is read back or uploaded, the launches are
+    capturable in a CUDA graph, and no layer depends on `ops.common.derived` hitting (it cannot
+    under inference mode, which keeps no tensor versions).
     """
     T, Dc = x.shape
     K = weight.shape[1]
@@ -221,19 +240,19 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
     y = out if out is not None else torch.empty((T, Dc), dtype=x.dtype, device=x.device)
     assert y.shape == (T, Dc) and y.dtype == x.dtype and y.stride(1) == 1
     assert bias is None or bias.stride(0) == 1
-    init = has_initial_state.view(torch.uint8)  # same bytes; Triton loads uint8 portably
+    b = bias if bias is not None else weight
+    flags = dict(K=K, K1=K - 1, HAS_BIAS=bias is not None, SILU=activation == "silu", num_warps=4)
     if T > 0:
         _conv_varlen_kernel[(triton.cdiv(T, block_t), triton.cdiv(Dc, block_d))](
-            x, weight, bias if bias is not None else weight, conv_state, cu_seqlens, state_indices, init, y,
-            T, Dc, n, n.bit_length(), x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            y.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-            K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=block_t, BLOCK_D=block_d,
-            num_warps=4,
+            x, weight, b, cu_seqlens, state_indices, y, T, Dc, n, n.bit_length(),
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
+            BLOCK_T=block_t, BLOCK_D=block_d, **flags,
         )
     if n > 0 and K > 1:
         _conv_varlen_window_kernel[(n, triton.cdiv(Dc, BLOCK_D))](
-            x, conv_state, cu_seqlens, state_indices, init, Dc, x.stride(0), x.stride(1),
+            x, weight, b, conv_state, cu_seqlens, state_indices, has_initial_state.view(torch.uint8), y, Dc,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-            K1=K - 1, KB=max(triton.next_power_of_2(K - 1), 2), BLOCK_D=BLOCK_D, num_warps=4,
+            KB=max(triton.next_power_of_2(K - 1), 2), BLOCK_D=BLOCK_D, **flags,
         )
     return y
