@@ -239,8 +239,10 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
     n = state_indices.shape[0]
     y = out if out is not None else torch.empty((T, Dc), dtype=x.dtype, device=x.device)
     assert y.shape == (T, Dc) and y.dtype == x.dtype and y.stride(1) == 1
-    assert bias is None or bias.stride(0) == 1
-    b = bias if bias is not None else weight
+    # The 1-D operands are indexed densely (no-op copies when they already are, as the model's are).
+    b = bias.contiguous() if bias is not None else weight
+    cu_seqlens, state_indices = cu_seqlens.contiguous(), state_indices.contiguous()
+    init = has_initial_state.contiguous().view(torch.uint8)  # same bytes; Triton loads uint8 portably
     flags = dict(K=K, K1=K - 1, HAS_BIAS=bias is not None, SILU=activation == "silu", num_warps=4)
     if T > 0:
         _conv_varlen_kernel[(triton.cdiv(T, block_t), triton.cdiv(Dc, block_d))](
@@ -250,7 +252,7 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
         )
     if n > 0 and K > 1:
         _conv_varlen_window_kernel[(n, triton.cdiv(Dc, BLOCK_D))](
-            x, weight, b, conv_state, cu_seqlens, state_indices, has_initial_state.view(torch.uint8), y, Dc,
+            x, weight, b, conv_state, cu_seqlens, state_indices, init, y, Dc,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             KB=max(triton.next_power_of_2(K - 1), 2), BLOCK_D=BLOCK_D, **flags,
