@@ -6,7 +6,7 @@ checkpoints: one per 16 tokens at 1,040 tokens), at 1,040 and 16,384 tokens. The
 built once per case, as the layers of one forward pass share it. Prints per case: ms per call
 (CUDA events, median of `--iters`), kernel launches per call (torch.profiler), and the Triton
 result's largest error relative to the reference's largest magnitude. `--sweep` also times
-Triton tile configs (block_p; warps of the state/boundary and of the output launches).
+Triton tile configs (block_p, block_k, warps).
 
     python3 benchmarks/bench_prefill_ops.py [--tokens 1040 16384] [--iters 10] [--sweep]
 """
@@ -99,10 +99,9 @@ def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, swee
               for a, b in ((y_tri, y_ref), (b_tri, b_ref)))
     rows = [("reference", ref), ("triton", tri)]
     if sweep:
-        for bp in (32, 64):
-            for w, ow in ((4, 4), (4, 8), (8, 8)):
-                cfg = tssd.LaunchConfig(block_p=bp, num_warps=w, out_warps=ow)
-                rows.append((f"triton block_p={bp} warps={w}/{ow}", lambda c=cfg: tri(c)))
+        for bp, bk, w in ((32, 32, 8), (32, 16, 8), (64, 16, 8), (64, 64, 8), (32, 32, 4), (32, 16, 4)):
+            cfg = tssd.LaunchConfig(block_p=bp, block_k=bk, num_warps=w, out_warps=w)
+            rows.append((f"triton block_p={bp} block_k={bk} warps={w}", lambda c=cfg: tri(c)))
     for name, fn in rows:
         ms = time_ms(fn, iters)
         print(f"T={T:6d} {name:32s} {ms:9.3f} ms  {launches(fn):5d} launches", flush=True)

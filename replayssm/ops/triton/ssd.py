@@ -6,10 +6,12 @@ Four launches per call (kernels in ops/triton/ssd_kernels.py), over the referenc
     chunk states   (nc, H, P tiles)  state of every chunk from zero, and its total decay
     chunk pass     (n, H, P tiles)   sequential over a sequence's chunks: states entering each
                                      chunk (in place) and the final state into the slot
-    outputs        (nc, H, P tiles)  intra-chunk (quadratic) + carried-state + D x outputs
+    outputs        (nc, H, P tiles x row blocks)  intra-chunk (quadratic) + carried-state + D x
     boundaries     (m, H, P tiles)   exact state after each requested prefix (when asked)
 
 All math is fp32; one (nc, H, P, N) fp32 buffer and one (nc, H) buffer are the only temporaries.
+The defaults compile without register spills for sm_90 at the 8B shape (checked on the CPU with
+triton.compile for target sm_90; ~165-240 registers per thread at 8 warps, 4 warps spill).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ class LaunchConfig:
     """Rows of the state tile over P, and warps per program (per kind of launch)."""
 
     block_p: int = 64  # chunk states, outputs and boundaries
-    num_warps: int = 4  # chunk states and boundaries
-    out_warps: int = 8  # outputs (three (L, L)-sized tiles live)
+    block_k: int = 32  # chunk positions per step of the products (rows per output program)
+    num_warps: int = 8  # chunk states and boundaries
+    out_warps: int = 8  # outputs
     pass_block_p: int = 32
     pass_warps: int = 4
 
@@ -52,16 +55,18 @@ class _Shape:
     HPG: int
     L: int
     block_l: int
+    block_k: int
     block_p: int
     block_n: int
 
 
-def _shape(x: Tensor, B: Tensor, L: int, block_p: int) -> _Shape:
+def _shape(x: Tensor, B: Tensor, L: int, config: LaunchConfig) -> _Shape:
     _, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     # tl.dot needs every dimension >= 16: smaller chunks, heads and states are padded and masked.
-    return _Shape(H, P, N, H // G, L, max(16, triton.next_power_of_2(L)),
-                  max(16, min(block_p, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(N)))
+    block_l = max(16, triton.next_power_of_2(L))
+    return _Shape(H, P, N, H // G, L, block_l, max(16, min(config.block_k, block_l)),
+                  max(16, min(config.block_p, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(N)))
 
 
 def _dense(t: Tensor) -> Tensor:
@@ -76,7 +81,7 @@ def launch_boundaries(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, dt_bias: Tens
     each chunk. Zero-length boundaries read the initial state from s_in, or from the pool for a
     sequence without chunks (its slot then holds its initial state: the scan wrote it unchanged)."""
     x, B = _dense(x), _dense(B)
-    sh = _shape(x, B, chunk_size, config.block_p)
+    sh = _shape(x, B, chunk_size, config)
     m = lay.b_rank.shape[0]
     if out is None:
         out = torch.empty(m, sh.H, sh.P, sh.N, dtype=torch.float32, device=x.device)
@@ -88,7 +93,7 @@ def launch_boundaries(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, dt_bias: Tens
         x, dt, A, B, dt_bias, lay.idx, lay.chunk_len, s_ptr, state,
         lay.b_chunk, lay.b_offset, lay.b_rank, lay.b_flag, lay.seq_chunks, lay.init_slot, out,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), sh.H, sh.HPG, sh.L,
-        P=sh.P, N=sh.N, BLOCK_L=sh.block_l, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
+        P=sh.P, N=sh.N, BLOCK_K=sh.block_k, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
         DT_SOFTPLUS=bool(dt_softplus), num_warps=config.num_warps,
     )  # fmt: skip
     return out
@@ -100,14 +105,14 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     """Outputs y (T, H, P) in x.dtype and the states entering each chunk (nc, H, P, N) fp32; writes the
     final states of the sequences with a slot."""
     x, B, C = _dense(x), _dense(B), _dense(C)
-    sh = _shape(x, B, chunk_size, config.block_p)
+    sh = _shape(x, B, chunk_size, config)
     nc, n = lay.nc, lay.num_seqs
     assert state.is_contiguous(), "state pool must be contiguous (offsets are linear indices)"
     s = torch.empty(nc, sh.H, sh.P, sh.N, dtype=torch.float32, device=x.device)
     sums = torch.empty(nc, sh.H, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x) if y is None else y
     strides = (x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1))
-    blocks = dict(P=sh.P, N=sh.N, BLOCK_L=sh.block_l, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
+    blocks = dict(P=sh.P, N=sh.N, BLOCK_K=sh.block_k, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
                   DT_SOFTPLUS=bool(dt_softplus), num_warps=config.num_warps)
     tiles = triton.cdiv(sh.P, sh.block_p)
     if nc:
@@ -125,10 +130,12 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
             num_warps=config.pass_warps,
         )  # fmt: skip
     if nc:
-        chunk_output_kernel[(nc, sh.H, tiles)](
+        row_blocks = sh.block_l // sh.block_k
+        chunk_output_kernel[(nc, sh.H, tiles * row_blocks)](
             x, dt, A, B, C, D, dt_bias, lay.idx, lay.chunk_len, lay.chunk_valid, s, y,
             *strides, C.stride(0), C.stride(1), y.stride(0), y.stride(1), sh.H, sh.HPG, sh.L,
-            F32_DOT=x.dtype == torch.float32, **(blocks | dict(num_warps=config.out_warps)),
+            BLOCK_L=sh.block_l, NB=min(32, sh.block_n), F32_DOT=x.dtype == torch.float32,
+            **(blocks | dict(num_warps=config.out_warps)),
         )  # fmt: skip
     return y, s
 
