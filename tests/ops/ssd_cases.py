@@ -54,7 +54,7 @@ def _boundaries(lengths: list[int], every: int) -> tuple[list[int], list[int]]:
 
 def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch.float32,
                    state_dtype=torch.float32, pad_seq=1, full=True, every=None, oracle_seqs=None,
-                   seed=0) -> None:
+                   softplus=True, seed=0) -> None:
     """Triton scan (full=False: reference scan + Triton boundary kernel) vs reference and oracle.
 
     Boundaries: 0, a random length, every `every` tokens (default: every chunk end) and the whole
@@ -72,6 +72,8 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
     B = (torch.randn(T, G, N) / N**0.5).to(act)
     C = torch.randn(T, G, N).to(act)
     D, dt_bias = torch.randn(H), torch.randn(H) * 0.5
+    if not softplus:  # Δ = dt + dt_bias must stay positive
+        dt, dt_bias = dt.abs() + 0.05, dt_bias.abs()
     slots = torch.randperm(S)[:n].to(torch.int32)
     if pad_seq is not None:
         slots[pad_seq] = -1
@@ -88,7 +90,7 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
 
     pool_ref = pool.clone()
     y_ref, b_ref = ssd_chunked_scan_ref(*cpu, pool_ref, cu, slots, has_init, chunk_size=chunk, rand_seed=5,
-                                        boundary_seq=bseq, boundary_len=blen)
+                                        dt_softplus=softplus, boundary_seq=bseq, boundary_len=blen)
     runs = []
     for _ in range(2):
         st = pool.clone().to(device)
@@ -96,16 +98,17 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
         y = torch.full((T, H, P), float("nan"), dtype=act, device=device)
         b = torch.full((len(bseq), H, P, N), float("nan"), device=device)
         if full:
-            y, s_in = tssd.launch_scan(*dev, st, lay, chunk, True, 5, y=y)
+            y, s_in = tssd.launch_scan(*dev, st, lay, chunk, softplus, 5, y=y)
         else:
-            y, (_, s_in, *_) = scan_without_boundaries(*dev, st, lay, chunk, True, 5)
-        b = tssd.launch_boundaries(*dev[:4], dev[6], st, lay, s_in, chunk, True, out=b)
+            y, (_, s_in, *_) = scan_without_boundaries(*dev, st, lay, chunk, softplus, 5)
+        b = tssd.launch_boundaries(*dev[:4], dev[6], st, lay, s_in, chunk, softplus, out=b)
         runs.append((y, b, st))
     (y, b, st), again = runs[0], runs[1]
     assert all(_same(u, v) for u, v in zip(again, runs[0])), "two runs differ"
     st_pub = pool.clone().to(device)
     y_pub, b_pub = tssd.ssd_chunked_scan_triton(*dev, st_pub, *meta[:3], chunk_size=chunk, rand_seed=5,
-                                                boundary_seq=meta[3], boundary_len=meta[4])
+                                                dt_softplus=softplus, boundary_seq=meta[3],
+                                                boundary_len=meta[4])
     if full == ENTRY_IS_FULL:
         assert _same(y_pub, y) and _same(b_pub, b) and _same(st_pub, st), "entry differs"
 
@@ -125,7 +128,8 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
         s0 = torch.zeros(H, P, N, dtype=torch.float64)
         if slots[i] >= 0 and has_init[i]:
             s0 = pool[slots[i]].double()
-        y_o, final, states = ssm_recurrence(s0, x[s], softplus_dt(dt[s], dt_bias), A, B[s], C[s], D)
+        delta = softplus_dt(dt[s], dt_bias) if softplus else dt[s].double() + dt_bias.double()
+        y_o, final, states = ssm_recurrence(s0, x[s], delta, A, B[s], C[s], D)
         if slots[i] >= 0 and lengths[i]:
             assert (e := _rel_err(y[s], y_o)) < ORACLE_RTOL[act], f"{tag}: y of seq {i} vs oracle {e:.2e}"
         if slots[i] >= 0:
@@ -148,3 +152,6 @@ def run_interpreter() -> None:
                    state_dtype=torch.bfloat16, pad_seq=None, full=full, seed=3)
     # The model's chunk size: a sequence across a chunk end, a boundary every 16 tokens.
     check_ssd_scan("cpu", lengths=[140, 5, 9], H=2, G=1, P=16, N=32, chunk=128, full=full, every=16, seed=4)
+    # No softplus; a chunk size that is not a power of two (padded positions inside every chunk).
+    check_ssd_scan("cpu", lengths=[26, 12, 7], H=2, G=2, P=16, N=16, chunk=12, full=full, softplus=False,
+                   seed=5)
