@@ -135,13 +135,14 @@ def test_materialize_gpu(state_dtype):
 
 
 def test_auto_route_policy():
-    """"auto" takes the one-launch route only for tiny steps, else the measured split routes."""
+    """"auto" takes the one-launch route only for small steps, else the measured split routes."""
     from replayssm.ops.triton.replay import auto_route
 
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
-    assert auto_route(32, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 32
-    assert auto_route(8, 1, 128, 64, 128)[0] == "lean.c"
-    assert auto_route(2, 4, 128, 64, 128)[0] == "mono"
-    assert auto_route(32, 4, 16, 64, 128)[0] == "stream-list.o"
-    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.o"
+    assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128
+    assert auto_route(32, 1, 128, 64, 128)[0] == "lean.c"
+    assert auto_route(4, 4, 128, 64, 128)[0] == "mono"
+    assert auto_route(32, 4, 16, 64, 128)[0] == "mono"
+    assert auto_route(8, 4, 128, 64, 128)[0] == "stream-list.o.p5"
+    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.o.p5"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes

@@ -44,18 +44,21 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
 # their whole tiles fit: one token takes "lean.c" at 32x4 (321 us vs 380 for "stream-list" at
-# the 8B headline), several take "stream-list.o" at 64x4 (500 us vs 582 for "stream-list.c" at
-# q = 4); else replay_step.py (q = 1) or the tensor-core route (q > 1).
+# the 8B headline), several take "stream-list.o.p5" at 64x4 (491 vs 504 us for four fold programs
+# per SM, 582 for "stream-list.c" at q = 4); else replay_step.py (q = 1) or the tensor-core route
+# (q > 1).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.c", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list.o", LaunchConfig(block_p=64, num_warps=4)))
+               ("stream-list.o.p5", LaunchConfig(block_p=64, num_warps=4)))
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
-# Tiny steps take "mono", one launch: the split routes' four or five launches cost more than their
-# bytes there. H200, fp32 state (benchmarks/NOTES-kernels.md, session 6): Nemotron-H-8B b = 1
-# 6.0 vs 11.9 us (q = 1), 13.2 vs 34.4 (q = 4); TP8 shape (H = 16) b = 32, q = 1: 15.0 vs 19.1;
-# but 8B b = 8 (1,024 rows x heads) q = 4: 69.6 vs 45.5, and q = 1 b = 256: 533 vs 322.
+# Small steps take "mono", one launch: the split routes' four or five launches cost more than their
+# bytes there. H200, fp32 state, session 6 call 3 (benchmarks/NOTES-kernels.md), mono vs split:
+#   one token:  8B b = 1 5.4 vs 11.8 us, b = 8 17.3 vs 22.0, b = 32 57.0 vs 52.6 (4,096 row-heads);
+#               TP8 shape (H = 16) b = 32 12.1 vs 19.1, b = 128 30.8 vs 33.6, b = 256 55.5 vs 52.9;
+#   q = 4:      8B b = 1 12.1 vs 34.2, b = 8 50.9 vs 45.3 (1,024 row-heads); TP8 b = 32 29.4 vs 40.6,
+#               b = 128 97.8 vs 57.5.
 MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
-MONO_MAX_ROW_HEADS = (512, 256)  # b * H at or below which "auto" takes "mono" (one token, several)
+MONO_MAX_ROW_HEADS = (2048, 512)  # b * H at or below which "auto" takes "mono" (one token, several)
 
 
 def auto_route(b: int, q: int, H: int, P: int, N: int) -> tuple[str, LaunchConfig] | None:
@@ -74,7 +77,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     route "stream-list" (with its sweep suffixes): `replay_stream.py`; "fused":
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch; "auto": `auto_route` ("mono"
-    for tiny steps, else "lean.c" for one token, "stream-list.o" for several) where their tiles
+    for small steps, else "lean.c" for one token, "stream-list.o.p5" for several) where their tiles
     fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights": the weights launch alone (benchmark diagnostics only: y is not written).
     """
