@@ -147,7 +147,8 @@ def run_interpreter() -> None:
     check_ssd_scan("cpu", lengths=[9, 1, 40, 0, 23, 16, 5], chunk=16, full=full, every=5)
     check_ssd_scan("cpu", lengths=[17, 3, 0, 8], H=6, G=3, P=20, N=12, chunk=8, act=torch.bfloat16,
                    state_dtype=torch.float16, pad_seq=2, full=full, seed=1)
-    check_ssd_scan("cpu", lengths=[0, 0], chunk=16, pad_seq=None, full=full, seed=2)
+    check_ssd_scan("cpu", lengths=[0, 0], chunk=16, pad_seq=None, state_dtype=torch.float16, full=full,
+                   seed=2)
     check_ssd_scan("cpu", lengths=[33, 32], H=2, G=1, P=16, N=16, chunk=32, act=torch.bfloat16,
                    state_dtype=torch.bfloat16, pad_seq=None, full=full, seed=3)
     # The model's chunk size: a sequence across a chunk end, a boundary every 16 tokens.

@@ -108,8 +108,9 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     sh = _shape(x, B, chunk_size, config)
     nc, n = lay.nc, lay.num_seqs
     assert state.is_contiguous(), "state pool must be contiguous (offsets are linear indices)"
-    s = torch.empty(nc, sh.H, sh.P, sh.N, dtype=torch.float32, device=x.device)
-    sums = torch.empty(nc, sh.H, dtype=torch.float32, device=x.device)
+    # At least one row: with no chunks the pass still takes (never read) fp32 buffers.
+    s = torch.empty(max(nc, 1), sh.H, sh.P, sh.N, dtype=torch.float32, device=x.device)[:nc]
+    sums = torch.empty(max(nc, 1), sh.H, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x) if y is None else y
     strides = (x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1))
     blocks = dict(P=sh.P, N=sh.N, BLOCK_K=sh.block_k, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
@@ -122,9 +123,8 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     if n:
         pass_p = max(16, min(config.pass_block_p, triton.next_power_of_2(sh.P)))
         sd = tl_dtype(state.dtype)
-        s_ptr = s if nc else state  # no chunks: the loop never runs, the buffers are never read
         chunk_pass_kernel[(n, sh.H, triton.cdiv(sh.P, pass_p))](
-            s_ptr, sums if nc else state, state, lay.chunk_offsets if nc else lay.seq_chunks, lay.seq_chunks,
+            s, sums, state, lay.chunk_offsets if nc else lay.seq_chunks, lay.seq_chunks,
             lay.init_slot, lay.final_slot, seed_mix(rand_seed), sh.H,
             P=sh.P, N=sh.N, BLOCK_P=pass_p, BLOCK_N=sh.block_n, STATE_DTYPE=sd, MAXV=max_finite(sd),
             num_warps=config.pass_warps,
