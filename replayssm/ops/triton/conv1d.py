@@ -126,7 +126,7 @@ VARLEN_BLOCK_T = 32
 VARLEN_BLOCK_D = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n", "nsteps"])
 def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, cu_ptr, idx_ptr, y_ptr, T, Dc, n, nsteps,
                         sx_t, sx_d, sw_d, sw_k, sy_t,
                         K: tl.constexpr, K1: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,

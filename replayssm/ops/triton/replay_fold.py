@@ -31,7 +31,7 @@ def fold(S, rx_ptr, rB_ptr, rdt_ptr, xrow0, Brow0, dtrow0, o, count, A, R, p, n,
     return S
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def replay_fold_kernel(
     state_ptr, rx_ptr, rB_ptr, rdt_ptr, A_ptr, ring_start_ptr, committed_ptr, idx_ptr,
     seed_mix, window, H, G, R,
@@ -83,7 +83,7 @@ def launch_fold(state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _replay_materialize_kernel(
     A_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr, ring_start_ptr, src_ptr, n_ptr, dst_ptr,
     seed_mix, H, G, R,

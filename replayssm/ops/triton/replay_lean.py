@@ -124,7 +124,7 @@ def _lean_list_kernel(idx_ptr, committed_ptr, ring_start_ptr, list_ptr, count_pt
     tl.store(count_ptr, base)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _lean_flush_kernel(
     list_ptr, count_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, r_ptr, seed_mix,
     sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

@@ -28,7 +28,7 @@ from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round
 from replayssm.ops.triton.ssu import softplus_dt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _mono_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
     ring_start_ptr, committed_ptr, idx_ptr, y_ptr, seed_mix, window,

@@ -99,7 +99,7 @@ def _weights_kernel(
     tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=ok[:, None] & nm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _out_kernel(
     x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
     w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

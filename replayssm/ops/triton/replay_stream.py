@@ -32,7 +32,7 @@ FLUSH_PROGRAMS_PER_SM = 4
 LIST_BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _stream_kernel(
     x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
     w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -88,7 +88,7 @@ def _flush_list_kernel(idx_ptr, committed_ptr, list_ptr, count_ptr, b, window, Q
     tl.store(count_ptr, base)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _flush_kernel(
     list_ptr, count_ptr, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr,
     idx_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

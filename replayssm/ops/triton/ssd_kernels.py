@@ -93,7 +93,7 @@ def chunk_state_kernel(
     tl.store(s_ptr + base + p[:, None] * N + n[None, :], s, mask=pm[:, None] & nm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def chunk_pass_kernel(
     s_ptr, sum_ptr, state_ptr, offsets_ptr, count_ptr, init_ptr, final_ptr, seed_mix, H,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,

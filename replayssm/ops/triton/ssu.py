@@ -38,7 +38,7 @@ def softplus_dt(dt, bias, DT_SOFTPLUS: tl.constexpr):
     return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _ssu_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, idx_ptr, dst_ptr, y_ptr,
     seed_mix,
