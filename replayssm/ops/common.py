@@ -103,15 +103,22 @@ def derived(tag: str, tensors: Sequence[torch.Tensor], build: Callable[[], Any])
 
 def upload(pieces: dict[str, Sequence[int] | torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Host lists / tensors -> flat int64 tensors on `device`, views of one buffer sent in one copy
-    (pinned and asynchronous on CUDA: a pageable copy would wait for everything queued before it)."""
+    (pinned and asynchronous on CUDA: a pageable copy would wait for everything queued before it).
+
+    Every view starts on a 16-byte boundary: Triton specializes a kernel on whether each pointer
+    argument is 16-byte aligned, so views whose alignment followed the sizes before them compiled
+    new kernel variants whenever the sizes changed parity (mid-run, for the Triton prefill scan).
+    """
     host = [torch.as_tensor(v).reshape(-1).long() for v in pieces.values()]
-    flat = torch.cat(host) if host else torch.zeros(0, dtype=torch.int64)
+    starts, at = [], 0
+    for h in host:
+        starts.append(at)
+        at += h.numel() + h.numel() % 2  # 2 int64 = 16 bytes
+    flat = torch.zeros(at, dtype=torch.int64)
+    for h, a in zip(host, starts):
+        flat[a : a + h.numel()] = h
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     elif device.type != "cpu":
         flat = flat.to(device)
-    out, at = {}, 0
-    for name, h in zip(pieces, host):
-        out[name] = flat[at : at + h.numel()]
-        at += h.numel()
-    return out
+    return {name: flat[a : a + h.numel()] for name, h, a in zip(pieces, host, starts)}
