@@ -30,8 +30,8 @@ def test_replay_cycle_gpu(state_dtype, q, route):
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
 
 
-STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.c.d",
-                 "stream-list.o", "stream-list.m", "stream-list.m.s1"]
+STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.o",
+                 "stream-list.o.p5"]
 
 
 @requires_cuda
@@ -146,3 +146,19 @@ def test_auto_route_policy():
     assert auto_route(8, 4, 128, 64, 128)[0] == "stream-list.o.p5"
     assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.o.p5"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
+
+
+
+@pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3"])
+def test_route_options_are_checked(route):
+    """A route option the route does not take is refused, naming it (no silent default)."""
+    from replayssm.ops.triton.replay import launch_replay_forward
+
+    b, q, H, P, N, G, S, R, W = 1, 1, 2, 16, 32, 1, 2, 6, 4
+    i32 = dict(dtype=torch.int32)
+    args = (torch.randn(b, q, H, P), torch.randn(b, q, H), -torch.ones(H), torch.randn(b, q, G, N),
+            torch.randn(b, q, G, N), torch.ones(H), torch.zeros(H), torch.randn(S, H, P, N),
+            torch.randn(S, H, R, P), torch.randn(S, G, R, N), torch.rand(S, H, R), torch.zeros(S, **i32),
+            torch.zeros(S, **i32), torch.zeros(b, **i32))
+    with pytest.raises(ValueError, match="unknown options"):
+        launch_replay_forward(*args, W, True, 0, None, route=route)

@@ -348,9 +348,6 @@ def run_interpreter(part: str) -> None:
         # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,
                            act=torch.bfloat16)
-        # .d: their flush pieces fold with a 3xTF32 product per column chunk (W=16: KB = HB).
-        check_replay_cycle("cpu", q=3, P=32, N=16, W=16, config=LaunchConfig(16, 1), route="stream-list.d",
-                           steps=12, state_dtype=torch.float16, act=torch.bfloat16)
         # .o: outputs of every row in one launch, flush pieces only fold (column chunks of NS=16).
         check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o",
                            steps=12, act=torch.bfloat16)
@@ -359,9 +356,6 @@ def run_interpreter(part: str) -> None:
                            act=torch.bfloat16)
         check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono.e", steps=10,
                            state_dtype=torch.float16)  # .e: the tile loaded before the coefficients
-        # .m: flush rows folded inside the streaming launch (3xTF32 chunks), fp16 pool rounding.
-        check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="stream-list.m",
-                           steps=12, state_dtype=torch.float16, act=torch.bfloat16)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
         check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,

@@ -96,22 +96,25 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             # NOTES-kernels.md), so 16-bit states fold in their own launch.
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith(("stream-list", "lean")):
-        # "stream-list|lean[.sSTAGES][.iITEMS][.c]": pipeline stages, pieces per program, flush
-        # launches on a side stream (replay_stream.py, replay_lean.py); .d / .e fold flush tiles
-        # with a 3xTF32 product / fp32 rank-one updates (lean's default .d, stream-list's .e);
-        # lean also takes .fROWS / .wWARPS (flush tile), .pN (flush programs per SM; stream-list
-        # .o too, for its fold-only launch), .hN (heads per ring-term program); .o (both routes):
-        # outputs of every row in one launch, the flush launch after it only folds; .m
-        # (stream-list, several tokens): flush rows folded inside the streaming launch, no flush
-        # launches. The benchmarks sweep them.
+        # "stream-list|lean[.sSTAGES][.iITEMS][.c][.o][.pN]": pipeline stages, pieces per program,
+        # flush launches on a side stream (replay_stream.py, replay_lean.py), outputs of every row in
+        # one launch with a fold-only flush launch after it, flush programs per SM. lean also takes
+        # .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one updates),
+        # .fROWS / .wWARPS (flush tile) and .hN (heads per ring-term program). The benchmarks sweep
+        # them.
+        lean = route.startswith("lean")
         opts = route.split(".")[1:]
-        names = dict(s="stages", i="items", f="flush_block_p", w="flush_warps", p="flush_programs_per_sm",
-                     h="heads_per_program")
-        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in ("c", "d", "e", "m", "o")}
+        names = dict(s="stages", i="items", p="flush_programs_per_sm")
+        flags = {"c", "o"}
+        if lean:
+            names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
+            flags |= {"d", "e"}
+        bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
+        if bad:
+            raise ValueError(f"route {route!r}: unknown options {bad}")
+        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in flags}
         if "o" in opts:
             kw["outputs_all"] = True
-        if "m" in opts:
-            kw["merged"] = True
         if "e" in opts or "d" in opts:
             kw["dot_fold"] = "d" in opts
         cfg = config or CONFIG

@@ -80,15 +80,14 @@ def _piece_mma(
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, DOT: tl.constexpr,
+    MAXV: tl.constexpr,
 ):
     # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
     # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
     # by chunk so that no warp holds all of C^T. 16-bit C is exact in TF32, so an fp32 tile split
     # into hi + lo TF32 parts gives ~fp32 products (two MMAs); the fold stays plain fp32 on the
-    # CUDA cores (no tensor-core rounding reaches a stored state), or with DOT one (BLOCK_P, KB) x
-    # (KB, NS) 3xTF32 product per chunk onto the decayed chunk (~2^-21 relative error per product,
-    # as the lean route's flush launch).
+    # CUDA cores (no tensor-core rounding reaches a stored state). A 3xTF32 fold per chunk here
+    # measured no better (NOTES-kernels.md, sessions 5 and 6): the lean fold-only launch has it.
     TB: tl.constexpr = 16 if QB < 16 else QB
     JB: tl.constexpr = HB + QB
     NPT: tl.constexpr = P // BLOCK_P
@@ -109,14 +108,6 @@ def _piece_mma(
     if FOLD:
         decay = tl.load(sc_ptr + scbase + Q)
         Brow0 = s64 * G * R + g * R
-        if DOT:
-            KB: tl.constexpr = 16 if HB < 16 else HB
-            jk = tl.arange(0, KB)
-            jkm = jk < hc
-            rows = (o + jk) % R
-            fk = tl.load(w_ptr + wbase + Q * JB + jk, mask=jkm, other=0.0)
-            xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jkm[None, :],
-                         other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
     acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
     for c in tl.static_range(N // NS):
         n = c * NS + tl.arange(0, NS)
@@ -132,12 +123,7 @@ def _piece_mma(
             acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
         else:
             acc = tl.dot(S0, Ct, acc, input_precision="tf32")
-        if FOLD and DOT:
-            Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jkm[:, None],
-                         other=0.0).to(tl.float32)  # (KB, NS)
-            S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
-            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
-        elif FOLD:
+        if FOLD:
             # Rank-one updates on the CUDA cores, as `_piece`.
             S = S0 * decay
             for jj in tl.static_range(HB):
@@ -170,11 +156,11 @@ def _any_piece(
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
     MAXV: tl.constexpr,
 ):
-    # MMA: 0 = CUDA cores, 1 = tensor-core outputs, 2 = the same with the fold as a product.
-    if MMA > 0:
+    # MMA: 0 = CUDA cores, 1 = tensor-core outputs.
+    if MMA:
         _piece_mma(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                    w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA == 2)
+                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
     else:
         _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

@@ -39,12 +39,11 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    MERGED: tl.constexpr,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
-    # (a fold-only launch then folds the flush rows), or with MERGED every row, flush rows folded
-    # here too (one 3xTF32 product per NS-column chunk, from the tile chunk the outputs just
-    # read). ITEMS divides H * (P / BLOCK_P), so every program stays inside one row.
+    # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
+    # program stays inside one row. (Folding flush rows in this launch too, 3xTF32 per column
+    # chunk, measured 646 vs 330 us for it at q = 4 on the H200: NOTES-kernels.md, session 6.)
     w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
     i = w0 // per_row
@@ -55,18 +54,7 @@ def _stream_kernel(
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
     flush = valid & (hc + Q > window)
-    if MERGED:
-        if flush:
-            for k in tl.range(0, ITEMS, num_stages=STAGES):
-                _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
-                           y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
-                           sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, 2, STATE_DTYPE, MAXV)
-        else:
-            for k in tl.range(0, ITEMS, num_stages=STAGES):
-                _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
-                           y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
-                           sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
-    elif ALL or flush == 0:
+    if ALL or flush == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                        w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -127,15 +115,13 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                  items: int = 8, stages: int = 2, concurrent: bool = False, dot_fold: bool = False,
-                  outputs_all: bool = False, merged: bool = False, flush_programs_per_sm: int = 4) -> None:
+                  items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
+                  flush_programs_per_sm: int = 4) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
-    the streaming launch takes every row and the lean route's fold-only launch follows it. merged
-    (several tokens, tiles of >= 16 rows): the streaming launch takes every row and folds the flush
-    rows itself, so a flush tile is read once; no flush launches. flush_programs_per_sm: programs
-    per SM of the fold-only launch (outputs_all).
+    the streaming launch takes every row and the lean route's fold-only launch follows it.
+    flush_programs_per_sm: programs per SM of the fold-only launch (outputs_all).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -148,8 +134,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
-    # dot_fold: their flush pieces fold with one 3xTF32 product per chunk (MMA = 2).
-    mma = (2 if dot_fold else 1) if q > 1 and block_p >= 16 else 0
+    mma = int(q > 1 and block_p >= 16)  # several tokens: tensor-core pieces (16-row operands)
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
@@ -163,18 +148,13 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                                    state_indices, y, w, sc, *common, **meta)
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
-    merged = merged and mma > 0  # its flush pieces fold as tensor-core products
 
     def stream_launch() -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, MERGED=merged,
-            **meta,
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
         )
 
-    if merged:
-        stream_launch()
-        return
     if outputs_all:
         # The fold overwrites tiles the streaming launch reads: after it, on the same stream.
         from replayssm.ops.triton.replay_lean import launch_flush
