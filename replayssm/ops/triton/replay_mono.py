@@ -4,11 +4,13 @@ The other routes split a step into a weights launch, output launches and flush l
 pays at large batches (B·C once per group, the fold's registers kept out of the streaming
 programs) but costs a launch latency each: at batch 32 of the Nemotron-3 Super TP8 shape
 (H = 16) the four launches of stream-list took 41 us against 28 us for the baseline's one
-(benchmarks/NOTES-kernels.md, session 6). Here one program per (row, head, P tile) does it all:
+(benchmarks/NOTES-kernels.md, session 6; this route: 29 us). Here one program per (row, head,
+P tile) does it all:
 
     1. B·C, the cumulative decays and the coefficients of `replay_step._weights_kernel`, for its
        own head only (B·C recomputed per head and P tile: ~QB (HB + QB) N products, small next
-       to the tile's P N), while the tile's load is in flight;
+       to the tile's P N), a token at a time, before the tile is loaded (80 registers at 32x4,
+       q = 1, in an sm_90 build; with the tile loaded first, EARLY, 106);
     2. y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t, one reduction over N per
        token on the CUDA cores (as `replay_pieces._piece`);
     3. appends: x rows (every program, its P tile), Δ (P tile 0), B (P tile 0 of the group's
