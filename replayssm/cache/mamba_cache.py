@@ -77,17 +77,25 @@ class MambaCache:
         return [*self.state, *self.conv, *self.ring_x, *self.ring_B, *self.ring_dt,
                 self.ring_start, self.committed]
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, *, ring: bool = True) -> None:
-        """slot dst[i] <- slot src[i]: state, conv, ring and cursors. src/dst (m,) int64, dst distinct.
+    def copy_slots(self, src: list[int], dst: list[int], *, ring: bool = True) -> None:
+        """slot dst[i] <- slot src[i]: state, conv, ring and cursors. dst distinct and not in src.
 
         ring=False leaves dst's ring rows as they are: only for sources without committed ring
         entries (a prefix checkpoint), whose ring rows are never read (cursors 0 are copied).
+        One multi-tensor copy of whole-slot views: the H200 prefix-hit profile had the per-tensor
+        gather + scatter at 102 launches and 5.4 ms of host time per copied slot (24 layers).
         """
         tensors = self.per_slot_tensors()
         if not ring:
             tensors = [*self.state, *self.conv, self.ring_start, self.committed]
-        for t in tensors:
-            t[dst] = t[src]
+        pairs = list(zip(src, dst))
+        dsts = [t[d] for t in tensors for _, d in pairs]
+        srcs = [t[s] for t in tensors for s, _ in pairs]
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(dsts, srcs)
+        else:  # older PyTorch: one copy per view
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
 
     def reset_cursors(self, slots: torch.Tensor) -> None:
         """committed = ring_start = 0 for `slots` (after a prefill wrote a clean S_0)."""

@@ -283,11 +283,10 @@ class ModelRunner:
             self._check_slot(s, "slot")
         if not src:
             return
-        idx = lambda v: to_device(v, torch.int64, self.device)  # noqa: E731
         # Prefix-hit copies come from checkpoints (no committed ring entries): ring rows are skipped,
-        # 2 of 5 per-layer tensors instead of all (every tensor is a gather + a scatter launch).
+        # 2 of 5 per-layer tensors instead of all.
         ring = any(self._committed[s] for s in src)
-        self.mamba_cache.copy_slots(idx(src), idx(dst), ring=ring)
+        self.mamba_cache.copy_slots(src, dst, ring=ring)
         for s, d in zip(src, dst):
             self._ring_start[d], self._committed[d] = self._ring_start[s], self._committed[s]
 
