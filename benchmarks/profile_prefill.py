@@ -71,11 +71,21 @@ def labels(engine):
         (mamba2, "ssd_chunked_scan", "mamba chunked scan"),
         (mamba2, "store_states", "mamba checkpoint states"),
         (ssd, "_boundary_states", "mamba checkpoint states"),
+        *((tssd, "launch_boundaries", "mamba checkpoint states") for tssd in _triton_ssd()),
         (mamba2, "rms_norm_gated", "mamba gated norm"),
         (attention, "store_kv", "attention KV store"),
         (attention, "paged_attention", "attention prefill (paged, cached context)"),
     ]
     return e2e.patched_labels(methods, functions)
+
+
+def _triton_ssd() -> list:
+    """The Triton scan module when it imports (its checkpoint launch is labelled apart from the scan)."""
+    try:
+        from replayssm.ops.triton import ssd as tssd
+    except ImportError:  # no Triton: the reference computes the checkpoints
+        return []
+    return [tssd]
 
 
 # Aten ops that launch no kernel of their own (views, allocation, dispatch to another op).

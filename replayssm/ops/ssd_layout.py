@@ -118,8 +118,6 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
         pieces["token_valid"] = torch.tensor([s >= 0 for s in slots]).repeat_interleave(lengths)
     if m:
         pieces.update(b_chunk=b_chunk, b_offset=b_offset, b_rank=[rank[s] for s in bseq])
-        if min(blen) == 0:
-            pieces["b_empty"] = [int(length == 0) for length in blen]
         pieces["b_flag"] = [int(length == 0) for length in blen]
     pieces.update(chunk_len=[min(e - s, L) for s, e in zip(start, end)],
                   chunk_valid=[int(slots[i] >= 0) for i in seq],
@@ -135,7 +133,8 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
         read_slots=got["read_slots"], init_mode=init_mode, use_init=as_bool("use_init", (n,)),
         store_rows=got.get("store_rows"), store_slots=got["store_slots"],
         token_valid=as_bool("token_valid", (T, 1, 1)), b_chunk=got.get("b_chunk"),
-        b_offset=got.get("b_offset"), b_rank=got.get("b_rank"), b_empty=as_bool("b_empty", (m, 1, 1, 1)),
+        b_offset=got.get("b_offset"), b_rank=got.get("b_rank"),
+        b_empty=as_bool("b_flag", (m, 1, 1, 1)) if m and min(blen) == 0 else None,
         chunk_len=got["chunk_len"], chunk_valid=got["chunk_valid"], chunk_offsets=got["chunk_offsets"],
         seq_chunks=got["seq_chunks"], init_slot=got["init_slot"], final_slot=got["final_slot"],
         b_flag=got.get("b_flag"),
