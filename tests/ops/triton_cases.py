@@ -354,8 +354,8 @@ def run_interpreter(part: str) -> None:
         # mono: one launch per step; two P tiles (appends from tile 0 only), a masked window (W=5).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono", steps=6,
                            act=torch.bfloat16)
-        check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono.e", steps=10,
-                           state_dtype=torch.float16)  # .e: the tile loaded before the coefficients
+        check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono", steps=10,
+                           state_dtype=torch.float16)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
         check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,

@@ -129,11 +129,10 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                concurrent="c" in opts, **kw)
         return y
-    if route in ("mono", "mono.e"):  # .e: the tile's load issued before the coefficients
+    if route == "mono":
         cfg = config or CONFIG
         launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                    early=route == "mono.e")
+                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
         return y
     if route in ("fused", "split", "weights"):
         cfg = config or CONFIG
@@ -142,6 +141,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                     fuse_flush=route == "fused", outputs=route != "weights")
         if route != "split":
             return y
+    elif route != "mma":
+        raise ValueError(f"route: unknown {route!r}")
     else:
         launch_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                    state_indices, window, dt_softplus, y, config or MMA_CONFIG)

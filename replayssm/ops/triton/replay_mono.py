@@ -10,7 +10,8 @@ P tile) does it all:
     1. B·C, the cumulative decays and the coefficients of `replay_step._weights_kernel`, for its
        own head only (B·C recomputed per head and P tile: ~QB (HB + QB) N products, small next
        to the tile's P N), a token at a time, before the tile is loaded (80 registers at 32x4,
-       q = 1, in an sm_90 build; with the tile loaded first, EARLY, 106);
+       q = 1, in an sm_90 build; 106 with the tile loaded first, which measured no faster on the
+       H200: 5.1 vs 5.4 us at batch 1, slower above);
     2. y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t, one reduction over N per
        token on the CUDA cores (as `replay_pieces._piece`);
     3. appends: x rows (every program, its P tile), Δ (P tile 0), B (P tile 0 of the group's
@@ -37,7 +38,7 @@ def _mono_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, EARLY: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -54,8 +55,6 @@ def _mono_kernel(
     ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
     tile = p[None, :, None] * N + ncol[:, None, :]
     sbase = (s64 * H + h) * (P * N)
-    if EARLY:  # the tile's load in flight during the coefficients (registers held longer)
-        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
 
     n = tl.arange(0, BLOCK_N)
     nm = n < N
@@ -81,7 +80,7 @@ def _mono_kernel(
     cumn = lam_h + tl.cumsum(dtn, axis=0) * A
 
     # Coefficients one token at a time, so no (tokens, history, N) product is ever live, and
-    # (unless EARLY) before the tile is loaded, so B never shares the registers with it.
+    # before the tile is loaded, so B never shares the registers with it.
     wh = tl.zeros((QB, HB), dtype=tl.float32)
     wn = tl.zeros((QB, QB), dtype=tl.float32)
     for tt in tl.static_range(Q):
@@ -93,8 +92,7 @@ def _mono_kernel(
         wh = tl.where((t == tt)[:, None], wht[None, :], wh)
         wn = tl.where((t == tt)[:, None], wnt[None, :], wn)
 
-    if not EARLY:
-        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # (NC, BLOCK_P, NS), as `_piece`
+    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # (NC, BLOCK_P, NS), as `_piece`
     xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
                  other=0.0).to(tl.float32)  # (HB, BLOCK_P)
     xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
@@ -148,10 +146,9 @@ def _mono_kernel(
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                early: bool = False) -> None:
+                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int) -> None:
     """One launch, grid (P / block_p, H, b); needs whole tiles (`replay_stream.stream_supported`) of
-    >= 16 rows (the fold's tensor-core product). early: load the tile before the coefficients."""
+    >= 16 rows (the fold's tensor-core product)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -164,5 +161,5 @@ def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         *y.stride()[:3], H, G, R,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
-        MAXV=max_finite(sdt), EARLY=early, num_warps=num_warps,
+        MAXV=max_finite(sdt), num_warps=num_warps,
     )
