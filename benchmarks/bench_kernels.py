@@ -259,12 +259,6 @@ def measure(bench: Bench, impl: str, tile: Tile, sweep: bool = False) -> dict:
                 sweep=sweep)
 
 
-def _tile_name(row: dict) -> str:
-    """The Tile.name of a measured row."""
-    cfg = LaunchConfig(row["block_p"], row["num_warps"]) if row["block_p"] is not None else None
-    return Tile(row["route"], cfg).name
-
-
 def git_commit() -> str:
     env = os.environ.get("REPLAYSSM_COMMIT")
     if env:
@@ -317,13 +311,12 @@ def main() -> None:
             trials, desc = [], []
             for c in SWEEP[impl]:
                 try:
-                    trials.append(measure(bench, impl, c, sweep=True))
-                    desc.append(f"{c.name} {trials[-1]['us_per_step']:.1f}")
+                    trials.append((measure(bench, impl, c, sweep=True), c))
+                    desc.append(f"{c.name} {trials[-1][0]['us_per_step']:.1f}")
                 except ValueError as e:  # a tile the route refuses at this q (e.g. 8 warps, q > 1)
                     desc.append(f"{c.name} refused ({e})")
-            rows += trials
-            top = min(trials, key=lambda r: r["us_per_step"])
-            best[(impl, q)] = next(c for c in SWEEP[impl] if c.name == _tile_name(top))
+            rows += [r for r, _ in trials]
+            best[(impl, q)] = min(trials, key=lambda rc: rc[0]["us_per_step"])[1]
             desc = ", ".join(desc)
             print(f"sweep q={q} {impl}: {desc}", flush=True)
         del bench

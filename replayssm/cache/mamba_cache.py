@@ -91,11 +91,7 @@ class MambaCache:
         pairs = list(zip(src, dst))
         dsts = [t[d] for t in tensors for _, d in pairs]
         srcs = [t[s] for t in tensors for s, _ in pairs]
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(dsts, srcs)
-        else:  # older PyTorch: one copy per view
-            for d, s in zip(dsts, srcs):
-                d.copy_(s)
+        torch._foreach_copy_(dsts, srcs)
 
     def reset_cursors(self, slots: torch.Tensor) -> None:
         """committed = ring_start = 0 for `slots` (after a prefill wrote a clean S_0)."""
