@@ -6,9 +6,9 @@ checkpoints: one per 16 tokens at 1,040 tokens), at 1,040 and 16,384 tokens. The
 built once per case, as the layers of one forward pass share it. Prints per case: ms per call
 (CUDA events, median of `--iters`), kernel launches per call (torch.profiler), and the Triton
 result's largest error relative to the reference's largest magnitude. `--sweep` also times
-Triton tile configs (block_p, block_k, warps).
+Triton tile configs (block_p, block_k, warps); `--times` the GPU time of each Triton kernel.
 
-    python3 benchmarks/bench_prefill_ops.py [--tokens 1040 16384] [--iters 10] [--sweep]
+    python3 benchmarks/bench_prefill_ops.py [--tokens 1040 16384] [--iters 10] [--sweep] [--times]
 """
 
 from __future__ import annotations
@@ -73,7 +73,26 @@ def launches(fn: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, sweep: bool) -> None:
+def kernel_times(fn: Callable[[], object], iters: int) -> list[tuple[str, float, int]]:
+    """(kernel name, mean GPU µs per call, launches per call) over `iters` profiled calls, slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    acc: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc.setdefault(e.name, []).append(e.device_time_total)
+    rows = [(name, sum(t) / iters, len(t) // iters) for name, t in acc.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, sweep: bool,
+             times: bool = False) -> None:
     """Time and count one token count; prints one line per implementation."""
     from replayssm.ops.triton import ssd as tssd
 
@@ -106,6 +125,9 @@ def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, swee
         ms = time_ms(fn, iters)
         print(f"T={T:6d} {name:32s} {ms:9.3f} ms  {launches(fn):5d} launches", flush=True)
     print(f"T={T:6d} triton vs reference: max rel err {err:.2e} (y and boundary states)", flush=True)
+    if times:
+        for name, us, count in kernel_times(tri, iters):
+            print(f"T={T:6d}   {name[:48]:48s} {us:9.1f} us  x{count}", flush=True)
 
 
 def main() -> None:
@@ -115,11 +137,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--state-dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--times", action="store_true", help="GPU time per Triton kernel")
     args = ap.parse_args()
     print(f"8B shape H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 activations, {args.state_dtype} pool, "
           f"{args.boundaries} boundaries, {torch.cuda.get_device_name()}")
     for T in args.tokens:
-        run_case(T, args.boundaries, getattr(torch, args.state_dtype), args.iters, args.sweep)
+        run_case(T, args.boundaries, getattr(torch, args.state_dtype), args.iters, args.sweep, args.times)
 
 
 if __name__ == "__main__":
