@@ -6,7 +6,8 @@ checkpoints: one per 16 tokens at 1,040 tokens), at 1,040 and 16,384 tokens. The
 built once per case, as the layers of one forward pass share it. Prints per case: ms per call
 (CUDA events, median of `--iters`), kernel launches per call (torch.profiler), and the Triton
 result's largest error relative to the reference's largest magnitude. `--sweep` also times
-Triton tile configs (block_p, block_k, warps); `--times` the GPU time of each Triton kernel.
+Triton tile configs (block_p, block_k, warps) and the boundary walk's alone; `--times` the GPU time of
+each Triton kernel. "boundaries into slots" is the engine's call (boundary_dst).
 
     python3 benchmarks/bench_prefill_ops.py [--tokens 1040 16384] [--iters 10] [--sweep] [--times]
 """
@@ -21,6 +22,7 @@ import torch
 
 from replayssm.ops.ssd import ssd_chunked_scan_ref
 from replayssm.ops.ssd_layout import chunk_layout
+from replayssm.ops.triton.ssd_boundary import BoundaryConfig
 
 H, P, N, G, CHUNK = 128, 64, 128, 8, 128
 
@@ -109,15 +111,28 @@ def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, swee
 
     def tri(config: tssd.LaunchConfig = tssd.CONFIG) -> tuple:
         y, s_in = tssd.launch_scan(*ops, lay, CHUNK, True, 0, config)
-        return y, tssd.launch_boundaries(*ops[:4], ops[6], ops[7], lay, s_in, CHUNK, True, config)
+        return y, tssd.launch_boundaries(*ops[:4], ops[6], ops[7], lay, s_in, True)
+
+    # The engine's call: boundary states straight into free pool slots (boundary_dst).
+    m = pb["boundary_seq"].shape[0]
+    big = torch.cat([pb["state"], torch.zeros(m, *pb["state"].shape[1:], dtype=state_dtype, device="cuda")])
+    dst = torch.arange(pb["state"].shape[0], big.shape[0], dtype=torch.int32, device="cuda")
+
+    def into_slots() -> tuple:
+        return tssd.ssd_chunked_scan_triton(*ops[:7], big, *meta[:3], boundary_dst=dst, **kw)
 
     y_ref, b_ref = ref()
     pb["state"].copy_(pristine)
     y_tri, b_tri = tri()
     err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
               for a, b in ((y_tri, y_ref), (b_tri, b_ref)))
-    rows = [("reference", ref), ("triton", tri)]
+    rows = [("reference", ref), ("triton", tri), ("triton, boundaries into slots", into_slots)]
     if sweep:
+        s_in = tssd.launch_scan(*ops, lay, CHUNK, True, 0)[1]
+        for bp, bk, w in ((32, 16, 4), (16, 16, 4), (64, 16, 4), (32, 32, 4), (64, 32, 8), (64, 16, 8)):
+            bcfg = BoundaryConfig(block_p=bp, block_k=bk, num_warps=w)
+            rows.append((f"boundary walk only {bp}x{bk} warps={w}", lambda c=bcfg: tssd.launch_boundaries(
+                *ops[:4], ops[6], big, lay, s_in, True, dst=dst.long(), config=c)))
         for bp, bk, w in ((32, 32, 8), (32, 16, 8), (64, 16, 8), (64, 64, 8), (32, 32, 4), (32, 16, 4)):
             cfg = tssd.LaunchConfig(block_p=bp, block_k=bk, num_warps=w, out_warps=w)
             rows.append((f"triton block_p={bp} block_k={bk} warps={w}", lambda c=cfg: tri(c)))

@@ -69,7 +69,6 @@ def labels(engine):
     functions = [
         (mamba2, "causal_conv1d_varlen", "mamba conv (varlen)"),
         (mamba2, "ssd_chunked_scan", "mamba chunked scan"),
-        (mamba2, "store_states", "mamba checkpoint states"),
         (ssd, "_boundary_states", "mamba checkpoint states"),
         *((tssd, "launch_boundaries", "mamba checkpoint states") for tssd in _triton_ssd()),
         (mamba2, "rms_norm_gated", "mamba gated norm"),

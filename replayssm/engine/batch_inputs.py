@@ -108,7 +108,7 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
     if pub:
         parts.update(publish_seq=pack.add([p[0] for p in pub], i32),
                      publish_len=pack.add([p[1] for p in pub], i32),
-                     publish_dst=pack.add([p[2] for p in pub], i64))
+                     publish_dst=pack.add([p[2] for p in pub], i32))
     parts.update(p_cu=pack.add(p_cu, i32), prefill_slots=pack.add([r.slot for r in prefill], i32),
                  has_initial_state=pack.add([r.start_pos > 0 for r in prefill], torch.bool),
                  decode_slots=pack.add([r.slot for r in decode], i32))

@@ -47,7 +47,7 @@ class MambaMetadata:
     # prefill row publish_seq[j] go to slot publish_dst[j] (m,) (None: nothing to publish).
     publish_seq: torch.Tensor | None = None  # (m,) int32
     publish_len: torch.Tensor | None = None  # (m,) int32
-    publish_dst: torch.Tensor | None = None  # (m,) int64
+    publish_dst: torch.Tensor | None = None  # (m,) int32
 
 
 @dataclass

@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Upper bound on the K/V gathered for one group of rows (the PyTorch path copies each row's
 # context out of the paged cache before calling SDPA).
 _GATHER_BUDGET_BYTES = 256 << 20
+# Prefill SDPA backends: not cuDNN, whose attention builds an execution plan for every new
+# (query, context) shape, tens of ms each time; a prompt's context length is new at almost every
+# prefill, so first sight of a length cost more than the attention itself.
+_PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,8 +139,9 @@ def paged_attention_ref(
         blocks = block_tables[i:j, :num_blocks].long().clamp(min=0)
         k = k_cache[blocks].reshape(j - i, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
         v = v_cache[blocks].reshape(j - i, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
-        outs.append(F.scaled_dot_product_attention(q_grp[i:j], k.transpose(1, 2), v.transpose(1, 2),
-                                                   attn_mask=mask[i:j], scale=scale))
+        with sdpa_kernel(_PREFILL_BACKENDS):
+            outs.append(F.scaled_dot_product_attention(q_grp[i:j], k.transpose(1, 2), v.transpose(1, 2),
+                                                       attn_mask=mask[i:j], scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = out.view(n, kv_heads, g, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(n, max_query_len, heads, head_dim)[row, col].to(q.dtype)

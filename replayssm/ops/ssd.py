@@ -69,6 +69,7 @@ def ssd_chunked_scan_ref(
     rand_seed: int = 0,
     boundary_seq: Tensor | None = None,
     boundary_len: Tensor | None = None,
+    boundary_dst: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Reference of `ssd_chunked_scan` (same signature): chunked, vectorized, fp32.
 
@@ -81,7 +82,11 @@ def ssd_chunked_scan_ref(
                                           rand_seed)
     if boundary_seq is None:
         return out, None
-    return out, _boundary_states(lay, *pieces)
+    states = _boundary_states(lay, *pieces)
+    if boundary_dst is None:
+        return out, states
+    store_states(state, boundary_dst.long(), states, rand_seed)
+    return out, None
 
 
 def scan_without_boundaries(
@@ -185,7 +190,7 @@ def _boundary_states(
 
 def _check_args(
     x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state,
-    chunk_size, rand_seed, boundary_seq, boundary_len,
+    chunk_size, rand_seed, boundary_seq, boundary_len, boundary_dst,
 ) -> None:  # fmt: skip
     check_tensor("x", x, (None, None, None), FLOAT_DTYPES)
     T, H, P = x.shape
@@ -211,7 +216,15 @@ def _check_args(
     if (boundary_seq is None) != (boundary_len is None):
         raise ValueError("boundary_seq and boundary_len must be given together")
     if boundary_seq is None:
+        if boundary_dst is not None:
+            raise ValueError("boundary_dst: needs boundary_seq and boundary_len")
         return
+    if boundary_dst is not None:
+        check_indices("boundary_dst", boundary_dst, tuple(boundary_seq.shape), state.shape[0], dev,
+                      allow_padding=False, unique=True)
+        if boundary_dst.device.type == "cpu" and state_indices.device.type == "cpu":
+            if set(boundary_dst.tolist()) & set(state_indices.tolist()):
+                raise ValueError("boundary_dst: must not name a slot of state_indices")
     check_indices("boundary_seq", boundary_seq, (None,), n, dev, allow_padding=False)
     check_tensor("boundary_len", boundary_len, tuple(boundary_seq.shape), (torch.int32,), dev)
     if boundary_len.device.type == "cpu" and cu_seqlens.device.type == "cpu" and boundary_len.numel():
@@ -238,6 +251,7 @@ def ssd_chunked_scan(
     rand_seed: int = 0,
     boundary_seq: Tensor | None = None,
     boundary_len: Tensor | None = None,
+    boundary_dst: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Mamba-2 prefill over packed sequences, from and into pooled states; returns (y, boundary_states).
 
@@ -247,16 +261,18 @@ def ssd_chunked_scan(
     bool (False: start from zeros). The final state of each sequence is written to its slot
     (stochastic rounding with rand_seed for fp16/bf16 pools). boundary_seq, boundary_len (m,)
     int32: also return the exact fp32 state of sequence boundary_seq[j] after its first
-    boundary_len[j] tokens of this call, (m, H, P, N); None when not asked.
+    boundary_len[j] tokens of this call, (m, H, P, N); None when not asked. boundary_dst (m,)
+    int32/int64, distinct slots outside state_indices: store those states into state[boundary_dst]
+    instead (rounded like the final states; as `store_states` would) and return None for them.
     y (T, H, P) in x.dtype. Dispatches to Triton for CUDA tensors when it imports.
     """
     _check_args(
         x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state,
-        chunk_size, rand_seed, boundary_seq, boundary_len,
+        chunk_size, rand_seed, boundary_seq, boundary_len, boundary_dst,
     )  # fmt: skip
     args = (x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state)
     kwargs = dict(
         chunk_size=chunk_size, dt_softplus=dt_softplus, rand_seed=rand_seed,
-        boundary_seq=boundary_seq, boundary_len=boundary_len,
+        boundary_seq=boundary_seq, boundary_len=boundary_len, boundary_dst=boundary_dst,
     )  # fmt: skip
     return pick_impl("ssd", "ssd_chunked_scan", x, ssd_chunked_scan_ref)(*args, **kwargs)

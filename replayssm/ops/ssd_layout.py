@@ -53,7 +53,14 @@ class ChunkLayout:
     seq_chunks: Tensor  # (n,): chunk count of each sequence
     init_slot: Tensor  # (n,): slot holding its initial state, -1 to start from zeros
     final_slot: Tensor  # (n,): slot its final state goes to, -1 for a padding sequence
-    b_flag: Tensor | None  # (m,): 1 for a zero-length boundary
+    # Boundary walk (ops/triton/ssd_boundary.py), None without boundaries: one item per chunk that
+    # holds boundaries (or per sequence without chunks: chunk -1), its boundaries in position order.
+    w_chunk: Tensor | None  # (items,): chunk id, -1 for a sequence without chunks
+    w_rank: Tensor | None  # (items,): rank of the item's sequence
+    w_start: Tensor | None  # (items,): first entry of the item in b_order / b_pos
+    w_count: Tensor | None  # (items,): its boundaries
+    b_order: Tensor | None  # (m,): boundary ids, item by item, by position
+    b_pos: Tensor | None  # (m,): their last token's position in the chunk (-1: zero-length boundary)
 
 
 def chunk_layout(cu_seqlens: Tensor, state_indices: Tensor, has_initial_state: Tensor,
@@ -119,6 +126,7 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
     if m:
         pieces.update(b_chunk=b_chunk, b_offset=b_offset, b_rank=[rank[s] for s in bseq])
         pieces["b_flag"] = [int(length == 0) for length in blen]
+        pieces.update(_walk_items(bseq, blen, b_chunk, b_offset, rank, counts, offsets))
     pieces.update(chunk_len=[min(e - s, L) for s, e in zip(start, end)],
                   chunk_valid=[int(slots[i] >= 0) for i in seq],
                   chunk_offsets=offsets[:width], seq_chunks=[counts[i] for i in order],
@@ -137,5 +145,31 @@ def _build(keys: list[Tensor], L: int, T: int) -> ChunkLayout:
         b_empty=as_bool("b_flag", (m, 1, 1, 1)) if m and min(blen) == 0 else None,
         chunk_len=got["chunk_len"], chunk_valid=got["chunk_valid"], chunk_offsets=got["chunk_offsets"],
         seq_chunks=got["seq_chunks"], init_slot=got["init_slot"], final_slot=got["final_slot"],
-        b_flag=got.get("b_flag"),
+        w_chunk=got.get("w_chunk"), w_rank=got.get("w_rank"), w_start=got.get("w_start"),
+        w_count=got.get("w_count"), b_order=got.get("b_order"), b_pos=got.get("b_pos"),
     )
+
+
+def _walk_items(bseq: list[int], blen: list[int], b_chunk: list[int], b_offset: list[int], rank: list[int],
+                counts: list[int], offsets: list[int]) -> dict[str, list[int]]:
+    """The boundary walk's items (ChunkLayout fields w_* and b_order / b_pos). A zero-length boundary
+    sits at position -1 of its sequence's first chunk (chunk id = rank), or of an item with chunk -1
+    when the sequence has no chunks."""
+    items: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for j, (s, length) in enumerate(zip(bseq, blen)):
+        if length > 0:
+            key, pos = (b_chunk[j], rank[s]), b_offset[j]
+        else:
+            key, pos = (offsets[0] + rank[s] if counts[s] else -1, rank[s]), -1
+        items.setdefault(key, []).append((pos, j))
+    names = ("w_chunk", "w_rank", "w_start", "w_count", "b_order", "b_pos")
+    out: dict[str, list[int]] = {k: [] for k in names}
+    for (c, r), entries in items.items():
+        entries.sort()
+        out["w_chunk"].append(c)
+        out["w_rank"].append(r)
+        out["w_start"].append(len(out["b_order"]))
+        out["w_count"].append(len(entries))
+        out["b_order"] += [j for _, j in entries]
+        out["b_pos"] += [pos for pos, _ in entries]
+    return out

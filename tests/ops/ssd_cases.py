@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ssm_oracle import softplus_dt, ssm_recurrence  # noqa: E402
 
+from replayssm.ops.common import store_states  # noqa: E402
 from replayssm.ops.ssd import scan_without_boundaries, ssd_chunked_scan_ref  # noqa: E402
 from replayssm.ops.ssd_layout import chunk_layout  # noqa: E402
 
@@ -101,7 +102,7 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
             y, s_in = tssd.launch_scan(*dev, st, lay, chunk, softplus, 5, y=y)
         else:
             y, (_, s_in, *_) = scan_without_boundaries(*dev, st, lay, chunk, softplus, 5)
-        b = tssd.launch_boundaries(*dev[:4], dev[6], st, lay, s_in, chunk, softplus, out=b)
+        b = tssd.launch_boundaries(*dev[:4], dev[6], st, lay, s_in, softplus, out=b)
         runs.append((y, b, st))
     (y, b, st), again = runs[0], runs[1]
     assert all(_same(u, v) for u, v in zip(again, runs[0])), "two runs differ"
@@ -111,6 +112,9 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
                                                 boundary_len=meta[4])
     if full == ENTRY_IS_FULL:
         assert _same(y_pub, y) and _same(b_pub, b) and _same(st_pub, st), "entry differs"
+    runs = ((tssd.ssd_chunked_scan_triton, dev, meta, st_pub, b_pub),
+            (ssd_chunked_scan_ref, cpu, [cu, slots, has_init, bseq, blen], pool_ref, b_ref))
+    _check_boundary_dst(pool, runs, dict(chunk_size=chunk, rand_seed=5, dt_softplus=softplus))
 
     tag = f"lengths={lengths} chunk={chunk} {act} pool {state_dtype} full={full}"
     assert (e := _rel_err(y, y_ref)) < REF_RTOL[act], f"{tag}: y vs ref {e:.2e}"
@@ -138,6 +142,23 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
         for j in (bseq == i).nonzero().flatten().tolist():
             want = s0 if blen[j] == 0 else states[blen[j] - 1]
             assert (e := _rel_err(b[j], want)) < 1e-5, f"{tag}: boundary {j} (seq {i}, len {blen[j]}) {e:.2e}"
+
+
+def _check_boundary_dst(pool, runs, kw) -> None:
+    """boundary_dst stores the boundary states into free slots with `store_states`'s bits: each run
+    (entry, inputs, metadata, its pool after the plain call, its fp32 boundaries) against itself."""
+    S, m = pool.shape[0], runs[0][2][3].shape[0]
+    big = torch.cat([pool, torch.full((m + 3, *pool.shape[1:]), float("nan")).to(pool.dtype)])
+    dst = (S + torch.randperm(m + 3)[:m]).to(torch.int32)
+    for fn, args, meta_of, final, states in runs:
+        device = args[0].device
+        got = big.clone().to(device)
+        _, none = fn(*args, got, *meta_of[:3], boundary_seq=meta_of[3], boundary_len=meta_of[4],
+                     boundary_dst=dst.to(device), **kw)
+        want = big.clone().to(device)
+        want[:S] = final
+        store_states(want, dst.long().to(device), states, 5)
+        assert none is None and _same(got, want), f"boundary_dst ({fn.__name__}) differs from store_states"
 
 
 def run_interpreter() -> None:

@@ -285,6 +285,10 @@ def _good_args():
         ("rand_seed", -1),
         ("boundary_seq", torch.tensor([2], dtype=torch.int32)),
         ("boundary_len", torch.tensor([4], dtype=torch.int32)),
+        ("boundary_dst", torch.tensor([3], dtype=torch.int32)),  # a slot of state_indices
+        ("boundary_dst", torch.tensor([1, 2], dtype=torch.int32)),
+        ("boundary_dst", torch.tensor([1], dtype=torch.int64)),
+        ("boundary_dst", torch.tensor([4], dtype=torch.int32)),
     ],
 )
 def test_bad_arguments_raise(name, bad):
@@ -295,6 +299,12 @@ def test_bad_arguments_raise(name, bad):
     args[name] = bad
     with pytest.raises(ValueError, match=name):
         ssd_chunked_scan(**args)
+
+
+def test_boundary_dst_needs_boundaries():
+    """boundary_dst without boundary_seq / boundary_len raises ValueError naming it."""
+    with pytest.raises(ValueError, match="boundary_dst"):
+        ssd_chunked_scan(**_good_args(), boundary_dst=torch.tensor([1], dtype=torch.int32))
 
 
 @requires_cuda

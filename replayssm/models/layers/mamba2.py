@@ -24,7 +24,6 @@ from replayssm.distributed.parallel import SINGLE, TensorParallel
 from replayssm.distributed.sharding import MambaShard
 from replayssm.models.config import ModelConfig
 from replayssm.models.layers.conv_windows import conv_window_sources
-from replayssm.ops.common import store_states
 from replayssm.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from replayssm.ops.norm import rms_norm_gated
 from replayssm.ops.replay import replay_forward
@@ -112,12 +111,11 @@ class Mamba2Mixer(nn.Module):
                                    md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
                                    activation="silu")
         x, B, C = self._split(xbc, (Tp,))
-        y, boundary = ssd_chunked_scan(x, dt.contiguous(), A, B, C, self.D, self.dt_bias, cache.state[li],
-                                       md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
-                                       chunk_size=self.chunk_size, rand_seed=seed,
-                                       boundary_seq=md.publish_seq, boundary_len=md.publish_len)
-        if boundary is not None:
-            store_states(cache.state[li], md.publish_dst, boundary, seed)
+        # Checkpoint states go straight into their slots (boundary_dst).
+        y, _ = ssd_chunked_scan(x, dt.contiguous(), A, B, C, self.D, self.dt_bias, cache.state[li],
+                                md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
+                                chunk_size=self.chunk_size, rand_seed=seed, boundary_seq=md.publish_seq,
+                                boundary_len=md.publish_len, boundary_dst=md.publish_dst)
         return y.reshape(Tp, self.I)
 
     @staticmethod

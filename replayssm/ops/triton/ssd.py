@@ -1,13 +1,14 @@
 """Chunked SSD prefill scan in Triton (twin of `ops/ssd.py: ssd_chunked_scan_ref`).
 
-Four launches per call (kernels in ops/triton/ssd_kernels.py), over the reference's chunk layout
+Three launches per call (kernels in ops/triton/ssd_kernels.py), over the reference's chunk layout
 (ops/ssd_layout.py, built on the host once per forward pass and shared by the layers):
 
     chunk states   (nc, H, P tiles)  state of every chunk from zero, and its total decay
     chunk pass     (n, H, P tiles)   sequential over a sequence's chunks: states entering each
                                      chunk (in place) and the final state into the slot
     outputs        (nc, H, P tiles x row blocks)  intra-chunk (quadratic) + carried-state + D x
-    boundaries     (m, H, P tiles)   exact state after each requested prefix (when asked)
+
+and, when boundary states are asked for, the boundary walk of ops/triton/ssd_boundary.py.
 
 All math is fp32; one (nc, H, P, N) fp32 buffer and one (nc, H) buffer are the only temporaries.
 The defaults compile without register spills for sm_90 at the 8B shape (checked on the CPU with
@@ -24,8 +25,8 @@ from torch import Tensor
 
 from replayssm.ops.ssd_layout import ChunkLayout, chunk_layout
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
+from replayssm.ops.triton.ssd_boundary import launch_boundaries
 from replayssm.ops.triton.ssd_kernels import (
-    boundary_kernel,
     chunk_output_kernel,
     chunk_pass_kernel,
     chunk_state_kernel,
@@ -36,9 +37,9 @@ from replayssm.ops.triton.ssd_kernels import (
 class LaunchConfig:
     """Rows of the state tile over P, and warps per program (per kind of launch)."""
 
-    block_p: int = 64  # chunk states, outputs and boundaries
+    block_p: int = 64  # chunk states and outputs
     block_k: int = 32  # chunk positions per step of the products (rows per output program)
-    num_warps: int = 8  # chunk states and boundaries
+    num_warps: int = 8  # chunk states
     out_warps: int = 8  # outputs
     pass_block_p: int = 32
     pass_warps: int = 4
@@ -72,31 +73,6 @@ def _shape(x: Tensor, B: Tensor, L: int, config: LaunchConfig) -> _Shape:
 def _dense(t: Tensor) -> Tensor:
     """Unit stride on the last dimension (the kernels index it densely)."""
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def launch_boundaries(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, dt_bias: Tensor, state: Tensor,
-                      lay: ChunkLayout, s_in: Tensor, chunk_size: int, dt_softplus: bool,
-                      config: LaunchConfig = CONFIG, out: Tensor | None = None) -> Tensor:
-    """(m, H, P, N) fp32 states after each boundary, from s_in (nc, H, P, N) fp32, the states entering
-    each chunk. Zero-length boundaries read the initial state from s_in, or from the pool for a
-    sequence without chunks (its slot then holds its initial state: the scan wrote it unchanged)."""
-    x, B = _dense(x), _dense(B)
-    sh = _shape(x, B, chunk_size, config)
-    m = lay.b_rank.shape[0]
-    if out is None:
-        out = torch.empty(m, sh.H, sh.P, sh.N, dtype=torch.float32, device=x.device)
-    if m == 0:
-        return out
-    s_ptr = s_in if s_in.numel() else out  # no chunks: only zero-length boundaries, s_in never read
-    grid = (m, sh.H, triton.cdiv(sh.P, sh.block_p))
-    boundary_kernel[grid](
-        x, dt, A, B, dt_bias, lay.idx, lay.chunk_len, s_ptr, state,
-        lay.b_chunk, lay.b_offset, lay.b_rank, lay.b_flag, lay.seq_chunks, lay.init_slot, out,
-        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), sh.H, sh.HPG, sh.L,
-        P=sh.P, N=sh.N, BLOCK_K=sh.block_k, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
-        DT_SOFTPLUS=bool(dt_softplus), num_warps=config.num_warps,
-    )  # fmt: skip
-    return out
 
 
 def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
@@ -158,16 +134,20 @@ def ssd_chunked_scan_triton(
     rand_seed: int = 0,
     boundary_seq: Tensor | None = None,
     boundary_len: Tensor | None = None,
+    boundary_dst: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`ssd_chunked_scan` in Triton (API.md; arguments validated by the public op).
 
     x (T, H, P); dt (T, H); B, C (T, G, N) in x.dtype; A, D, dt_bias (H,) fp32; state (S, H, P, N)
     fp32/fp16/bf16, final states written with the reference's stochastic rounding bits. Returns y
-    (T, H, P) in x.dtype and the (m, H, P, N) fp32 boundary states (None when not asked).
+    (T, H, P) in x.dtype and the (m, H, P, N) fp32 boundary states (None when not asked, or when
+    boundary_dst sends them into pool slots).
     """
     lay = chunk_layout(cu_seqlens, state_indices, has_initial_state, boundary_seq, boundary_len, chunk_size,
                        x.shape[0])
     y, s_in = launch_scan(x, dt, A, B, C, D, dt_bias, state, lay, chunk_size, dt_softplus, rand_seed)
     if boundary_seq is None:
         return y, None
-    return y, launch_boundaries(x, dt, A, B, dt_bias, state, lay, s_in, chunk_size, dt_softplus)
+    dst = None if boundary_dst is None else boundary_dst.long()
+    return y, launch_boundaries(x, dt, A, B, dt_bias, state, lay, s_in, dt_softplus, dst=dst,
+                                rand_seed=rand_seed)

@@ -1,6 +1,6 @@
 """Triton kernels of the chunked SSD scan (twin of `ops/ssd.py`); launched from `ops/triton/ssd.py`.
 
-Each program works on one chunk (or one sequence, or one boundary) of one head and a tile of
+Each program works on one chunk (or one sequence) of one head and a tile of
 BLOCK_P state rows, walking chunk positions BLOCK_K at a time (a power of two >= 16, so tl.dot
 takes any chunk size); positions past a chunk's length get Δ = 0, which neither decays nor adds.
 Segment sums seg(i, j) = a_{j+1} + ... + a_i are built from sums of the a_k themselves (masked
@@ -202,44 +202,3 @@ def _intra(acc, c_rows, live, seg, delta_j, tj, lj, x_ptr, B_ptr, x_off, b_off, 
     xs = tl.load(x_ptr + x_off + tj[:, None] * sx_t + p[None, :], mask=lj[:, None] & pm[None, :],
                  other=0.0).to(tl.float32)
     return tl.dot(scores, xs, acc, input_precision="tf32x3")
-
-
-@triton.jit
-def boundary_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr, idx_ptr, len_ptr, s_ptr, state_ptr,
-    bchunk_ptr, boff_ptr, brank_ptr, bflag_ptr, count_ptr, init_ptr, out_ptr,
-    sx_t, sx_h, sdt_t, sdt_h, sB_t, sB_g, H, HPG, L,
-    P: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr,
-):
-    """Grid (m, H, P tiles): out[j] = exp(a_1+..+a_t) s_in[c] + Σ_{r<=t} exp(seg(t, r)) Δ_r x_r B_rᵀ for
-    boundary j ending at position t of chunk c; a zero-length boundary is its sequence's initial state."""
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pm, nm = p < P, n < N
-    tile = p[:, None] * N + n[None, :]
-    tmask = pm[:, None] & nm[None, :]
-    rank = tl.load(brank_ptr + j)
-    if tl.load(bflag_ptr + j) != 0:
-        if tl.load(count_ptr + rank) > 0:
-            # The state entering the sequence's first chunk (chunk id = rank) is its initial state.
-            s = tl.load(s_ptr + (rank * H + h) * (P * N) + tile, mask=tmask, other=0.0)
-        else:
-            # No chunks: the slot already holds the final state, which is the initial state exactly
-            # (a value read from the pool rounds to itself); no slot (-1) means zeros.
-            islot = tl.load(init_ptr + rank)
-            ibase = (tl.maximum(islot, 0) * H + h) * (P * N)
-            s = tl.load(state_ptr + ibase + tile, mask=tmask & ((tile * 0 + islot) >= 0),
-                        other=0.0).to(tl.float32)
-    else:
-        c = tl.load(bchunk_ptr + j)
-        t = tl.load(boff_ptr + j)
-        inner, total = state_from_zero(x_ptr, B_ptr, idx_ptr, len_ptr, dt_ptr, sx_t, sB_t, sdt_t, sdt_h, c, h,
-                                       L, tl.load(A_ptr + h), tl.load(dt_bias_ptr + h), t, h * sx_h,
-                                       (h // HPG) * sB_g, p, n, pm, nm, BLOCK_K, BLOCK_P, BLOCK_N,
-                                       DT_SOFTPLUS)
-        s_in = tl.load(s_ptr + (c * H + h) * (P * N) + tile, mask=tmask, other=0.0)
-        s = tl.exp(total) * s_in + inner
-    tl.store(out_ptr + (j.to(tl.int64) * H + h) * (P * N) + tile, s, mask=tmask)
