@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Upper bound on the K/V gathered for one group of rows (the PyTorch path copies each row's
 # context out of the paged cache before calling SDPA).
 _GATHER_BUDGET_BYTES = 256 << 20
-# Prefill SDPA backends: not cuDNN, whose attention builds an execution plan for every new
-# (query, context) shape, tens of ms each time; a prompt's context length is new at almost every
-# prefill, so first sight of a length cost more than the attention itself.
-_PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def shape_bucket(n: int) -> int:
+    """n rounded up to a multiple of 1/8 of its power of two (16 at least): at most 12.5% padding and
+    eight sizes per doubling. SDPA on CUDA (cuDNN) builds an execution plan for every new shape, ~70
+    ms each on the H200 (benchmarks/NOTES-e2e.md), and exact context lengths are new at almost every
+    prefill; bucketed ones repeat."""
+    step = 1 << max(4, n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -110,6 +114,9 @@ def paged_attention_ref(
     n = block_tables.shape[0]
     if T == 0 or n == 0:
         return q.new_zeros(q.shape)
+    # Padding queries and keys are masked out (below): bucketed sizes change no result.
+    max_query_len = shape_bucket(max_query_len)
+    max_context_len = min(shape_bucket(max_context_len), block_tables.shape[1] * block_size)
     dev = q.device
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
@@ -139,9 +146,8 @@ def paged_attention_ref(
         blocks = block_tables[i:j, :num_blocks].long().clamp(min=0)
         k = k_cache[blocks].reshape(j - i, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
         v = v_cache[blocks].reshape(j - i, num_blocks * block_size, kv_heads, head_dim)[:, :max_context_len]
-        with sdpa_kernel(_PREFILL_BACKENDS):
-            outs.append(F.scaled_dot_product_attention(q_grp[i:j], k.transpose(1, 2), v.transpose(1, 2),
-                                                       attn_mask=mask[i:j], scale=scale))
+        outs.append(F.scaled_dot_product_attention(q_grp[i:j], k.transpose(1, 2), v.transpose(1, 2),
+                                                   attn_mask=mask[i:j], scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = out.view(n, kv_heads, g, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(n, max_query_len, heads, head_dim)[row, col].to(q.dtype)
