@@ -6,15 +6,19 @@ checkpoints: one per 16 tokens at 1,040 tokens), at 1,040 and 16,384 tokens. The
 built once per case, as the layers of one forward pass share it. Prints per case: ms per call
 (CUDA events, median of `--iters`), kernel launches per call (torch.profiler), and the Triton
 result's largest error relative to the reference's largest magnitude. `--sweep` also times
-Triton tile configs (block_p, block_k, warps) and the boundary walk's alone; `--times` the GPU time of
-each Triton kernel. "boundaries into slots" is the engine's call (boundary_dst).
+Triton scan configs (the earlier indexed kernels, `kernels=indexed`, at their default tiles and the
+affine kernels' tiles) and the boundary walk's alone; `--config k=v,k=v` (repeatable) times any
+`LaunchConfig`; `--times` prints the GPU time of each Triton kernel of every scan config's row.
+"boundaries into slots" is the engine's call (boundary_dst).
 
     python3 benchmarks/bench_prefill_ops.py [--tokens 1040 16384] [--iters 10] [--sweep] [--times]
+        [--config kernels=indexed --config rows=128,block_k=32,num_stages=2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from collections.abc import Callable
 
@@ -93,8 +97,35 @@ def kernel_times(fn: Callable[[], object], iters: int) -> list[tuple[str, float,
     return sorted(rows, key=lambda r: -r[1])
 
 
+# Scan configs of --sweep (LaunchConfig fields); the first is the earlier kernels at their defaults.
+SWEEP = (
+    dict(kernels="indexed"),
+    dict(kernels="indexed", block_k=64),
+    dict(rows=32),
+    dict(rows=128),
+    dict(block_k=64, rows=128),
+    dict(block_k=16, num_warps=4),
+    dict(block_k=16, rows=32, num_warps=4, out_warps=4),
+    dict(num_stages=2),
+    dict(num_stages=4),
+    dict(nb=64),
+    dict(pass_block_p=16),
+    dict(pass_block_p=16, pass_block_n=64),
+    dict(pass_block_p=64, pass_warps=8),
+)
+
+
+def parse_config(text: str) -> dict:
+    """'rows=128,kernels=indexed' -> LaunchConfig overrides (ints where the field is an int)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, val = item.partition("=")
+        out[key.strip()] = val.strip() if key.strip() == "kernels" else int(val)
+    return out
+
+
 def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, sweep: bool,
-             times: bool = False) -> None:
+             times: bool = False, configs: tuple[dict, ...] = ()) -> None:
     """Time and count one token count; prints one line per implementation."""
     from replayssm.ops.triton import ssd as tssd
 
@@ -126,23 +157,30 @@ def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, swee
     y_tri, b_tri = tri()
     err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
               for a, b in ((y_tri, y_ref), (b_tri, b_ref)))
-    rows = [("reference", ref), ("triton", tri), ("triton, boundaries into slots", into_slots)]
+    rows = [("reference", ref, False), ("triton", tri, True),
+            ("triton, boundaries into slots", into_slots, False)]
     if sweep:
         s_in = tssd.launch_scan(*ops, lay, CHUNK, True, 0)[1]
         for bp, bk, w in ((32, 16, 4), (16, 16, 4), (64, 16, 4), (32, 32, 4), (64, 32, 8), (64, 16, 8)):
             bcfg = BoundaryConfig(block_p=bp, block_k=bk, num_warps=w)
             rows.append((f"boundary walk only {bp}x{bk} warps={w}", lambda c=bcfg: tssd.launch_boundaries(
-                *ops[:4], ops[6], big, lay, s_in, True, dst=dst.long(), config=c)))
-        for bp, bk, w in ((32, 32, 8), (32, 16, 8), (64, 16, 8), (64, 64, 8), (32, 32, 4), (32, 16, 4)):
-            cfg = tssd.LaunchConfig(block_p=bp, block_k=bk, num_warps=w, out_warps=w)
-            rows.append((f"triton block_p={bp} block_k={bk} warps={w}", lambda c=cfg: tri(c)))
-    for name, fn in rows:
+                *ops[:4], ops[6], big, lay, s_in, True, dst=dst.long(), config=c), False))
+    for over in (SWEEP if sweep else ()) + tuple(configs):
+        cfg = dataclasses.replace(tssd.CONFIG, **over)
+        label = "triton " + ",".join(f"{k}={v}" for k, v in over.items())
+        rows.append((label, lambda c=cfg: tri(c), True))
+        pb["state"].copy_(pristine)
+        y_c, b_c = tri(cfg)
+        err = max(err, *(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                         for a, b in ((y_c, y_ref), (b_c, b_ref))))
+    for name, fn, triton_row in rows:
         ms = time_ms(fn, iters)
-        print(f"T={T:6d} {name:32s} {ms:9.3f} ms  {launches(fn):5d} launches", flush=True)
-    print(f"T={T:6d} triton vs reference: max rel err {err:.2e} (y and boundary states)", flush=True)
-    if times:
-        for name, us, count in kernel_times(tri, iters):
-            print(f"T={T:6d}   {name[:48]:48s} {us:9.1f} us  x{count}", flush=True)
+        print(f"T={T:6d} {name:48s} {ms:9.3f} ms  {launches(fn):5d} launches", flush=True)
+        if times and triton_row:
+            for kname, us, count in kernel_times(fn, iters):
+                print(f"T={T:6d}   {kname[:48]:48s} {us:9.1f} us  x{count}", flush=True)
+    print(f"T={T:6d} triton vs reference: max rel err {err:.2e} (y and boundary states, every config)",
+          flush=True)
 
 
 def main() -> None:
@@ -153,11 +191,14 @@ def main() -> None:
     ap.add_argument("--state-dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--times", action="store_true", help="GPU time per Triton kernel")
+    ap.add_argument("--config", action="append", default=[], type=parse_config,
+                    help="time this LaunchConfig too: k=v,k=v (fields of ops/triton/ssd.py: LaunchConfig)")
     args = ap.parse_args()
     print(f"8B shape H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 activations, {args.state_dtype} pool, "
           f"{args.boundaries} boundaries, {torch.cuda.get_device_name()}")
     for T in args.tokens:
-        run_case(T, args.boundaries, getattr(torch, args.state_dtype), args.iters, args.sweep, args.times)
+        run_case(T, args.boundaries, getattr(torch, args.state_dtype), args.iters, args.sweep, args.times,
+                 tuple(args.config))
 
 
 if __name__ == "__main__":

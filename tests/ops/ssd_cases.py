@@ -55,11 +55,12 @@ def _boundaries(lengths: list[int], every: int) -> tuple[list[int], list[int]]:
 
 def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch.float32,
                    state_dtype=torch.float32, pad_seq=1, full=True, every=None, oracle_seqs=None,
-                   softplus=True, seed=0) -> None:
+                   softplus=True, seed=0, config=None) -> None:
     """Triton scan (full=False: reference scan + Triton boundary kernel) vs reference and oracle.
 
     Boundaries: 0, a random length, every `every` tokens (default: every chunk end) and the whole
     length of each sequence. oracle_seqs: the sequences checked against the oracle (default all).
+    config: the scan's `LaunchConfig` (default: the module's); the public entry always runs its own.
     """
     from replayssm.ops.triton import ssd as tssd
 
@@ -99,7 +100,7 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
         y = torch.full((T, H, P), float("nan"), dtype=act, device=device)
         b = torch.full((len(bseq), H, P, N), float("nan"), device=device)
         if full:
-            y, s_in = tssd.launch_scan(*dev, st, lay, chunk, softplus, 5, y=y)
+            y, s_in = tssd.launch_scan(*dev, st, lay, chunk, softplus, 5, config or tssd.CONFIG, y=y)
         else:
             y, (_, s_in, *_) = scan_without_boundaries(*dev, st, lay, chunk, softplus, 5)
         b = tssd.launch_boundaries(*dev[:4], dev[6], st, lay, s_in, softplus, out=b)
@@ -110,7 +111,7 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
     y_pub, b_pub = tssd.ssd_chunked_scan_triton(*dev, st_pub, *meta[:3], chunk_size=chunk, rand_seed=5,
                                                 dt_softplus=softplus, boundary_seq=meta[3],
                                                 boundary_len=meta[4])
-    if full == ENTRY_IS_FULL:
+    if full == ENTRY_IS_FULL and config is None:
         assert _same(y_pub, y) and _same(b_pub, b) and _same(st_pub, st), "entry differs"
     runs = ((tssd.ssd_chunked_scan_triton, dev, meta, st_pub, b_pub),
             (ssd_chunked_scan_ref, cpu, [cu, slots, has_init, bseq, blen], pool_ref, b_ref))
@@ -177,3 +178,11 @@ def run_interpreter() -> None:
     # No softplus; a chunk size that is not a power of two (padded positions inside every chunk).
     check_ssd_scan("cpu", lengths=[26, 12, 7], H=2, G=2, P=16, N=16, chunk=12, full=full, softplus=False,
                    seed=5)
+    # Other launch configs: two 16-position blocks per output program (two row blocks a chunk), P and N
+    # tiles in the pass; and the earlier (indexed) kernels, kept selectable to A/B them.
+    from replayssm.ops.triton.ssd import LaunchConfig
+
+    check_ssd_scan("cpu", lengths=[70, 5, 33], H=3, G=1, P=20, N=24, chunk=64, act=torch.bfloat16, every=9,
+                   seed=6, config=LaunchConfig(block_k=16, rows=32, nb=16, pass_block_p=16, pass_block_n=16))
+    check_ssd_scan("cpu", lengths=[17, 3, 0, 8], H=6, G=3, P=20, N=12, chunk=8, act=torch.bfloat16,
+                   state_dtype=torch.float16, pad_seq=2, seed=1, config=LaunchConfig(kernels="indexed"))
