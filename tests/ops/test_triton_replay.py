@@ -59,11 +59,12 @@ def test_replay_cycle_lean_gpu(state_dtype, q, route):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
 @pytest.mark.parametrize("block", [(64, 4), (32, 4), (16, 2)])
-def test_replay_cycle_mono_gpu(state_dtype, q, block):
-    """On the GPU: the one-launch route (small batches) matches the reference at each tile."""
+@pytest.mark.parametrize("route", ["mono", "mono.t"])
+def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
+    """On the GPU: the one-launch routes (small batches) match the reference at each tile."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    _cycle_gpu(q=q, state_dtype=state_dtype, route="mono", config=LaunchConfig(*block))
+    _cycle_gpu(q=q, state_dtype=state_dtype, route=route, config=LaunchConfig(*block))
 
 
 @requires_cuda

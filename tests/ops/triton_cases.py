@@ -356,6 +356,11 @@ def run_interpreter(part: str) -> None:
                            act=torch.bfloat16)
         check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono", steps=10,
                            state_dtype=torch.float16)
+        # mono.t: tokens padded to 16 product rows; fp32 and 16-bit activations and pools.
+        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono.t", steps=6,
+                           act=torch.bfloat16)
+        check_replay_cycle("cpu", q=4, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t", steps=8,
+                           state_dtype=torch.float16)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
         check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,

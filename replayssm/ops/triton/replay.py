@@ -36,6 +36,7 @@ from replayssm.ops.triton.replay_fold import launch_fold, replay_materialize_tri
 from replayssm.ops.triton.replay_lean import launch_lean
 from replayssm.ops.triton.replay_mma import MMA_CONFIG, launch_mma
 from replayssm.ops.triton.replay_mono import launch_mono
+from replayssm.ops.triton.replay_mono_mma import launch_mono_mma
 from replayssm.ops.triton.replay_step import launch_step
 from replayssm.ops.triton.replay_stream import launch_stream, stream_supported
 from replayssm.ops.triton.ssu import LaunchConfig
@@ -76,7 +77,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
 
     route "stream-list" (with its sweep suffixes): `replay_stream.py`; "fused":
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
-    folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch; "auto": `auto_route` ("mono"
+    folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
+    twin `replay_mono_mma.py`); "auto": `auto_route` ("mono"
     for small steps, else "lean.c" for one token, "stream-list.o.p5" for several) where their tiles
     fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights": the weights launch alone (benchmark diagnostics only: y is not written).
@@ -129,10 +131,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                concurrent="c" in opts, **kw)
         return y
-    if route == "mono":
+    if route in ("mono", "mono.t"):
         cfg = config or CONFIG
-        launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
+        launch = launch_mono_mma if route == "mono.t" else launch_mono
+        launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+               state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
         return y
     if route in ("fused", "split", "weights"):
         cfg = config or CONFIG

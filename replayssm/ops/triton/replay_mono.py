@@ -110,8 +110,19 @@ def _mono_kernel(
         yt = tl.where(valid, yt, 0.0)
         tl.store(y_ptr + i * sy_b + tt * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
 
-    # Appends after the history (never a history row). Validity and "which program" as tensors
-    # (a scalar bool in a mask trips the interpreter).
+    _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
+             xrow0, Brow0, P, N, R)
+    if valid & (hc + Q > window):
+        _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
+              P, N, R, HB, NS, STATE_DTYPE, MAXV)
+
+
+@triton.jit
+def _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
+             xrow0, Brow0, P: tl.constexpr, N: tl.constexpr, R):
+    """The step's ring appends after the history (never onto a history row): x rows (every program,
+    its P tile), Δ (P tile 0), B (P tile 0 of the group's first head)."""
+    # Validity and "which program" as tensors (a scalar bool in a mask trips the interpreter).
     kv = tm & ((t * 0 + s) >= 0)
     arow = (o + hc + t) % R
     tl.store(rx_ptr + (xrow0 + arow)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None])
@@ -120,29 +131,34 @@ def _mono_kernel(
     kvg = kv0 & ((t * 0 + h % hpg) == 0)
     tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=kvg[:, None] & nm[None, :])
 
-    if valid & (hc + Q > window):
-        # The fold, an NS-column chunk at a time as one (BLOCK_P, KB) x (KB, NS) 3xTF32 product onto
-        # the decayed chunk (as the lean fold-only launch), the chunk read again (an L2 hit): the
-        # whole-tile fold's registers would cut the occupancy of every program, flush or not.
-        KB: tl.constexpr = 16 if HB < 16 else HB
-        jk = tl.arange(0, KB)
-        jkm = jk < hc
-        krows = (o + jk) % R
-        dtk = tl.load(rdt_ptr + xrow0 + krows, mask=jkm, other=0.0)
-        fk = dtk * tl.exp(tl.minimum(lam_h - tl.cumsum(dtk, axis=0) * A, 0.0))  # fold coefficients
-        xf = tl.load(rx_ptr + (xrow0 + krows)[None, :] * P + p[:, None], mask=jkm[None, :],
-                     other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
-        decay = tl.exp(lam_h)
-        FNS: tl.constexpr = 16 if NS > 16 else NS  # narrow chunks: few registers live in the fold
-        for c in tl.static_range(N // FNS):
-            nc = c * FNS + tl.arange(0, FNS)
-            ctile = p[:, None] * N + nc[None, :]
-            S0c = tl.load(state_ptr + sbase + ctile).to(tl.float32)
-            Bc = tl.load(rB_ptr + (Brow0 + krows)[:, None] * N + nc[None, :], mask=jkm[:, None],
-                         other=0.0).to(tl.float32)  # (KB, FNS)
-            S = tl.dot(xf, Bc, S0c * decay, input_precision="tf32x3")
-            S = stochastic_round(S, sbase + ctile, seed_mix, STATE_DTYPE, MAXV)
-            tl.store(state_ptr + sbase + ctile, S)
+
+@triton.jit
+def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
+          P: tl.constexpr, N: tl.constexpr, R, HB: tl.constexpr, NS: tl.constexpr, STATE_DTYPE: tl.constexpr,
+          MAXV: tl.constexpr):
+    """A flush row's fold: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, an NS-column chunk at a time as one
+    (BLOCK_P, KB) x (KB, NS) 3xTF32 product onto the decayed chunk (as the lean fold-only launch), the
+    chunk read again (an L2 hit): the whole-tile fold's registers would cut the occupancy of every
+    program, flush or not."""
+    KB: tl.constexpr = 16 if HB < 16 else HB
+    jk = tl.arange(0, KB)
+    jkm = jk < hc
+    krows = (o + jk) % R
+    dtk = tl.load(rdt_ptr + xrow0 + krows, mask=jkm, other=0.0)
+    fk = dtk * tl.exp(tl.minimum(lam_h - tl.cumsum(dtk, axis=0) * A, 0.0))  # fold coefficients
+    xf = tl.load(rx_ptr + (xrow0 + krows)[None, :] * P + p[:, None], mask=jkm[None, :],
+                 other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
+    decay = tl.exp(lam_h)
+    FNS: tl.constexpr = 16 if NS > 16 else NS  # narrow chunks: few registers live in the fold
+    for c in tl.static_range(N // FNS):
+        nc = c * FNS + tl.arange(0, FNS)
+        ctile = p[:, None] * N + nc[None, :]
+        S0c = tl.load(state_ptr + sbase + ctile).to(tl.float32)
+        Bc = tl.load(rB_ptr + (Brow0 + krows)[:, None] * N + nc[None, :], mask=jkm[:, None],
+                     other=0.0).to(tl.float32)  # (KB, FNS)
+        S = tl.dot(xf, Bc, S0c * decay, input_precision="tf32x3")
+        S = stochastic_round(S, sbase + ctile, seed_mix, STATE_DTYPE, MAXV)
+        tl.store(state_ptr + sbase + ctile, S)
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,

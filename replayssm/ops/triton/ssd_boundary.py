@@ -31,6 +31,7 @@ from torch import Tensor
 from replayssm.ops.ssd_layout import ChunkLayout
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 from replayssm.ops.triton.ssd_kernels import chunk_delta
+from replayssm.ops.triton.tf32 import dot_split
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,6 @@ BOUNDARY_CONFIG = BoundaryConfig()
 
 
 @triton.jit
-def _tf32_hi(v):
-    """v with its low 13 mantissa bits cleared: exact in tf32, and v - hi is exact in fp32."""
-    return (v.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def advance(s, x_ptr, B_ptr, idx_ptr, len_ptr, dt_ptr, sx_t, sB_t, sdt_t, sdt_h, c, h, L, A, bias, lo, t,
             x_off, b_off, p, n, pm, nm, BLOCK_K: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
     """The state s after position lo - 1 of chunk c advanced to after position t (unchanged if t < lo):
@@ -60,8 +55,7 @@ def advance(s, x_ptr, B_ptr, idx_ptr, len_ptr, dt_ptr, sx_t, sB_t, sdt_t, sdt_h,
     The span's decay is summed first so that the products accumulate into the decayed s itself (one
     accumulator live). Then the blocks are walked backwards from t, so seg(t, r) adds the masked sum
     inside r's block to the sums of the later blocks: same-sign terms, never a difference of prefix
-    sums. B is 16-bit or fp32 read as tf32 hi + lo; the fp32 weights x·w likewise: hi·B_hi + lo·B_hi
-    + hi·B_lo is the 3xTF32 product (B_lo = 0 for 16-bit B, whose product is then skipped).
+    sums. Products by `tf32.dot_split` (two TF32 passes with 16-bit B, three with fp32).
     """
     top = tl.maximum(t, 0) // BLOCK_K
     blocks = tl.where(t >= lo, top - lo // BLOCK_K + 1, 0)
@@ -85,12 +79,7 @@ def advance(s, x_ptr, B_ptr, idx_ptr, len_ptr, dt_ptr, sx_t, sB_t, sdt_t, sdt_h,
         xs = tl.load(x_ptr + x_off + rows * sx_t + p[None, :], mask=use[:, None] & pm[None, :], other=0.0)
         bs = tl.load(B_ptr + b_off + rows * sB_t + n[None, :], mask=use[:, None] & nm[None, :], other=0.0)
         xw = tl.trans(xs.to(tl.float32) * w[:, None])
-        xw_hi = _tf32_hi(xw)
-        b_hi = _tf32_hi(bs.to(tl.float32))
-        s = tl.dot(xw_hi, b_hi, s, input_precision="tf32")
-        s = tl.dot(xw - xw_hi, b_hi, s, input_precision="tf32")
-        if B_ptr.dtype.element_ty == tl.float32:
-            s = tl.dot(xw_hi, bs - b_hi, s, input_precision="tf32")
+        s = dot_split(xw, bs.to(tl.float32), s, False, B_ptr.dtype.element_ty != tl.float32)
         tail += tl.sum(a)
     return s
 

@@ -1,0 +1,132 @@
+"""ReplaySSM forward step in one launch with tensor-core products (route "mono.t"), for small verify steps.
+
+Route "mono" (replay_mono.py) works a token at a time on the CUDA cores: at q = 4 its per-token
+reductions over N took 144 registers and 774 shuffles at 32x4 (sm_90 build), and FlashInfer's one
+kernel ran small verify steps in about half its time (benchmarks/NOTES-kernels.md, session 6).
+Here the same program (row, head, P tile) pads the step's tokens to QB >= 16 rows and forms
+everything as products:
+
+    C·Bᵀ           (QB, N) x (N, HB)   and (QB, N) x (N, QB): the coefficient weights
+                   w_tj = Δ_j e^{Λ_t - Λ_j} C_t·B_j (history j) and w_tk (this step's k <= t);
+    y              e^{Λ_t} C S0ᵀ + w_h x_h + w_n x_n + D x_t;
+
+the three products over N in one pass of NS-column chunks, the state tile never held whole.
+
+with fp32 accuracy (`tf32.dot_split`: one TF32 pass for two 16-bit operands, two with one fp32).
+Appends and the flush fold are replay_mono.py's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from replayssm.ops.triton.replay_mono import _appends, _fold
+from replayssm.ops.triton.replay_stream import stream_supported
+from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
+from replayssm.ops.triton.ssu import softplus_dt
+from replayssm.ops.triton.tf32 import dot_split
+
+
+@triton.jit(do_not_specialize=["seed_mix"])
+def _mono_mma_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
+    ring_start_ptr, committed_ptr, idx_ptr, y_ptr, seed_mix, window,
+    sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.program_id(2)
+    s = tl.load(idx_ptr + i)
+    valid = s >= 0
+    s64 = tl.maximum(s, 0).to(tl.int64)  # padding rows read slot 0: outputs zeroed, nothing written
+    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
+    o = tl.load(ring_start_ptr + s64)
+    hpg = H // G
+    g = h // hpg
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    sbase = (s64 * H + h) * (P * N)
+    X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32  # activations (and ring rows) 16-bit
+    RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
+
+    n = tl.arange(0, BLOCK_N)
+    nm = n < N
+    j = tl.arange(0, HB)
+    jm = j < hc
+    t = tl.arange(0, QB)
+    tm = t < Q
+    rows = (o + j) % R
+    Brow0 = s64 * G * R + g * R
+    xrow0 = s64 * H * R + h * R
+    # Λ from the stored history Δ and the new Δ; exponents clamped <= 0 as the weights launch.
+    A = tl.load(A_ptr + h)
+    dth = tl.load(rdt_ptr + xrow0 + rows, mask=jm, other=0.0)
+    cumh = tl.cumsum(dth, axis=0) * A
+    lam_h = tl.sum(dth, axis=0) * A
+    dtn = tl.load(dt_ptr + i * sdt_b + t * sdt_t + h * sdt_h, mask=tm, other=0.0).to(tl.float32)
+    dtn = tl.where(tm, softplus_dt(dtn, tl.load(dt_bias_ptr + h), DT_SOFTPLUS), 0.0)
+    cumn = lam_h + tl.cumsum(dtn, axis=0) * A
+
+    # One pass over N in NS-column chunks (no (rows, N) tile live): C·B of the history and of this
+    # step, and C S0ᵀ (the state tile read as (NS, BLOCK_P) pieces).
+    cb_h = tl.zeros((QB, HB), dtype=tl.float32)
+    cb_n = tl.zeros((QB, QB), dtype=tl.float32)
+    acc = tl.zeros((QB, BLOCK_P), dtype=tl.float32)
+    for c in range(N // NS):
+        ncs = c * NS + tl.arange(0, NS)
+        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
+                     other=0.0).to(tl.float32)  # (QB, NS)
+        Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
+                      other=0.0).to(tl.float32)  # (NS, HB)
+        Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
+                      other=0.0).to(tl.float32)  # (NS, QB)
+        S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
+        cb_h = dot_split(Cc, Bhc, cb_h, X16, RING16)
+        cb_n = dot_split(Cc, Bnc, cb_n, X16, X16)
+        acc = dot_split(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32)
+    wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * cb_h  # zero past hc: Δ = 0
+    wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
+    wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
+    acc = tl.exp(cumn)[:, None] * acc
+    xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
+    xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
+    xn_raw = tl.load(xrows, mask=tm[:, None], other=0.0)
+    xn = xn_raw.to(tl.float32)
+    acc = dot_split(wh, xh, acc, False, RING16)
+    acc = dot_split(wn, xn, acc, False, X16)
+    acc += tl.load(D_ptr + h) * xn
+    acc = tl.where(valid, acc, 0.0)
+    tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + p[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=tm[:, None])
+
+    Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :],
+                     mask=tm[:, None] & nm[None, :], other=0.0)  # read again for the append (an L1/L2 hit)
+    _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
+             xrow0, Brow0, P, N, R)
+    if valid & (hc + Q > window):
+        _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
+              P, N, R, HB, NS, STATE_DTYPE, MAXV)
+
+
+def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                    state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int) -> None:
+    """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements)."""
+    S, H, P, N = state.shape
+    b, q = x.shape[:2]
+    G, R = B.shape[2], ring_x.shape[2]
+    if not stream_supported(P, N, block_p) or block_p < 16 or N < 16:
+        raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
+                         f"(P={P}, N={N})")
+    sdt = tl_dtype(state.dtype)
+    _mono_mma_kernel[(P // block_p, H, b)](
+        x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
+        seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
+        *y.stride()[:3], H, G, R,
+        Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
+        STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
+    )  # fmt: skip

@@ -1,0 +1,35 @@
+"""fp32-accurate tensor-core products from TF32 passes (shared by the decode and prefill kernels).
+
+A TF32 pass keeps 10 of fp32's 23 mantissa bits of each operand. An fp32 value v splits exactly
+into hi (its low 13 mantissa bits cleared, exact in TF32) and lo = v - hi (exact in fp32, rounded
+to TF32 in the pass: ~2^-22 of v lost). A 16-bit operand (bf16/fp16 activations, ring rows) is
+exact in TF32 already, so a product with one such operand needs two passes (hi and lo of the
+other), and one with two needs one; only fp32 x fp32 takes Triton's three ("tf32x3").
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tf32_hi(v):
+    """v (fp32) with its low 13 mantissa bits cleared: exact in TF32; v - tf32_hi(v) is exact in fp32."""
+    return (v.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot_split(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr):
+    """acc + a @ b (fp32 tensors) to fp32 accuracy; A_EXACT / B_EXACT: that operand holds 16-bit values."""
+    if A_EXACT and B_EXACT:
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+    elif A_EXACT:
+        hi = tf32_hi(b)
+        acc = tl.dot(a, b - hi, tl.dot(a, hi, acc, input_precision="tf32"), input_precision="tf32")
+    elif B_EXACT:
+        hi = tf32_hi(a)
+        acc = tl.dot(a - hi, b, tl.dot(hi, b, acc, input_precision="tf32"), input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="tf32x3")
+    return acc
