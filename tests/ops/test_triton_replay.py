@@ -141,9 +141,10 @@ def test_auto_route_policy():
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
     assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128
     assert auto_route(32, 1, 128, 64, 128)[0] == "lean.c"
-    assert auto_route(4, 4, 128, 64, 128)[0] == "mono"
-    assert auto_route(32, 4, 16, 64, 128)[0] == "mono"
-    assert auto_route(8, 4, 128, 64, 128)[0] == "stream-list.o.p5"
+    assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
+    assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
+    assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"
+    assert auto_route(32, 4, 128, 64, 128)[0] == "stream-list.o.p5"
     assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.o.p5"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
 

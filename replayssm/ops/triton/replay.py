@@ -58,14 +58,21 @@ FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 #               TP8 shape (H = 16) b = 32 12.1 vs 19.1, b = 128 30.8 vs 33.6, b = 256 55.5 vs 52.9;
 #   q = 4:      8B b = 1 12.1 vs 34.2, b = 8 50.9 vs 45.3 (1,024 row-heads); TP8 b = 32 29.4 vs 40.6,
 #               b = 128 97.8 vs 57.5.
+# Several tokens take its tensor-core twin "mono.t" instead (session 7 call 3, 8B shape, q = 4, mono.t
+# vs mono vs the split route): b = 1 7.3 vs 12.1 (32x4; 64x4 7.9), b = 8 26.5 (64x4; 32x4 30.9) vs 51.0
+# vs 45.7, b = 32 88.6 vs 178.8 vs 79.2 (4,096 row-heads: the split route), b = 128 331.6 vs 258.2.
 MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
-MONO_MAX_ROW_HEADS = (2048, 512)  # b * H at or below which "auto" takes "mono" (one token, several)
+MONO_T_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))  # <= / > 128
+MONO_MAX_ROW_HEADS = (2048, 1024)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
 
 
 def auto_route(b: int, q: int, H: int, P: int, N: int) -> tuple[str, LaunchConfig] | None:
     """The route and tile "auto" takes for b rows of q tokens; None where no whole-tile route fits."""
-    if b * H <= MONO_MAX_ROW_HEADS[q > 1] and stream_supported(P, N, MONO_CONFIG.block_p):
-        return "mono", MONO_CONFIG
+    if b * H <= MONO_MAX_ROW_HEADS[q > 1]:
+        route, cfg = ("mono.t", MONO_T_CONFIGS[b * H > 128]) if q > 1 else ("mono", MONO_CONFIG)
+        for c in (cfg, MONO_CONFIG):
+            if stream_supported(P, N, c.block_p):
+                return route, c
     route, cfg = AUTO_ROUTES[q > 1]
     return (route, cfg) if stream_supported(P, N, cfg.block_p) else None
 
