@@ -60,10 +60,11 @@ FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 #               b = 128 97.8 vs 57.5.
 # Several tokens take its tensor-core twin "mono.t" instead (session 7 call 3, 8B shape, q = 4, mono.t
 # vs mono vs the split route): b = 1 7.3 vs 12.1 (32x4; 64x4 7.9), b = 8 26.5 (64x4; 32x4 30.9) vs 51.0
-# vs 45.7, b = 32 88.6 vs 178.8 vs 79.2 (4,096 row-heads: the split route), b = 128 331.6 vs 258.2.
+# vs 45.7, b = 32 88.6 vs 178.8 vs 79.2 (4,096 row-heads: the split route), b = 128 331.6 vs 258.2;
+# TP8 shape (call 4) b = 128 (2,048 row-heads) 49.9 vs 57.7 for the split route, b = 256 89.8 vs 80.4.
 MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 MONO_T_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))  # <= / > 128
-MONO_MAX_ROW_HEADS = (2048, 1024)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
+MONO_MAX_ROW_HEADS = (2048, 2048)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
 
 
 def auto_route(b: int, q: int, H: int, P: int, N: int) -> tuple[str, LaunchConfig] | None:
