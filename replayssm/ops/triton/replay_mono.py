@@ -1,4 +1,5 @@
-"""ReplaySSM forward step in one launch (route "mono"), for small batches.
+"""ReplaySSM forward step in one launch (route "mono"), for small one-token batches ("auto" takes
+its tensor-core twin "mono.t", replay_mono_mma.py, for several tokens).
 
 The other routes split a step into a weights launch, output launches and flush launches, which
 pays at large batches (B·C once per group, the fold's registers kept out of the streaming
