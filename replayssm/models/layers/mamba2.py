@@ -107,7 +107,7 @@ class Mamba2Mixer(nn.Module):
         Tp = xbc.shape[0]
         if md.publish_dst is not None:
             self._publish_conv_windows(xbc, cache.conv[li], md)
-        xbc = causal_conv1d_varlen(xbc.contiguous(), weight, self.conv1d.bias, cache.conv[li],
+        xbc = causal_conv1d_varlen(xbc, weight, self.conv1d.bias, cache.conv[li],
                                    md.prefill_cu_seqlens, md.prefill_slots, md.has_initial_state,
                                    activation="silu")
         x, B, C = self._split(xbc, (Tp,))
