@@ -30,7 +30,7 @@ from torch import Tensor
 
 from replayssm.ops.ssd_layout import ChunkLayout
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
-from replayssm.ops.triton.ssd_kernels import chunk_delta
+from replayssm.ops.triton.ssd_kernels import _softplus
 from replayssm.ops.triton.tf32 import dot_split
 
 
@@ -47,38 +47,44 @@ BOUNDARY_CONFIG = BoundaryConfig()
 
 
 @triton.jit
-def advance(s, x_ptr, B_ptr, idx_ptr, len_ptr, dt_ptr, sx_t, sB_t, sdt_t, sdt_h, c, h, L, A, bias, lo, t,
-            x_off, b_off, p, n, pm, nm, BLOCK_K: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
-    """The state s after position lo - 1 of chunk c advanced to after position t (unchanged if t < lo):
+def _span_delta(dt_ptr, dt_off, sdt_t, start, n_live, pos, lo, t, A, bias, DT_SOFTPLUS: tl.constexpr):
+    """Chunk positions `pos` (the chunk's tokens are start, start + 1, ...; n_live of them): the mask
+    of those in [lo, t] and live, their Δ and a = Δ A (0 elsewhere)."""
+    use = (pos < n_live) & (pos <= t) & (pos >= lo)
+    raw = tl.load(dt_ptr + dt_off + (start + pos) * sdt_t, mask=use, other=0.0).to(tl.float32)
+    delta = tl.where(use, _softplus(raw + bias, DT_SOFTPLUS), 0.0)
+    return use, delta, delta * A
+
+
+@triton.jit
+def advance(s, x_ptr, B_ptr, dt_ptr, sx_t, sB_t, sdt_t, start, n_live, A, bias, lo, t, x_off, b_off, dt_off,
+            p, n, pm, nm, BLOCK_K: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
+    """The state s after position lo - 1 of a chunk advanced to after position t (unchanged if t < lo):
     exp(a_lo + .. + a_t) s + Σ_{lo<=r<=t} exp(seg(t, r)) Δ_r x_r B_rᵀ, s (BLOCK_P, BLOCK_N) fp32.
 
     The span's decay is summed first so that the products accumulate into the decayed s itself (one
     accumulator live). Then the blocks are walked backwards from t, so seg(t, r) adds the masked sum
     inside r's block to the sums of the later blocks: same-sign terms, never a difference of prefix
-    sums. Products by `tf32.dot_split` (two TF32 passes with 16-bit B, three with fp32).
+    sums. Addresses are affine in the position (no index load before Δ, x, B). Products by
+    `tf32.dot_split` (two TF32 passes with 16-bit B, three with fp32).
     """
     top = tl.maximum(t, 0) // BLOCK_K
     blocks = tl.where(t >= lo, top - lo // BLOCK_K + 1, 0)
     total = tl.sum(tl.zeros((BLOCK_K,), dtype=tl.float32), axis=0)
     for b in range(0, blocks):
         pos = (top - b) * BLOCK_K + tl.arange(0, BLOCK_K)
-        _, _, _, a = chunk_delta(idx_ptr, len_ptr, dt_ptr, sdt_t, sdt_h, c, h, L, A, bias, pos, DT_SOFTPLUS)
-        total += tl.sum(tl.where((pos <= t) & (pos >= lo), a, 0.0))
+        _, _, a = _span_delta(dt_ptr, dt_off, sdt_t, start, n_live, pos, lo, t, A, bias, DT_SOFTPLUS)
+        total += tl.sum(a)
     s = tl.exp(total) * s
     tail = tl.sum(tl.zeros((BLOCK_K,), dtype=tl.float32), axis=0)  # Σ a_k over the blocks done so far
     for b in range(0, blocks):
         pos = (top - b) * BLOCK_K + tl.arange(0, BLOCK_K)
-        tok, live, delta, a = chunk_delta(idx_ptr, len_ptr, dt_ptr, sdt_t, sdt_h, c, h, L, A, bias, pos,
-                                          DT_SOFTPLUS)
-        inside = (pos <= t) & (pos >= lo)
-        a = tl.where(inside, a, 0.0)
+        use, delta, a = _span_delta(dt_ptr, dt_off, sdt_t, start, n_live, pos, lo, t, A, bias, DT_SOFTPLUS)
         own = tl.sum(tl.where(pos[:, None] > pos[None, :], a[:, None], 0.0), axis=0)  # [k, r]: k > r
-        w = tl.where(inside, tl.exp(own + tail) * delta, 0.0)
-        rows = tok[:, None]
-        use = live & inside
+        rows = (start + pos)[:, None]
         xs = tl.load(x_ptr + x_off + rows * sx_t + p[None, :], mask=use[:, None] & pm[None, :], other=0.0)
         bs = tl.load(B_ptr + b_off + rows * sB_t + n[None, :], mask=use[:, None] & nm[None, :], other=0.0)
-        xw = tl.trans(xs.to(tl.float32) * w[:, None])
+        xw = tl.trans(xs.to(tl.float32) * (tl.exp(own + tail) * delta)[:, None])
         s = dot_split(xw, bs.to(tl.float32), s, False, B_ptr.dtype.element_ty != tl.float32)
         tail += tl.sum(a)
     return s
@@ -112,14 +118,16 @@ def boundary_walk_kernel(
         s = s.to(tl.float32)
     A, bias = tl.load(A_ptr + h), tl.load(dt_bias_ptr + h)
     x_off, b_off = h * sx_h, (h // HPG) * sB_g
-    cc = tl.maximum(c, 0)
+    cc = tl.maximum(c, 0).to(tl.int64)
+    start = tl.load(idx_ptr + cc * L)  # the chunk's first token (any valid token for chunk -1: unread)
+    n_live = tl.load(len_ptr + cc)
     first = tl.load(w_start_ptr + w)
     done = tl.load(pos_ptr + first) * 0 - 1  # the running state is after position `done` (-1: none)
     for k in range(0, tl.load(w_count_ptr + w)):
         j = tl.load(order_ptr + first + k)
         t = tl.load(pos_ptr + first + k)
-        s = advance(s, x_ptr, B_ptr, idx_ptr, len_ptr, dt_ptr, sx_t, sB_t, sdt_t, sdt_h, cc, h, L, A, bias,
-                    done + 1, t, x_off, b_off, p, n, pm, nm, BLOCK_K, DT_SOFTPLUS)
+        s = advance(s, x_ptr, B_ptr, dt_ptr, sx_t, sB_t, sdt_t, start, n_live, A, bias, done + 1, t, x_off,
+                    b_off, h * sdt_h, p, n, pm, nm, BLOCK_K, DT_SOFTPLUS)
         done = tl.maximum(done, t)
         if TO_POOL:
             base = (tl.load(dst_ptr + j) * H + h) * (P * N)
@@ -151,9 +159,10 @@ def launch_boundaries(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, dt_bias: Tens
     block_p = max(16, min(config.block_p, triton.next_power_of_2(P)))
     sd = tl_dtype(state.dtype)
     s_ptr = s_in if s_in.numel() else state  # no chunks: only zero-length boundaries, s_in never read
+    idx, clen = (lay.idx, lay.chunk_len) if lay.nc else (lay.b_order, lay.b_order)  # read, never used
     grid = (lay.w_chunk.shape[0], H, triton.cdiv(P, block_p))
     boundary_walk_kernel[grid](
-        x, dt, A, B, dt_bias, lay.idx, lay.chunk_len, s_ptr, state, lay.init_slot,
+        x, dt, A, B, dt_bias, idx, clen, s_ptr, state, lay.init_slot,
         lay.w_chunk, lay.w_rank, lay.w_start, lay.w_count, lay.b_order, lay.b_pos,
         dst if dst is not None else lay.b_order, out if out is not None else state, seed_mix(rand_seed),
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), H, H // G,
