@@ -32,6 +32,33 @@ from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round
 from replayssm.ops.triton.ssu import softplus_dt
 
 
+@triton.jit
+def _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G):
+    """Row i's slot s, whether it is a real row, s as int64 (padding rows read slot 0: outputs zeroed,
+    nothing written), its committed history length and ring start; heads per group, h's group."""
+    s = tl.load(idx_ptr + i)
+    valid = s >= 0
+    s64 = tl.maximum(s, 0).to(tl.int64)
+    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
+    hpg = H // G
+    return s, valid, s64, hc, tl.load(ring_start_ptr + s64), hpg, h // hpg
+
+
+@triton.jit
+def _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, hist, jm, new, tm, h, DT_SOFTPLUS: tl.constexpr):
+    """A and Λ from the stored history Δ (offsets `hist`, mask jm) and the step's raw dt (offsets
+    `new`, mask tm): (A, Δ_hist, cumulative Λ of the history, its total, Δ_new, cumulative Λ of the
+    step's tokens after the history). Exponents are later clamped <= 0, as in the weights launch."""
+    A = tl.load(A_ptr + h)
+    dth = tl.load(rdt_ptr + hist, mask=jm, other=0.0)
+    cumh = tl.cumsum(dth, axis=0) * A
+    lam_h = tl.sum(dth, axis=0) * A
+    dtn = tl.load(dt_ptr + new, mask=tm, other=0.0).to(tl.float32)
+    dtn = tl.where(tm, softplus_dt(dtn, tl.load(dt_bias_ptr + h), DT_SOFTPLUS), 0.0)
+    cumn = lam_h + tl.cumsum(dtn, axis=0) * A
+    return A, dth, cumh, lam_h, dtn, cumn
+
+
 @triton.jit(do_not_specialize=["seed_mix"])
 def _mono_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
@@ -44,13 +71,7 @@ def _mono_kernel(
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
-    s = tl.load(idx_ptr + i)
-    valid = s >= 0
-    s64 = tl.maximum(s, 0).to(tl.int64)  # padding rows read slot 0: outputs zeroed, nothing written
-    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
-    o = tl.load(ring_start_ptr + s64)
-    hpg = H // G
-    g = h // hpg
+    s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
     NC: tl.constexpr = N // NS
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
@@ -71,14 +92,8 @@ def _mono_kernel(
     tn = tm[:, None] & nm[None, :]
     Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
     Bn = Bn_raw.to(tl.float32)  # (QB, BLOCK_N)
-    # Λ from the stored history Δ and the new Δ; exponents clamped <= 0 as the weights launch.
-    A = tl.load(A_ptr + h)
-    dth = tl.load(rdt_ptr + xrow0 + rows, mask=jm, other=0.0)
-    cumh = tl.cumsum(dth, axis=0) * A
-    lam_h = tl.sum(dth, axis=0) * A
-    dtn = tl.load(dt_ptr + i * sdt_b + t * sdt_t + h * sdt_h, mask=tm, other=0.0).to(tl.float32)
-    dtn = tl.where(tm, softplus_dt(dtn, tl.load(dt_bias_ptr + h), DT_SOFTPLUS), 0.0)
-    cumn = lam_h + tl.cumsum(dtn, axis=0) * A
+    A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
+                                             i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
 
     # Coefficients one token at a time, so no (tokens, history, N) product is ever live, and
     # before the tile is loaded, so B never shares the registers with it.

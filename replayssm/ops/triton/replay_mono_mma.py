@@ -21,10 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.replay_mono import _appends, _fold
+from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _row_head
 from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
-from replayssm.ops.triton.ssu import softplus_dt
 from replayssm.ops.triton.tf32 import dot_split
 
 
@@ -40,13 +39,7 @@ def _mono_mma_kernel(
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
-    s = tl.load(idx_ptr + i)
-    valid = s >= 0
-    s64 = tl.maximum(s, 0).to(tl.int64)  # padding rows read slot 0: outputs zeroed, nothing written
-    hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
-    o = tl.load(ring_start_ptr + s64)
-    hpg = H // G
-    g = h // hpg
+    s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     sbase = (s64 * H + h) * (P * N)
     X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32  # activations (and ring rows) 16-bit
@@ -61,14 +54,8 @@ def _mono_mma_kernel(
     rows = (o + j) % R
     Brow0 = s64 * G * R + g * R
     xrow0 = s64 * H * R + h * R
-    # Λ from the stored history Δ and the new Δ; exponents clamped <= 0 as the weights launch.
-    A = tl.load(A_ptr + h)
-    dth = tl.load(rdt_ptr + xrow0 + rows, mask=jm, other=0.0)
-    cumh = tl.cumsum(dth, axis=0) * A
-    lam_h = tl.sum(dth, axis=0) * A
-    dtn = tl.load(dt_ptr + i * sdt_b + t * sdt_t + h * sdt_h, mask=tm, other=0.0).to(tl.float32)
-    dtn = tl.where(tm, softplus_dt(dtn, tl.load(dt_bias_ptr + h), DT_SOFTPLUS), 0.0)
-    cumn = lam_h + tl.cumsum(dtn, axis=0) * A
+    A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
+                                             i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
 
     # One pass over N in NS-column chunks (no (rows, N) tile live): C·B of the history and of this
     # step, and C S0ᵀ (the state tile read as (NS, BLOCK_P) pieces).
