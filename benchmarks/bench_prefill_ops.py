@@ -97,15 +97,16 @@ def kernel_times(fn: Callable[[], object], iters: int) -> list[tuple[str, float,
     return sorted(rows, key=lambda r: -r[1])
 
 
-# Scan configs of --sweep (LaunchConfig fields); the first is the earlier kernels at their defaults.
+# Scan configs of --sweep (LaunchConfig overrides). Each row varies the state and the output
+# kernel at once (compare them with --times); sm_90 registers per thread (CPU compile) in comments.
 SWEEP = (
-    dict(kernels="indexed"),
+    dict(kernels="indexed"),  # the earlier kernels at their default tiles
     dict(kernels="indexed", block_k=64),
-    dict(rows=32),
-    dict(rows=128),
-    dict(block_k=64, rows=128),
-    dict(block_k=16, num_warps=4),
-    dict(block_k=16, rows=32, num_warps=4, out_warps=4),
+    dict(state_block_p=32, rows=32),  # state 86 (mma.sync), outputs 104: two programs per SM each
+    dict(state_block_p=32, num_warps=4, rows=128),  # state 134, outputs 224
+    dict(state_block_k=16, num_warps=4, rows=32, out_warps=4),  # state 128, outputs ~145
+    dict(state_block_k=64, block_k=64, rows=128),  # state 229, outputs 255 + spills
+    dict(state_block_k=16, rows=64, block_k=64),  # state 169, outputs 203
     dict(num_stages=2),
     dict(num_stages=4),
     dict(nb=64),

@@ -37,8 +37,8 @@ from replayssm.ops.triton.ssd_boundary import launch_boundaries
 class LaunchConfig:
     """Rows of the state tile over P, and warps per program (per kind of launch)."""
 
-    block_p: int = 64  # chunk states and outputs
-    block_k: int = 32  # chunk positions per step of the products (rows per output program)
+    block_p: int = 64  # chunk states (unless state_block_p) and outputs
+    block_k: int = 32  # chunk positions per step of the products (unless state_block_k)
     num_warps: int = 8  # chunk states
     out_warps: int = 8  # outputs
     pass_block_p: int = 32
@@ -50,6 +50,8 @@ class LaunchConfig:
     nb: int = 32  # columns of N per step of the output products
     num_stages: int = 3  # software pipelining depth of the affine kernels' loops
     pass_block_n: int = 0  # columns of N per pass program (0: all; affine kernels)
+    state_block_p: int = 0  # chunk states' block_p (0: block_p)
+    state_block_k: int = 0  # chunk states' block_k (0: block_k)
 
 
 CONFIG = LaunchConfig()
@@ -75,6 +77,11 @@ def _shape(x: Tensor, B: Tensor, L: int, config: LaunchConfig) -> _Shape:
     block_l = max(16, triton.next_power_of_2(L))
     return _Shape(H, P, N, H // G, L, block_l, max(16, min(config.block_k, block_l)),
                   max(16, min(config.block_p, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(N)))
+
+
+def _tile(want: int, default: int, cap: int) -> int:
+    """A tile size: `want` as a power of two in [16, cap], or `default` when want <= 0."""
+    return default if want <= 0 else max(16, min(triton.next_power_of_2(want), cap))
 
 
 def _dense(t: Tensor) -> Tensor:
@@ -107,14 +114,15 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
         blocks.update(F32_DOT=f32, num_stages=config.num_stages)
     tiles = triton.cdiv(sh.P, sh.block_p)
     if nc:
-        kern.chunk_state_kernel[(nc, sh.H, tiles)](
-            x, dt, A, B, dt_bias, lay.idx, lay.chunk_len, s, sums, *strides, sh.H, sh.HPG, sh.L, **blocks
+        st_p = _tile(config.state_block_p, sh.block_p, triton.next_power_of_2(sh.P))
+        st_k = _tile(config.state_block_k, sh.block_k, sh.block_l)
+        kern.chunk_state_kernel[(nc, sh.H, triton.cdiv(sh.P, st_p))](
+            x, dt, A, B, dt_bias, lay.idx, lay.chunk_len, s, sums, *strides, sh.H, sh.HPG, sh.L,
+            **(blocks | dict(BLOCK_P=st_p, BLOCK_K=st_k)),
         )
     if n:
         pass_p = max(16, min(config.pass_block_p, triton.next_power_of_2(sh.P)))
-        pass_n = sh.block_n
-        if affine and config.pass_block_n > 0:
-            pass_n = max(16, min(triton.next_power_of_2(config.pass_block_n), sh.block_n))
+        pass_n = _tile(config.pass_block_n if affine else 0, sh.block_n, sh.block_n)
         sd = tl_dtype(state.dtype)
         kern.chunk_pass_kernel[(n, sh.H, triton.cdiv(sh.P, pass_p) * triton.cdiv(sh.N, pass_n))](
             s, sums, state, lay.chunk_offsets if nc else lay.seq_chunks, lay.seq_chunks,

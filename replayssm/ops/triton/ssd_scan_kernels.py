@@ -159,8 +159,8 @@ def chunk_output_kernel(
     pt = tl.program_id(2) // (BLOCK_L // BLOCK_I)
     i0 = (tl.program_id(2) % (BLOCK_L // BLOCK_I)) * BLOCK_I
     n_live = tl.load(len_ptr + c)
+    start = tl.load(idx_ptr + c.to(tl.int64) * L)
     if i0 < n_live:  # row blocks past the chunk's end have nothing to write
-        start = tl.load(idx_ptr + c.to(tl.int64) * L)
         g = h // HPG
         A, bias = tl.load(A_ptr + h), tl.load(dt_bias_ptr + h)
         ri = i0 + tl.arange(0, BLOCK_I)
