@@ -8,9 +8,9 @@ sums of same-sign a_k, never differences of prefix sums), organised against memo
   Every address in a loop is affine in the loop counter: no dependent index load before Δ and no
   dependent Δ load before x/B/C, so consecutive steps' loads can be in flight together.
 - Products with one 16-bit operand (exact in tf32) take two tf32 passes over the hi and lo parts
-  of the fp32 operand instead of three; C·B of 16-bit inputs takes one. fp32 activations keep
-  3xTF32 everywhere. (A bf16 tl.dot would halve C·B's tensor-core time, but Triton 3.9's
-  interpreter computes bf16 dots wrong, so the tested path is the tf32 one.)
+  of the fp32 operand instead of three (ops/triton/tf32.py: dot_split); C·B of 16-bit inputs
+  takes one; fp32 activations keep 3xTF32. (A bf16 tl.dot would halve C·B's tensor-core time,
+  but Triton 3.9's interpreter computes bf16 dots wrong, so the tested path is the tf32 one.)
 - An output program covers BLOCK_I rows (BLOCK_I / BLOCK_K blocks of the product): the states
   entering the chunk are read once per row block and each C·B tile serves all its rows.
 - The pass loads chunk k+1's state before it stores chunk k's, so its loads overlap.
@@ -23,36 +23,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.rounding import stochastic_round
 from replayssm.ops.triton.ssd_kernels import _softplus
-
-
-@triton.jit
-def _hi(v):
-    """v rounded to tf32 (10 mantissa bits): v - _hi(v) is exact in fp32 and below 2^-11 |v|."""
-    return ((v.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dot_exact_b(a, b, acc, F32_DOT: tl.constexpr):
-    """acc + a @ b at fp32-level accuracy, a fp32 and b fp32 holding 16-bit values (unless F32_DOT)."""
-    if F32_DOT:
-        acc = tl.dot(a, b, acc, input_precision="tf32x3")
-    else:
-        hi = _hi(a)
-        acc = tl.dot(hi, b, acc, input_precision="tf32")
-        acc = tl.dot(a - hi, b, acc, input_precision="tf32")
-    return acc
-
-
-@triton.jit
-def _dot_exact_a(a, b, acc, F32_DOT: tl.constexpr):
-    """acc + a @ b at fp32-level accuracy, b fp32 and a fp32 holding 16-bit values (unless F32_DOT)."""
-    if F32_DOT:
-        acc = tl.dot(a, b, acc, input_precision="tf32x3")
-    else:
-        hi = _hi(b)
-        acc = tl.dot(a, hi, acc, input_precision="tf32")
-        acc = tl.dot(a, b - hi, acc, input_precision="tf32")
-    return acc
+from replayssm.ops.triton.tf32 import dot_split
 
 
 @triton.jit
@@ -97,7 +68,7 @@ def chunk_state_kernel(
         bs = tl.load(b_cols + rows * sB_t, mask=live[:, None] & nm[None, :], other=0.0)
         own = tl.sum(tl.where(pos[:, None] > pos[None, :], a[:, None], 0.0), axis=0)  # [k, j]: k > j
         xw = xs.to(tl.float32) * (tl.exp(own + tail) * delta)[:, None]
-        acc = _dot_exact_b(tl.trans(xw), bs.to(tl.float32), acc, F32_DOT)
+        acc = dot_split(tl.trans(xw), bs.to(tl.float32), acc, False, not F32_DOT)
         tail += tl.sum(a)
     if tl.program_id(2) == 0:
         tl.store(sum_ptr + c * H + h, tail)
@@ -201,7 +172,7 @@ def chunk_output_kernel(
                 seg = tl.cumsum(tl.where(ri[:, None] > rj[None, :], a_i[:, None], 0.0), axis=0)
                 seg = tl.where(ri[:, None] >= rj[None, :], seg, float("-inf"))
             scores = cb * tl.exp(seg) * delta_j[None, :]
-            acc = _dot_exact_b(scores, xs.to(tl.float32), acc, F32_DOT)
+            acc = dot_split(scores, xs.to(tl.float32), acc, False, not F32_DOT)
             if j0 < i0:
                 mid += tl.sum(a_j)
         # The carried state, after the loop (its tile is not live during it); mid = Σ_{k<i0} a_k now.
@@ -211,7 +182,7 @@ def chunk_output_kernel(
             n = n0 + tl.arange(0, NB)
             cs = tl.load(c_rows + n[None, :], mask=live_i[:, None] & (n < N)[None, :], other=0.0)
             s_in = tl.load(s_rows + n[None, :], mask=pm[:, None] & (n < N)[None, :], other=0.0)
-            carried = _dot_exact_a(cs.to(tl.float32), tl.trans(s_in), carried, F32_DOT)
+            carried = dot_split(cs.to(tl.float32), tl.trans(s_in), carried, not F32_DOT, False)
         acc += tl.exp(mid + pre_i)[:, None] * carried
         xi = tl.load(x_cols + (start + ri)[:, None] * sx_t, mask=live_i[:, None] & pm[None, :], other=0.0)
         acc = acc + tl.load(D_ptr + h) * xi.to(tl.float32)
