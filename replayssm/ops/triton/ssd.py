@@ -15,7 +15,7 @@ and, when boundary states are asked for, the boundary walk of ops/triton/ssd_bou
 All math is fp32; one (nc, H, P, N) fp32 buffer and one (nc, H) buffer are the only temporaries.
 The defaults compile without register spills for sm_90 at the 8B shape (checked on the CPU with
 triton.compile for target sm_90 with 16-byte aligned pointers and strides, as a launch specializes
-them: affine kernels 216 / 188 registers per thread at 8 warps for states / outputs, 110 for the pass).
+them: affine kernels 134 / 135 registers per thread at 4 warps for states / outputs, 110 for the pass).
 """
 
 from __future__ import annotations
@@ -39,19 +39,19 @@ class LaunchConfig:
 
     block_p: int = 64  # chunk states (unless state_block_p) and outputs
     block_k: int = 32  # chunk positions per step of the products (unless state_block_k)
-    num_warps: int = 8  # chunk states
-    out_warps: int = 8  # outputs
+    num_warps: int = 4  # chunk states
+    out_warps: int = 4  # outputs
     pass_block_p: int = 32
     pass_warps: int = 4
     # "affine" runs ops/triton/ssd_scan_kernels.py, "indexed" the earlier kernels of
     # ops/triton/ssd_kernels.py (token indices loaded per position; kept to A/B the two).
     kernels: str = "affine"
-    rows: int = 64  # output rows per program (a multiple of block_k; affine kernels)
+    rows: int = 32  # output rows per program (a multiple of block_k; affine kernels)
     nb: int = 32  # columns of N per step of the output products
     num_stages: int = 3  # software pipelining depth of the affine kernels' loops
     pass_block_n: int = 0  # columns of N per pass program (0: all; affine kernels)
     state_block_p: int = 0  # chunk states' block_p (0: block_p)
-    state_block_k: int = 0  # chunk states' block_k (0: block_k)
+    state_block_k: int = 16  # chunk states' block_k (0: block_k)
 
 
 CONFIG = LaunchConfig()
