@@ -1,6 +1,7 @@
 """First call vs repeats of SDPA at the shape of a mode (c) prefix-hit prefill (8 KV heads x 4 query
 heads, 1,040 queries, ~15-17k keys, bool mask), per backend, each context length new to the process.
-Shows the per-shape plan cost of cuDNN attention that `ops.attention.shape_bucket` works around.
+Shows the per-shape plan cost of cuDNN attention, one reason prefill attention runs its own Triton
+kernel (`ops/triton/attention.py`).
 
     python3 benchmarks/probe_sdpa_shapes.py     (CUDA only; results/sdpa-first-call-s7.log)
 """

@@ -8,9 +8,9 @@ One call serves a packed batch of query chunks: row i has q_len_i = cu_seqlens_q
 cu_seqlens_q[i] new tokens at positions context_lens[i] - q_len_i .. context_lens[i] - 1, and
 attends causally to every cached key at positions 0 .. its own position (prior context,
 previous chunks and earlier tokens of this chunk). Prefill chunks, decode (q_len = 1) and
-speculative verify rows (q_len = 1 + k) are the same case. On CUDA, batches whose rows all have
-q_len <= 16 (decode and verify steps) run `ops/triton/attention.py`; everything else runs
-`paged_attention_ref`.
+speculative verify rows (q_len = 1 + k) are the same case. On CUDA, `ops/triton/attention.py`
+runs them: its decode kernel when every row has q_len <= 16 (decode and verify steps), its prefill
+kernel otherwise; without CUDA or Triton, `paged_attention_ref` (gathered K/V and SDPA).
 """
 
 from __future__ import annotations
@@ -21,15 +21,6 @@ import torch.nn.functional as F
 # Upper bound on the K/V gathered for one group of rows (the PyTorch path copies each row's
 # context out of the paged cache before calling SDPA).
 _GATHER_BUDGET_BYTES = 256 << 20
-
-
-def shape_bucket(n: int) -> int:
-    """n rounded up to a multiple of 1/8 of its power of two (16 at least): at most 12.5% padding and
-    eight sizes per doubling. SDPA on CUDA (cuDNN) builds an execution plan for every new shape, ~70
-    ms each on the H200 (benchmarks/NOTES-e2e.md), and exact context lengths are new at almost every
-    prefill; bucketed ones repeat."""
-    step = 1 << max(4, n.bit_length() - 4)
-    return -(-n // step) * step
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -67,14 +58,20 @@ def paged_attention(
     """Causal attention of packed query chunks against the paged cache (see paged_attention_ref)."""
     args = (q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens)
     kw = dict(scale=scale, max_query_len=max_query_len, max_context_len=max_context_len)
-    if q.is_cuda and max_query_len <= 16 and q.shape[0] and block_tables.shape[0]:
+    if q.is_cuda and q.shape[0] and block_tables.shape[0]:
         _check_shapes(*args)
         try:
-            from replayssm.ops.triton.attention import paged_attention_triton
+            from replayssm.ops.triton.attention import (
+                MAX_QUERY_LEN,
+                paged_attention_triton,
+                paged_prefill_attention_triton,
+            )
         except ImportError:
             pass
         else:
-            return paged_attention_triton(*args, **kw)
+            if max_query_len <= MAX_QUERY_LEN:
+                return paged_attention_triton(*args, **kw)
+            return paged_prefill_attention_triton(*args, **kw)
     return paged_attention_ref(*args, **kw)
 
 
@@ -114,9 +111,6 @@ def paged_attention_ref(
     n = block_tables.shape[0]
     if T == 0 or n == 0:
         return q.new_zeros(q.shape)
-    # Padding queries and keys are masked out (below): bucketed sizes change no result.
-    max_query_len = shape_bucket(max_query_len)
-    max_context_len = min(shape_bucket(max_context_len), block_tables.shape[1] * block_size)
     dev = q.device
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]

@@ -72,12 +72,3 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="k_cache"):
         store_kv(k, k, torch.zeros(2, BLOCK, 3, DIM), torch.zeros(2, BLOCK, 3, DIM), torch.tensor([0, 1, 2]))
 
-
-def test_shape_bucket_pads_little_and_repeats():
-    """Bucketed sizes cover n, pad at most 12.5% (16 below 128), and take eight values per doubling."""
-    from replayssm.ops.attention import shape_bucket
-
-    got = [shape_bucket(n) for n in range(1, 40000)]
-    assert all(b >= n and b - n < max(16, n / 8) for n, b in zip(range(1, 40000), got))
-    assert got == sorted(got)
-    assert len({b for n, b in zip(range(1, 40000), got) if 8192 < n <= 16384}) == 8

@@ -1,4 +1,4 @@
-"""Paged decode attention cases shared by the interpreter run (subprocess) and the GPU test.
+"""Paged decode and prefill attention cases shared by the interpreter run (subprocess) and the GPU tests.
 
     python3 tests/ops/attention_cases.py      (with TRITON_INTERPRET=1: CPU tensors, tiny shapes)
 """
@@ -10,7 +10,7 @@ import sys
 import torch
 
 from replayssm.ops.attention import paged_attention_ref
-from replayssm.ops.triton.attention import paged_attention_triton
+from replayssm.ops.triton.attention import paged_attention_triton, paged_prefill_attention_triton
 
 
 def make_case(device, dtype, q_lens, ctx_lens, heads, kv_heads, D, block_size, gen):
@@ -51,12 +51,39 @@ def check_decode(device: str, dtype: torch.dtype, *, heads=4, kv_heads=2, D=16, 
     assert err < tol, (dtype, q_lens, ctx_lens, err)
 
 
+def check_prefill(device: str, dtype: torch.dtype, *, heads=4, kv_heads=2, D=16, block_size=4,
+                  q_lens=(37, 1, 16, 5, 70), ctx_lens=(37, 9, 50, 5, 93), tol=None, poison=True) -> None:
+    """Triton paged prefill attention vs the float64 PyTorch reference on a mixed batch (whole
+    prompts, chunks after cached context, decode rows); the output buffer starts as NaN."""
+    gen = torch.Generator().manual_seed(sum(q_lens) + heads)
+    case = make_case(device, dtype, list(q_lens), list(ctx_lens), heads, kv_heads, D, block_size, gen)
+    q, k_cache, v_cache, cu, bt, ctx = case
+    scale = D ** -0.5
+    kw = dict(scale=scale, max_query_len=max(q_lens), max_context_len=max(ctx_lens))
+    if poison:  # the kernel allocates its output: poison the allocator's next block of that size
+        torch.full_like(q, float("nan"))
+    got = paged_prefill_attention_triton(q, k_cache, v_cache, cu, bt, ctx, **kw)
+    want = paged_attention_ref(*(t.cpu().double() if t.is_floating_point() else t.cpu() for t in case), **kw)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert torch.isfinite(got).all(), "unwritten or NaN output"
+    err = ((got.cpu().double() - want).norm() / want.norm()).item()
+    tol = tol if tol is not None else (1e-5 if dtype == torch.float32 else 2e-2)
+    assert err < tol, (dtype, q_lens, ctx_lens, err)
+    again = paged_prefill_attention_triton(q, k_cache, v_cache, cu, bt, ctx, **kw)
+    assert torch.equal(got, again), "two identical calls differ"
+
+
 def main() -> None:
     check_decode("cpu", torch.float32)
     # Plain decode, GQA group of 4, block size 16 (the engine default), one long-ish row.
     check_decode("cpu", torch.float32, heads=8, kv_heads=2, block_size=16, q_lens=(1, 1, 1),
                  ctx_lens=(5, 70, 16))
     check_decode("cpu", torch.float16, q_lens=(4, 4), ctx_lens=(4, 21))
+    # Prefill tiles are 16 x 16 here: rows cross query and key tile edges, block size 4 and 16.
+    check_prefill("cpu", torch.float32)
+    check_prefill("cpu", torch.float32, heads=8, kv_heads=2, D=20, block_size=16, q_lens=(33, 17),
+                  ctx_lens=(33, 60))
+    check_prefill("cpu", torch.float16, heads=2, kv_heads=2, q_lens=(48,), ctx_lens=(80,))
 
 
 if __name__ == "__main__":

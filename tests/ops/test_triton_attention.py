@@ -1,4 +1,5 @@
-"""Triton paged decode/verify attention vs the PyTorch paged attention (interpreter, GPU when present)."""
+"""Triton paged attention (decode/verify and prefill kernels) vs the PyTorch paged attention (interpreter,
+GPU when present)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_paged_decode_attention_interpreted():
-    """Under TRITON_INTERPRET=1 (fresh process): decode/verify rows, GQA, permuted blocks match the ref."""
+    """Under TRITON_INTERPRET=1 (fresh process): decode/verify rows and prefill chunks, GQA, permuted
+    blocks match the ref."""
     path = os.pathsep.join([str(HERE.parent.parent), str(HERE), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     res = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "attention_cases.py")], env=env,
@@ -48,3 +50,28 @@ def test_paged_attention_dispatch_uses_triton_for_decode():
     case = make_case("cuda", torch.bfloat16, [1, 2, 1], [7, 40, 3], 8, 2, 64, 16, gen)
     kw = dict(scale=0.125, max_query_len=2, max_context_len=40)
     assert torch.equal(paged_attention(*case, **kw), paged_attention_triton(*case, **kw))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_attention_gpu(dtype):
+    """On the GPU at Nemotron-H-8B attention shapes: whole prompts, chunks after cached context that
+    cross tile edges, and decode rows in one batch match the float64 reference."""
+    from attention_cases import check_prefill
+
+    check_prefill("cuda", dtype, heads=32, kv_heads=8, D=128, block_size=16, q_lens=(1040, 1, 300, 129, 4),
+                  ctx_lens=(3121, 700, 300, 1153, 4))
+
+
+@requires_cuda
+def test_paged_attention_dispatch_uses_triton_for_prefill():
+    """paged_attention on CUDA with a long row equals the Triton prefill kernel's output exactly."""
+    from attention_cases import make_case
+
+    from replayssm.ops.attention import paged_attention
+    from replayssm.ops.triton.attention import paged_prefill_attention_triton
+
+    gen = torch.Generator().manual_seed(4)
+    case = make_case("cuda", torch.bfloat16, [40, 1], [90, 3], 8, 2, 64, 16, gen)
+    kw = dict(scale=0.125, max_query_len=40, max_context_len=90)
+    assert torch.equal(paged_attention(*case, **kw), paged_prefill_attention_triton(*case, **kw))

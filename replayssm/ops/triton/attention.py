@@ -1,19 +1,30 @@
-"""Paged attention for decode and speculative verify rows in Triton (twin of `ops/attention.py`).
+"""Paged attention in Triton (twin of `ops/attention.py`): decode/verify rows and prefill chunks.
 
-Grid (rows, kv heads): one program holds every query of its row that reads one KV head, the
-G query heads of the group times the row's q_len <= QP tokens, as the M rows of a tile:
+Both kernels read K/V straight from the paged cache through the block table (no gathered copy)
+and run an online (base-2) softmax in fp32. Query j of a row sits at position context_len -
+q_len + j and sees keys at positions <= it.
+
+Decode/verify (`paged_attention_triton`, q_len <= 16). Grid (rows, kv heads): one program holds
+every query of its row that reads one KV head, the G query heads of the group times the row's
+q_len <= QP tokens, as the M rows of a tile:
 
     m = h_local * QP + j      h_local < G (query head kvh * G + h_local), j < q_len (token)
 
-and streams the row's context through the block table in BLOCK_N-token tiles with an online
-(base-2) softmax in fp32. Query j sits at position context_len - q_len + j and sees keys at
-positions <= it. One pass over the row's K/V per KV head: the bytes the step must move.
-Rows with an empty context (no visible key) write zeros.
+and streams the row's context in BLOCK_N-token tiles. One pass over the row's K/V per KV head:
+the bytes the step must move. Rows with an empty context (no visible key) write zeros.
+
+Prefill (`paged_prefill_attention_triton`, any q_len). Grid (query tiles, query heads): the rows'
+queries are cut into BLOCK_M-token tiles, numbered through a device prefix sum of tiles per row
+(a program finds its row by binary search, so the grid needs no host sync and no row is padded to
+the longest). Tiles are issued last-first, the causal tiles with the most keys leading. A tile
+streams the keys every query of it sees without a mask, then the diagonal band under the causal
+mask. One compiled kernel serves every length: no per-shape plan.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -110,5 +121,130 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), bt.stride(0),
         G=G, QP=QP, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
         num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tiles_ptr, bt_ptr, ctx_ptr, n_rows, D,
+                          scale_log2, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
+                          G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    total = tl.load(tiles_ptr + n_rows)
+    pid = tl.program_id(0)
+    if pid >= total:
+        return
+    t = total - 1 - pid
+    head = tl.program_id(1)
+    kvh = head // G
+    # row: the last r with tiles[r] <= t (tiles: exclusive prefix sum of tiles per row, n_rows + 1 entries)
+    lo = 0
+    hi = n_rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go = tl.load(tiles_ptr + mid) <= t
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    row = lo
+    tile = t - tl.load(tiles_ptr + row)
+    q_start = tl.load(cu_ptr + row)
+    q_len = tl.load(cu_ptr + row + 1) - q_start
+    ctx = tl.load(ctx_ptr + row)
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    tok = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * s_qt + head * s_qh + d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0).to(k_ptr.dtype.element_ty)
+    first = ctx - q_len + tile * BLOCK_M  # position of the tile's first query
+    q_pos = first + tl.arange(0, BLOCK_M)
+    end = tl.minimum(first + BLOCK_M, ctx)  # keys the tile's last real query sees, exclusive
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    # Keys below `first` are seen by every query of the tile: whole BLOCK_N tiles of them go unmasked.
+    free = first // BLOCK_N * BLOCK_N
+    for start in range(0, end, BLOCK_N):
+        p = start + n
+        causal = start >= free
+        p_ok = p < end
+        blk = tl.load(bt_ptr + row * s_bt + p // BS, mask=p_ok, other=0).to(tl.int64)
+        off = p % BS
+        kv_mask = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        if causal:
+            s = tl.where((p[None, :] <= q_pos[:, None]) & p_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pr.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * s_ot + head * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+
+
+def prefill_tiles(dtype: torch.dtype, head_dim: int, interpret: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel. fp32 runs IEEE products
+    (register-heavy: small tiles); the interpreter gets small tiles so tests cross tile edges."""
+    if interpret:
+        return 16, 16, 4, 1
+    if dtype == torch.float32:
+        return 32, 32, 4, 2
+    return (128, 64, 8, 3) if head_dim <= 128 else (64, 32, 4, 2)
+
+
+def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
+                                   context_lens: torch.Tensor, *, scale: float, max_query_len: int,
+                                   max_context_len: int, tiles: tuple[int, int, int, int] | None = None
+                                   ) -> torch.Tensor:
+    """Same contract as `ops.attention.paged_attention`, any q_len (prefill chunks, mixed batches).
+
+    Layouts as `paged_attention_triton`; the block size must be a power of two. `tiles` overrides
+    `prefill_tiles` (benchmarks). No host sync: the per-row tile counts are a device prefix sum and
+    the grid is the bound min(n * cdiv(max_query_len, BLOCK_M), cdiv(T, BLOCK_M) + n).
+    """
+    T, heads, D = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    n = block_tables.shape[0]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache need unit stride in head_dim")
+    out = torch.empty_like(q)
+    if T == 0 or n == 0:
+        return out.zero_()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    block_m, block_n, warps, stages = tiles or prefill_tiles(q.dtype, D, interpret)
+    cu = cu_seqlens_q.to(torch.int32)
+    per_row = (cu[1:] - cu[:-1] + block_m - 1) // block_m
+    tiles_cum = torch.zeros(n + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(per_row, 0, out=tiles_cum[1:])
+    grid = min(n * triton.cdiv(max(max_query_len, 1), block_m), triton.cdiv(T, block_m) + n)
+    bt = block_tables.contiguous()
+    _paged_prefill_kernel[(grid, heads)](
+        q, k_cache, v_cache, out, cu, tiles_cum, bt, context_lens, n, D, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), bt.stride(0),
+        G=heads // kv_heads, BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
     )
     return out
