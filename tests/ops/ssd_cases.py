@@ -164,26 +164,34 @@ def _check_boundary_dst(pool, runs, kw) -> None:
 
 def run_interpreter() -> None:
     """Small CPU shapes under TRITON_INTERPRET=1: odd H/P/N (masked tiles), chunks below 16 (padded)."""
-    check_ssd_scan("cpu", lengths=[9, 1, 40, 0, 23, 16, 5], chunk=16, full=False, every=5)
+    run_small("cpu")
+
+
+def run_small(device: str) -> None:
+    """The small cases (the interpreter's; on the GPU they compile with other tiles and layouts)."""
+    # The tiny test checkpoints' Mamba shape (tests/checkpoints.py): bf16 prompts of a batch.
+    check_ssd_scan(device, lengths=[5, 17, 33, 9], H=8, G=2, P=16, N=16, chunk=8, act=torch.bfloat16,
+                   pad_seq=None, seed=7)
+    check_ssd_scan(device, lengths=[9, 1, 40, 0, 23, 16, 5], chunk=16, full=False, every=5)
     full = True
-    check_ssd_scan("cpu", lengths=[9, 1, 40, 0, 23, 16, 5], chunk=16, full=full, every=5)
-    check_ssd_scan("cpu", lengths=[17, 3, 0, 8], H=6, G=3, P=20, N=12, chunk=8, act=torch.bfloat16,
+    check_ssd_scan(device, lengths=[9, 1, 40, 0, 23, 16, 5], chunk=16, full=full, every=5)
+    check_ssd_scan(device, lengths=[17, 3, 0, 8], H=6, G=3, P=20, N=12, chunk=8, act=torch.bfloat16,
                    state_dtype=torch.float16, pad_seq=2, full=full, seed=1)
-    check_ssd_scan("cpu", lengths=[0, 0], chunk=16, pad_seq=None, state_dtype=torch.float16, full=full,
+    check_ssd_scan(device, lengths=[0, 0], chunk=16, pad_seq=None, state_dtype=torch.float16, full=full,
                    seed=2)
-    check_ssd_scan("cpu", lengths=[33, 32], H=2, G=1, P=16, N=16, chunk=32, act=torch.bfloat16,
+    check_ssd_scan(device, lengths=[33, 32], H=2, G=1, P=16, N=16, chunk=32, act=torch.bfloat16,
                    state_dtype=torch.bfloat16, pad_seq=None, full=full, seed=3)
     # The model's chunk size: a sequence across a chunk end, a boundary every 16 tokens.
-    check_ssd_scan("cpu", lengths=[140, 5, 9], H=2, G=1, P=16, N=32, chunk=128, full=full, every=16, seed=4)
+    check_ssd_scan(device, lengths=[140, 5, 9], H=2, G=1, P=16, N=32, chunk=128, full=full, every=16, seed=4)
     # No softplus; a chunk size that is not a power of two (padded positions inside every chunk).
-    check_ssd_scan("cpu", lengths=[26, 12, 7], H=2, G=2, P=16, N=16, chunk=12, full=full, softplus=False,
+    check_ssd_scan(device, lengths=[26, 12, 7], H=2, G=2, P=16, N=16, chunk=12, full=full, softplus=False,
                    seed=5)
     # Other launch configs: two 16-position blocks per output program (two row blocks a chunk), P and N
     # tiles in the pass, other state tiles; and the earlier (indexed) kernels, kept to A/B them.
     from replayssm.ops.triton.ssd import LaunchConfig
 
-    check_ssd_scan("cpu", lengths=[70, 5, 33], H=3, G=1, P=20, N=24, chunk=64, act=torch.bfloat16, every=9,
+    check_ssd_scan(device, lengths=[70, 5, 33], H=3, G=1, P=20, N=24, chunk=64, act=torch.bfloat16, every=9,
                    seed=6, config=LaunchConfig(block_k=16, rows=32, nb=16, pass_block_p=16, pass_block_n=16,
                                                state_block_p=16, state_block_k=32))
-    check_ssd_scan("cpu", lengths=[17, 3, 0, 8], H=6, G=3, P=20, N=12, chunk=8, act=torch.bfloat16,
+    check_ssd_scan(device, lengths=[17, 3, 0, 8], H=6, G=3, P=20, N=12, chunk=8, act=torch.bfloat16,
                    state_dtype=torch.float16, pad_seq=2, seed=1, config=LaunchConfig(kernels="indexed"))

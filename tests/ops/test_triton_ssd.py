@@ -39,3 +39,12 @@ def test_ssd_gpu_fp32_odd_shape(full):
 
     check_ssd_scan("cuda", lengths=[200, 63, 64, 1, 0, 129], H=12, G=3, P=48, N=40, chunk=64, full=full,
                    every=7, seed=4)
+
+
+@requires_cuda
+def test_ssd_gpu_small_shapes():
+    """The interpreter's small cases compiled on the GPU (other tiles and layouts than the interpreter
+    runs), the tiny test checkpoints' bf16 Mamba shape first."""
+    from ssd_cases import run_small
+
+    run_small("cuda")
