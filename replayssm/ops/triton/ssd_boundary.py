@@ -108,7 +108,8 @@ def boundary_walk_kernel(
     tmask = pm[:, None] & nm[None, :]
     c = tl.load(w_chunk_ptr + w)
     if c >= 0:
-        s = tl.load(s_ptr + (c * H + h) * (P * N) + tile, mask=tmask, other=0.0)
+        # .to: without chunks the launcher passes the pool as s_ptr (never read here; the type must match).
+        s = tl.load(s_ptr + (c * H + h) * (P * N) + tile, mask=tmask, other=0.0).to(tl.float32)
     else:
         # No chunks: the pass left the slot holding the initial state exactly (a pool value rounds
         # to itself); no slot (-1) means zeros.
