@@ -33,20 +33,68 @@ def test_cuda_fp32_greedy_matches_transformers(kind, replayssm):
     assert [o.token_ids for o in outs] == hf
 
 
+# An MoE router choice closer than this (sigmoid score units) can flip under bf16 noise. Measured on the
+# H200 (session 8): a flip at fp32 margin 4.5e-5 moved later logprobs by up to 2.2 in our engine, and
+# one at 4.1e-4 did the same to transformers' own bf16 run; margins of 1.2e-3 and up flipped nothing.
+ROUTING_TIE = 1e-3
+
+
+def first_routing_tie(model, seq: torch.Tensor) -> int | None:
+    """Index of the first token of seq (1, L) whose group or top-k expert choice, in any MoE layer of
+    the fp32 transformers model, is decided by less than ROUTING_TIE; None if none is (or no MoE)."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+    logits = []
+    hooks = [r.register_forward_hook(lambda mod, inp, out: logits.append(out[0].detach())) for r in routers]
+    try:
+        with torch.no_grad():
+            model(seq)
+    finally:
+        for h in hooks:
+            h.remove()
+    first = None
+    for r, lg in zip(routers, logits):
+        s = lg.sigmoid() + r.e_score_correction_bias
+        per = r.num_experts // r.num_group
+        g = s.view(-1, r.num_group, per).topk(2, dim=-1).values.sum(-1)
+        gs = g.sort(-1, descending=True).values
+        margin = gs[:, r.topk_group - 1] - gs[:, r.topk_group] if r.num_group > r.topk_group else None
+        keep = torch.zeros_like(g).scatter_(1, g.topk(r.topk_group, -1).indices, 1).bool()
+        es = s.masked_fill(~keep.repeat_interleave(per, 1), float("-inf")).sort(-1, descending=True).values
+        em = es[:, r.top_k - 1] - es[:, r.top_k]
+        margin = em if margin is None else torch.minimum(margin, em)
+        ties = (margin < ROUTING_TIE).nonzero().flatten()
+        if len(ties):
+            first = int(ties[0]) if first is None else min(first, int(ties[0]))
+    return first
+
+
 @pytest.mark.parametrize("kind", ["nemotron_h", "mamba2"])
 @pytest.mark.parametrize("replayssm", [True, False])
 def test_cuda_bf16_tokens_are_transformers_choices(kind, replayssm):
     """bf16 on CUDA: every greedy token is within bf16 noise of transformers' (fp32) best choice,
     and its logprobs track transformers' logprobs of the same tokens (bf16 weights and
-    activations through every layer: close on average, a few tenths at worst)."""
+    activations through every layer: close on average, a few tenths at worst).
+
+    Positions from the first MoE routing near-tie on (first_routing_tie) are not compared: there
+    bf16 noise may legitimately pick other experts, and transformers' own bf16 run diverges the same
+    way. At least half of all positions must stay compared."""
     path, model = cached_checkpoint(kind)
     model = model.float().cpu()
     outs = _generate(path, "bfloat16", replayssm=replayssm, replay_window=5)
+    compared = total = 0
     for p, out in zip(_prompts(), outs):
         seq = torch.tensor([p + out.token_ids])
         with torch.no_grad():
             ref = model(seq).logits[0, len(p) - 1 : -1].float().log_softmax(-1)
-        chosen = ref.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
-        assert (ref.max(-1).values - chosen).max() < 0.1
-        err = (torch.tensor(out.logprobs) - chosen).abs()
+        tie = first_routing_tie(model, seq)
+        # Output j is predicted at sequence index len(p) - 1 + j: it depends on tokens up to there.
+        n = len(out.token_ids) if tie is None else max(0, min(len(out.token_ids), tie - len(p) + 1))
+        total += len(out.token_ids)
+        compared += n
+        if n == 0:
+            continue
+        chosen = ref[:n].gather(-1, torch.tensor(out.token_ids[:n])[:, None]).squeeze(-1)
+        assert (ref[:n].max(-1).values - chosen).max() < 0.1
+        err = (torch.tensor(out.logprobs[:n]) - chosen).abs()
         assert err.mean() < 0.05 and err.max() < 0.6
+    assert compared >= total / 2, f"only {compared} of {total} positions before a routing near-tie"
