@@ -6,13 +6,13 @@ checkpoints: one per 16 tokens at 1,040 tokens), at 1,040 and 16,384 tokens. The
 built once per case, as the layers of one forward pass share it. Prints per case: ms per call
 (CUDA events, median of `--iters`), kernel launches per call (torch.profiler), and the Triton
 result's largest error relative to the reference's largest magnitude. `--sweep` also times
-Triton scan configs (the earlier indexed kernels, `kernels=indexed`, at their default tiles and the
-affine kernels' tiles) and the boundary walk's alone; `--config k=v,k=v` (repeatable) times any
-`LaunchConfig`; `--times` prints the GPU time of each Triton kernel of every scan config's row.
+Triton scan configs (tiles of the state, pass and output kernels) and the boundary walk's alone;
+`--config k=v,k=v` (repeatable) times any `LaunchConfig`; `--times` prints the GPU time of each
+Triton kernel of every scan config's row.
 "boundaries into slots" is the engine's call (boundary_dst).
 
     python3 benchmarks/bench_prefill_ops.py [--tokens 1040 16384] [--iters 10] [--sweep] [--times]
-        [--config kernels=indexed --config rows=128,block_k=32,num_stages=2]
+        [--config rows=128,block_k=32,num_stages=2]
 """
 
 from __future__ import annotations
@@ -99,11 +99,9 @@ def kernel_times(fn: Callable[[], object], iters: int) -> list[tuple[str, float,
 
 # Scan configs of --sweep (LaunchConfig overrides). Each row varies the state and the output
 # kernel at once (compare them with --times); sm_90 registers per thread (CPU compile) in comments,
-# the default (the 5th row's tiles, fastest on the H200 in call 5): state 134, outputs 135, pass 110.
-# The first row after the indexed ones is the previous affine default.
+# the default (the 4th row's tiles, fastest on the H200 in call 5): state 134, outputs 135, pass 110.
+# The first row is the previous default.
 SWEEP = (
-    dict(kernels="indexed"),  # the earlier kernels at their default tiles
-    dict(kernels="indexed", block_k=64),
     dict(state_block_k=0, num_warps=8, rows=64, out_warps=8),  # state 216, outputs 188
     dict(state_block_p=32, rows=32),  # state 100 (mma.sync), outputs 106: two programs per SM each
     dict(state_block_p=32, num_warps=4, rows=128),  # state 168, outputs 223
@@ -120,11 +118,11 @@ SWEEP = (
 
 
 def parse_config(text: str) -> dict:
-    """'rows=128,kernels=indexed' -> LaunchConfig overrides (ints where the field is an int)."""
+    """'rows=128,block_k=32' -> LaunchConfig overrides."""
     out = {}
     for item in filter(None, text.split(",")):
         key, _, val = item.partition("=")
-        out[key.strip()] = val.strip() if key.strip() == "kernels" else int(val)
+        out[key.strip()] = int(val)
     return out
 
 

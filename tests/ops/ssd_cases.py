@@ -187,11 +187,9 @@ def run_small(device: str) -> None:
     check_ssd_scan(device, lengths=[26, 12, 7], H=2, G=2, P=16, N=16, chunk=12, full=full, softplus=False,
                    seed=5)
     # Other launch configs: two 16-position blocks per output program (two row blocks a chunk), P and N
-    # tiles in the pass, other state tiles; and the earlier (indexed) kernels, kept to A/B them.
+    # tiles in the pass, other state tiles.
     from replayssm.ops.triton.ssd import LaunchConfig
 
     check_ssd_scan(device, lengths=[70, 5, 33], H=3, G=1, P=20, N=24, chunk=64, act=torch.bfloat16, every=9,
                    seed=6, config=LaunchConfig(block_k=16, rows=32, nb=16, pass_block_p=16, pass_block_n=16,
                                                state_block_p=16, state_block_k=32))
-    check_ssd_scan(device, lengths=[17, 3, 0, 8], H=6, G=3, P=20, N=12, chunk=8, act=torch.bfloat16,
-                   state_dtype=torch.float16, pad_seq=2, seed=1, config=LaunchConfig(kernels="indexed"))

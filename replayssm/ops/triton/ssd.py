@@ -1,9 +1,7 @@
 """Chunked SSD prefill scan in Triton (twin of `ops/ssd.py: ssd_chunked_scan_ref`).
 
 Three launches per call, over the reference's chunk layout (ops/ssd_layout.py, built on the host
-once per forward pass and shared by the layers), with the affine-address kernels of
-ops/triton/ssd_scan_kernels.py (`LaunchConfig.kernels="indexed"`: the earlier ones of
-ops/triton/ssd_kernels.py, kept to A/B them):
+once per forward pass and shared by the layers), with the kernels of ops/triton/ssd_scan_kernels.py:
 
     chunk states   (nc, H, P tiles)  state of every chunk from zero, and its total decay
     chunk pass     (n, H, P tiles)   sequential over a sequence's chunks: states entering each
@@ -27,8 +25,7 @@ import triton
 from torch import Tensor
 
 from replayssm.ops.ssd_layout import ChunkLayout, chunk_layout
-from replayssm.ops.triton import ssd_kernels as old_kernels
-from replayssm.ops.triton import ssd_scan_kernels as new_kernels
+from replayssm.ops.triton import ssd_scan_kernels as kern
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.ssd_boundary import launch_boundaries
 
@@ -43,13 +40,10 @@ class LaunchConfig:
     out_warps: int = 4  # outputs
     pass_block_p: int = 32
     pass_warps: int = 4
-    # "affine" runs ops/triton/ssd_scan_kernels.py, "indexed" the earlier kernels of
-    # ops/triton/ssd_kernels.py (token indices loaded per position; kept to A/B the two).
-    kernels: str = "affine"
-    rows: int = 32  # output rows per program (a multiple of block_k; affine kernels)
+    rows: int = 32  # output rows per program (a multiple of block_k)
     nb: int = 32  # columns of N per step of the output products
-    num_stages: int = 3  # software pipelining depth of the affine kernels' loops
-    pass_block_n: int = 0  # columns of N per pass program (0: all; affine kernels)
+    num_stages: int = 3  # software pipelining depth of the state and output kernels' loops
+    pass_block_n: int = 0  # columns of N per pass program (0: all)
     state_block_p: int = 0  # chunk states' block_p (0: block_p)
     state_block_k: int = 16  # chunk states' block_k (0: block_k)
 
@@ -94,8 +88,6 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
                 config: LaunchConfig = CONFIG, y: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Outputs y (T, H, P) in x.dtype and the states entering each chunk (nc, H, P, N) fp32; writes the
     final states of the sequences with a slot."""
-    if config.kernels not in ("affine", "indexed"):
-        raise ValueError(f"config.kernels must be 'affine' or 'indexed', got {config.kernels!r}")
     x, B, C = _dense(x), _dense(B), _dense(C)
     sh = _shape(x, B, chunk_size, config)
     nc, n = lay.nc, lay.num_seqs
@@ -104,14 +96,11 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     s = torch.empty(max(nc, 1), sh.H, sh.P, sh.N, dtype=torch.float32, device=x.device)[:nc]
     sums = torch.empty(max(nc, 1), sh.H, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x) if y is None else y
-    affine = config.kernels == "affine"
-    kern = new_kernels if affine else old_kernels
     strides = (x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1))
+    # 16-bit inputs take two tf32 passes, fp32 three (ops/triton/ssd_scan_kernels.py).
     blocks = dict(P=sh.P, N=sh.N, BLOCK_K=sh.block_k, BLOCK_P=sh.block_p, BLOCK_N=sh.block_n,
-                  DT_SOFTPLUS=bool(dt_softplus), num_warps=config.num_warps)
-    f32 = x.dtype == torch.float32
-    if affine:  # 16-bit inputs take two tf32 passes, fp32 three (ops/triton/ssd_scan_kernels.py)
-        blocks.update(F32_DOT=f32, num_stages=config.num_stages)
+                  DT_SOFTPLUS=bool(dt_softplus), F32_DOT=x.dtype == torch.float32, num_warps=config.num_warps,
+                  num_stages=config.num_stages)
     tiles = triton.cdiv(sh.P, sh.block_p)
     if nc:
         st_p = _tile(config.state_block_p, sh.block_p, triton.next_power_of_2(sh.P))
@@ -122,7 +111,7 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
         )
     if n:
         pass_p = max(16, min(config.pass_block_p, triton.next_power_of_2(sh.P)))
-        pass_n = _tile(config.pass_block_n if affine else 0, sh.block_n, sh.block_n)
+        pass_n = _tile(config.pass_block_n, sh.block_n, sh.block_n)
         sd = tl_dtype(state.dtype)
         kern.chunk_pass_kernel[(n, sh.H, triton.cdiv(sh.P, pass_p) * triton.cdiv(sh.N, pass_n))](
             s, sums, state, lay.chunk_offsets if nc else lay.seq_chunks, lay.seq_chunks,
@@ -132,14 +121,12 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
         )  # fmt: skip
     if nc:
         # Rows per output program: a power-of-two multiple of block_k within the padded chunk.
-        rows = min(sh.block_l, max(sh.block_k, triton.next_power_of_2(config.rows))) if affine else sh.block_k
-        row_blocks = sh.block_l // rows
-        extra = dict(BLOCK_I=rows) if affine else {}
-        kern.chunk_output_kernel[(nc, sh.H, tiles * row_blocks)](
+        rows = min(sh.block_l, max(sh.block_k, triton.next_power_of_2(config.rows)))
+        kern.chunk_output_kernel[(nc, sh.H, tiles * (sh.block_l // rows))](
             x, dt, A, B, C, D, dt_bias, lay.idx, lay.chunk_len, lay.chunk_valid, s, y,
             *strides, C.stride(0), C.stride(1), y.stride(0), y.stride(1), sh.H, sh.HPG, sh.L,
             BLOCK_L=sh.block_l, NB=min(config.nb, sh.block_n),
-            **(blocks | extra | dict(F32_DOT=f32, num_warps=config.out_warps)),
+            **(blocks | dict(BLOCK_I=rows, num_warps=config.out_warps)),
         )  # fmt: skip
     return y, s
 

@@ -10,7 +10,7 @@ from one boundary to the next,
 
 so every position of the chunk enters one product once, however many boundaries it holds
 (recomputing each boundary from the chunk start cost ~8x the work at one checkpoint per 16 tokens
-and 128-token chunks). The spans use the scan's precision rules (ops/triton/ssd_kernels.py: sums of
+and 128-token chunks). The spans use the scan's precision rules (ops/triton/ssd_scan_kernels.py: sums of
 same-sign a_k, 3xTF32-accurate products). A zero-length boundary is its sequence's initial state: position
 -1 of its first chunk, or of the walk item of a sequence without chunks, which reads its slot.
 
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from replayssm.ops.ssd_layout import ChunkLayout
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
-from replayssm.ops.triton.ssd_kernels import _softplus
+from replayssm.ops.triton.ssd_scan_kernels import chunk_delta
 from replayssm.ops.triton.tf32 import dot_split
 
 
@@ -44,16 +44,6 @@ class BoundaryConfig:
 
 
 BOUNDARY_CONFIG = BoundaryConfig()
-
-
-@triton.jit
-def _span_delta(dt_ptr, dt_off, sdt_t, start, n_live, pos, lo, t, A, bias, DT_SOFTPLUS: tl.constexpr):
-    """Chunk positions `pos` (the chunk's tokens are start, start + 1, ...; n_live of them): the mask
-    of those in [lo, t] and live, their Δ and a = Δ A (0 elsewhere)."""
-    use = (pos < n_live) & (pos <= t) & (pos >= lo)
-    raw = tl.load(dt_ptr + dt_off + (start + pos) * sdt_t, mask=use, other=0.0).to(tl.float32)
-    delta = tl.where(use, _softplus(raw + bias, DT_SOFTPLUS), 0.0)
-    return use, delta, delta * A
 
 
 @triton.jit
@@ -73,13 +63,15 @@ def advance(s, x_ptr, B_ptr, dt_ptr, sx_t, sB_t, sdt_t, start, n_live, A, bias, 
     total = tl.sum(tl.zeros((BLOCK_K,), dtype=tl.float32), axis=0)
     for b in range(0, blocks):
         pos = (top - b) * BLOCK_K + tl.arange(0, BLOCK_K)
-        _, _, a = _span_delta(dt_ptr, dt_off, sdt_t, start, n_live, pos, lo, t, A, bias, DT_SOFTPLUS)
+        use = (pos < n_live) & (pos <= t) & (pos >= lo)
+        _, a = chunk_delta(dt_ptr, dt_off, sdt_t, start, pos, use, A, bias, DT_SOFTPLUS)
         total += tl.sum(a)
     s = tl.exp(total) * s
     tail = tl.sum(tl.zeros((BLOCK_K,), dtype=tl.float32), axis=0)  # Σ a_k over the blocks done so far
     for b in range(0, blocks):
         pos = (top - b) * BLOCK_K + tl.arange(0, BLOCK_K)
-        use, delta, a = _span_delta(dt_ptr, dt_off, sdt_t, start, n_live, pos, lo, t, A, bias, DT_SOFTPLUS)
+        use = (pos < n_live) & (pos <= t) & (pos >= lo)
+        delta, a = chunk_delta(dt_ptr, dt_off, sdt_t, start, pos, use, A, bias, DT_SOFTPLUS)
         own = tl.sum(tl.where(pos[:, None] > pos[None, :], a[:, None], 0.0), axis=0)  # [k, r]: k > r
         rows = (start + pos)[:, None]
         xs = tl.load(x_ptr + x_off + rows * sx_t + p[None, :], mask=use[:, None] & pm[None, :], other=0.0)

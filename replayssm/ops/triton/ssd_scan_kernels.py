@@ -1,12 +1,19 @@
-"""Triton kernels of the chunked SSD scan over affine chunk addresses (launched by ops/triton/ssd.py).
+"""Triton kernels of the chunked SSD scan (twin of `ops/ssd.py`); launched from `ops/triton/ssd.py`.
 
-Same math and precision rule as ops/triton/ssd_kernels.py (read its docstring: segment sums are
-sums of same-sign a_k, never differences of prefix sums), organised against memory latency:
+Each program works on one chunk of one head and a tile of state rows, walking chunk positions
+BLOCK_K at a time (a power of two >= 16, so tl.dot takes any chunk size); positions past a chunk's
+length get Δ = 0, which neither decays nor adds. Segment sums seg(i, j) = a_{j+1} + ... + a_i are
+built from sums of the a_k themselves (masked sums within a block plus whole-block sums, never
+differences of prefix sums), so decays close to 1 keep full fp32 precision as in the reference;
+every a_k = Δ_k A is <= 0, so no sum cancels. The boundary walk (ops/triton/ssd_boundary.py) follows
+the same rules with the helpers here. Organised against memory latency:
 
 - A chunk's live positions are consecutive tokens of the packed input (ops/ssd_layout.py), so the
   token at position i of chunk c is start[c] + i, start[c] = idx[c, 0] read once per program.
   Every address in a loop is affine in the loop counter: no dependent index load before Δ and no
-  dependent Δ load before x/B/C, so consecutive steps' loads can be in flight together.
+  dependent Δ load before x/B/C, so consecutive steps' loads can be in flight together. (The first
+  kernels loaded a token index per position; these took 4.73 vs 11.84 ms per layer at 16,384
+  tokens on the H200, benchmarks/results/prefill-ops-s7-call5-affine.log.)
 - Products with one 16-bit operand (exact in tf32) take two tf32 passes over the hi and lo parts
   of the fp32 operand instead of three (ops/triton/tf32.py: dot_split); C·B of 16-bit inputs
   takes one; fp32 activations keep 3xTF32. (A bf16 tl.dot would halve C·B's tensor-core time,
@@ -15,25 +22,34 @@ sums of same-sign a_k, never differences of prefix sums), organised against memo
   entering the chunk are read once per row block and each C·B tile serves all its rows.
 - The pass loads chunk k+1's state before it stores chunk k's, so its loads overlap.
 """
-
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 from replayssm.ops.triton.rounding import stochastic_round
-from replayssm.ops.triton.ssd_kernels import _softplus
 from replayssm.ops.triton.tf32 import dot_split
 
 
 @triton.jit
-def _delta(dt_ptr, dt_off, sdt_t, start, n_live, pos, A, bias, DT_SOFTPLUS: tl.constexpr):
-    """Positions `pos` of a chunk starting at token `start` with n_live live positions: live mask,
-    Δ and a = Δ A (both 0 where not live)."""
-    live = pos < n_live
-    raw = tl.load(dt_ptr + dt_off + (start + pos) * sdt_t, mask=live, other=0.0).to(tl.float32)
-    delta = tl.where(live, _softplus(raw + bias, DT_SOFTPLUS), 0.0)
-    return live, delta, delta * A
+def softplus(v, DT_SOFTPLUS: tl.constexpr):
+    """softplus(v) with identity above 20 (or v itself when off); log1p kept accurate for v << 0."""
+    if DT_SOFTPLUS:
+        u = tl.exp(tl.minimum(v, 20.0))
+        w = 1.0 + u
+        # log1p(u) = log(w) * u / (w - 1): the rounding of w cancels (the reference uses log1p).
+        lp = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+        v = tl.where(v > 20.0, v, lp)
+    return v
+
+
+@triton.jit
+def chunk_delta(dt_ptr, dt_off, sdt_t, start, pos, use, A, bias, DT_SOFTPLUS: tl.constexpr):
+    """Positions `pos` of a chunk whose tokens are start, start + 1, ...: Δ and a = Δ A where `use`
+    (the caller's mask: live positions, or those of a span), 0 elsewhere."""
+    raw = tl.load(dt_ptr + dt_off + (start + pos) * sdt_t, mask=use, other=0.0).to(tl.float32)
+    delta = tl.where(use, softplus(raw + bias, DT_SOFTPLUS), 0.0)
+    return delta, delta * A
 
 
 @triton.jit
@@ -62,7 +78,8 @@ def chunk_state_kernel(
     blocks = tl.cdiv(n_live, BLOCK_K)
     for b in range(0, blocks):
         pos = (blocks - 1 - b) * BLOCK_K + tl.arange(0, BLOCK_K)
-        live, delta, a = _delta(dt_ptr, h * sdt_h, sdt_t, start, n_live, pos, A, bias, DT_SOFTPLUS)
+        live = pos < n_live
+        delta, a = chunk_delta(dt_ptr, h * sdt_h, sdt_t, start, pos, live, A, bias, DT_SOFTPLUS)
         rows = (start + pos)[:, None]
         xs = tl.load(x_cols + rows * sx_t, mask=live[:, None] & pm[None, :], other=0.0)
         bs = tl.load(b_cols + rows * sB_t, mask=live[:, None] & nm[None, :], other=0.0)
@@ -135,7 +152,8 @@ def chunk_output_kernel(
         g = h // HPG
         A, bias = tl.load(A_ptr + h), tl.load(dt_bias_ptr + h)
         ri = i0 + tl.arange(0, BLOCK_I)
-        live_i, delta_i, a_i = _delta(dt_ptr, h * sdt_h, sdt_t, start, n_live, ri, A, bias, DT_SOFTPLUS)
+        live_i = ri < n_live
+        delta_i, a_i = chunk_delta(dt_ptr, h * sdt_h, sdt_t, start, ri, live_i, A, bias, DT_SOFTPLUS)
         p = pt * BLOCK_P + tl.arange(0, BLOCK_P)
         pm = p < P
         c_rows = C_ptr + g * sC_g + (start + ri)[:, None] * sC_t
@@ -148,7 +166,8 @@ def chunk_output_kernel(
         for b in range(0, blocks):  # column blocks, nearest first
             j0 = (blocks - 1 - b) * BLOCK_K
             rj = j0 + tl.arange(0, BLOCK_K)
-            live_j, delta_j, a_j = _delta(dt_ptr, h * sdt_h, sdt_t, start, n_live, rj, A, bias, DT_SOFTPLUS)
+            live_j = rj < n_live
+            delta_j, a_j = chunk_delta(dt_ptr, h * sdt_h, sdt_t, start, rj, live_j, A, bias, DT_SOFTPLUS)
             xs = tl.load(x_cols + (start + rj)[:, None] * sx_t, mask=live_j[:, None] & pm[None, :], other=0.0)
             cb = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
             for n0 in range(0, BLOCK_N, NB):  # NB columns of N at a time: no (rows, N) tile stays live
