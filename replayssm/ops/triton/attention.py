@@ -33,7 +33,9 @@ import triton.language as tl
 MAX_QUERY_LEN = 16  # decode (1) and verify (1 + k) rows; longer chunks take the PyTorch path
 
 
-@triton.jit
+# Integers that change from step to step are not specialized (Triton compiles a variant per value
+# class: 1, multiples of 16, other): the block-table stride (longest row's blocks) and the row count.
+@triton.jit(do_not_specialize=["s_bt"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bt_ptr, ctx_ptr, D, block_size, scale_log2,
                          s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
                          G: tl.constexpr, QP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -125,7 +127,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "s_bt"])
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tiles_ptr, bt_ptr, ctx_ptr, n_rows, D,
                           scale_log2, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
                           G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
