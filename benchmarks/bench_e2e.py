@@ -158,10 +158,10 @@ def drive(engine, prompts: dict[str, list[int]], max_tokens: int, trace: Trace, 
         now = time.perf_counter()
         trace.steps += 1
         for out in outs:
-            if out.token_ids and out.request_id not in trace.first:
+            if out.num_output_tokens and out.request_id not in trace.first:
                 trace.first[out.request_id] = (trace.steps, now)
             trace.last[out.request_id] = (trace.steps, now)
-            trace.tokens[out.request_id] = len(out.token_ids)
+            trace.tokens[out.request_id] = out.num_output_tokens
             if out.finished:
                 trace.outputs[out.request_id] = list(out.token_ids)
 

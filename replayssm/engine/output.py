@@ -2,41 +2,72 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 from replayssm.engine.request import Request, RequestStatus
 from replayssm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: compare token_ids, text, ... explicitly
 class RequestOutput:
-    """A request's state after a step; token_ids and text hold everything generated so far."""
+    """A request's state after a step; token_ids and text hold everything generated so far.
+
+    A snapshot costs O(1) whatever the length: it keeps the request's append-only token and
+    logprob lists with their lengths at the step, and `token_ids` / `logprobs` copy out that prefix
+    on first access (later steps never change it). `num_output_tokens` is the length without a copy.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
     text: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs is set
     prompt_logprobs: list[float | None] | None = None  # per prompt token (first is None)
     # True when the synthetic drafter (benchmarks only) forced acceptances: NOT the model's output.
     synthetic_spec: bool = False
+    num_output_tokens: int = 0
+    _tokens: list[int] = field(default_factory=list, repr=False)
+    _logprobs: list[float] | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def token_ids(self) -> list[int]:
+        """The generated tokens at this step."""
+        return self._tokens[: self.num_output_tokens]
+
+    @functools.cached_property
+    def logprobs(self) -> list[float] | None:
+        """Per generated token, when SamplingParams.logprobs is set."""
+        return None if self._logprobs is None else self._logprobs[: self.num_output_tokens]
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether logprobs were asked for (without copying them)."""
+        return self._logprobs is not None
+
+    def tokens_since(self, start: int) -> list[int]:
+        """token_ids[start:] without copying the prefix (streaming deltas)."""
+        return self._tokens[start : self.num_output_tokens]
+
+    def logprobs_since(self, start: int) -> list[float] | None:
+        """logprobs[start:] without copying the prefix; None when logprobs were not asked for."""
+        return None if self._logprobs is None else self._logprobs[start : self.num_output_tokens]
 
 
 def make_output(r: Request) -> RequestOutput:
-    """A snapshot of ``r`` (lists copied, so later steps do not change it)."""
+    """A snapshot of ``r`` at this step (O(1): see RequestOutput)."""
     return RequestOutput(
         request_id=r.request_id,
         prompt_token_ids=r.prompt_token_ids,
-        token_ids=list(r.output_token_ids),
         text=r.text,
         finished=r.status is RequestStatus.FINISHED,
         finish_reason=r.finish_reason,
         num_cached_tokens=r.num_cached_tokens,
-        logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
         prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
+        num_output_tokens=len(r.output_token_ids),
+        _tokens=r.output_token_ids,
+        _logprobs=r.output_logprobs if r.params.logprobs is not None else None,
     )
 
 

@@ -34,6 +34,7 @@ class Request:
     params: SamplingParams
     seed: int  # params.seed, or one the engine drew at add time so recompute replays the same draws
     arrival: int  # admission order key: lower is older
+    # Append-only (RequestOutput snapshots keep them with their length at the step).
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None

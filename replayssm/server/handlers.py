@@ -52,14 +52,14 @@ class _Handler:
         self.stop = req.stop
 
     def _token_ids(self, out, start: int = 0) -> list[int] | None:
-        return list(out.token_ids[start:]) if self.return_token_ids else None
+        return out.tokens_since(start) if self.return_token_ids else None
 
     def _changed(self, tracker: DeltaTracker, index: int, out) -> tuple[str, int, bool]:
         """(text delta, first new token, whether anything is worth sending for this choice)."""
         delta, start = tracker.advance(index, out)
         # Logprobs and token ids are per token: a token with no visible text yet still goes out.
-        per_token = out.logprobs is not None or self.return_token_ids
-        return delta, start, bool(delta) or out.finished or (per_token and len(out.token_ids) > start)
+        per_token = out.has_logprobs or self.return_token_ids
+        return delta, start, bool(delta) or out.finished or (per_token and out.num_output_tokens > start)
 
 
 class CompletionHandler(_Handler):

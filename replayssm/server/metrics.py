@@ -99,7 +99,7 @@ class ServingMetrics:
             if state is None:
                 continue
             arrival, last, seen = state
-            new = len(out.token_ids) - seen
+            new = out.num_output_tokens - seen
             if new > 0:
                 if seen == 0:
                     self.ttft.observe(now - arrival)
@@ -109,7 +109,7 @@ class ServingMetrics:
                     for _ in range(new):
                         self.itl.observe((now - last) / new)
                 self.generation_tokens.inc(new)
-                state[1], state[2] = now, len(out.token_ids)
+                state[1], state[2] = now, out.num_output_tokens
             if out.finished:
                 del self._live[out.request_id]
                 self.requests.labels(finish_reason=out.finish_reason or "unknown").inc()

@@ -77,7 +77,7 @@ def sse(payload: BaseModel) -> str:
 def usage_of(reqs: EngineRequests, outputs: list) -> Usage:
     """Usage over all choices; cached tokens are those of each prompt's first choice."""
     prompt_tokens = sum(reqs.prompt_lens)
-    completion_tokens = sum(len(o.token_ids) for o in outputs if o is not None)
+    completion_tokens = sum(o.num_output_tokens for o in outputs if o is not None)
     cached = sum(outputs[p * reqs.n].num_cached_tokens for p in range(len(reqs.prompt_lens))
                  if outputs[p * reqs.n] is not None)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -114,7 +114,7 @@ class DeltaTracker:
         delta = visible[len(sent):] if visible.startswith(sent) else ""
         start = self.tokens[index]
         self.text[index] = sent + delta
-        self.tokens[index] = len(out.token_ids)
+        self.tokens[index] = out.num_output_tokens
         return delta, start
 
 
@@ -127,22 +127,22 @@ def token_strings(tokenizer, token_ids: list[int]) -> list[str]:
 
 def completion_logprobs(tokenizer, out, start: int = 0, offset: int = 0) -> CompletionLogprobs | None:
     """Legacy-completions logprobs of tokens[start:]; only the sampled token's logprob is known."""
-    if out.logprobs is None:
+    if not out.has_logprobs:
         return None
-    tokens = token_strings(tokenizer, out.token_ids[start:])
+    tokens = token_strings(tokenizer, out.tokens_since(start))
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=list(out.logprobs[start:len(out.token_ids)]),
+    return CompletionLogprobs(tokens=tokens, token_logprobs=out.logprobs_since(start),
                               top_logprobs=None, text_offset=offsets)
 
 
 def chat_logprobs(tokenizer, out, start: int = 0) -> ChatLogprobs | None:
     """Chat logprobs of tokens[start:]; top_logprobs stay empty (the engine reports the sampled one)."""
-    if out.logprobs is None:
+    if not out.has_logprobs:
         return None
-    tokens = token_strings(tokenizer, out.token_ids[start:])
-    values = out.logprobs[start:len(out.token_ids)]
+    tokens = token_strings(tokenizer, out.tokens_since(start))
+    values = out.logprobs_since(start)
     return ChatLogprobs(content=[ChatTokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
                                  for t, lp in zip(tokens, values)])

@@ -209,3 +209,23 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(ckpt):
         ref = [reference_logits(p[:i]).log_softmax(-1)[p[i]].item() for i in range(1, len(p))]
         torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), torch.tensor(ref))
         assert out.token_ids == greedy_reference(p, 30)
+
+
+def test_step_outputs_are_snapshots_that_cost_no_copy(ckpt):
+    """Each step's RequestOutput keeps the tokens and logprobs of that step (later steps do not
+    change it) and is built without copying them: its lists are read on access, from the request's
+    own append-only lists."""
+    llm = make_llm(ckpt)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    engine.add_request("a", [3, 4, 5], params)
+    snaps = []
+    while engine.has_unfinished_requests():
+        snaps += [o for o in engine.step() if o.request_id == "a"]
+    final = snaps[-1]
+    assert final.finished and len(final.token_ids) == 6 == final.num_output_tokens
+    for k, o in enumerate(snaps):  # one token per step: the k-th snapshot holds k + 1 tokens
+        assert o.token_ids == final.token_ids[: k + 1] and o.num_output_tokens == k + 1
+        assert o.logprobs == final.logprobs[: k + 1] and o.has_logprobs
+        assert o.tokens_since(k) == [final.token_ids[k]] and o.logprobs_since(k) == [final.logprobs[k]]
+    assert all(o._tokens is snaps[0]._tokens for o in snaps), "a snapshot copied the token list"

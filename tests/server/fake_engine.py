@@ -27,6 +27,21 @@ class FakeOutput:
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None
 
+    # RequestOutput's copy-free accessors.
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def has_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def tokens_since(self, start: int) -> list[int]:
+        return self.token_ids[start:]
+
+    def logprobs_since(self, start: int) -> list[float] | None:
+        return None if self.logprobs is None else self.logprobs[start:]
+
 
 class ByteTokenizer:
     vocab_size = 256
