@@ -18,10 +18,9 @@ seen * head dim * heads), and the Triton result's error relative to the referenc
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections.abc import Callable
 
 import torch
+from bench_prefill_ops import time_ms  # this folder is on the path when the script runs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replayssm.ops.attention import paged_attention_ref
@@ -29,21 +28,6 @@ from replayssm.ops.triton.attention import paged_prefill_attention_triton, prefi
 
 HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
 CASES = ((1040, 17984), (1040, 1040), (8192, 8192), (8192, 16384))  # (queries, context incl. them)
-
-
-def time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median ms of one call over `iters` calls after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def case(q_len: int, ctx: int, seed: int = 0) -> tuple[torch.Tensor, ...]:

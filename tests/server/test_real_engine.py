@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import httpx
-import openai
 import pytest
 import torch
 from server_helpers import BAD_REQUESTS, random_prompts, wait_idle
@@ -14,6 +13,8 @@ from server_load import DROP_EVERY, MAX_TOKENS, check_load_results, finish_count
 
 from replayssm import LLM, SamplingParams
 from replayssm.server.launch import BackgroundServer
+
+openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine
 
 NUM_LOAD_REQUESTS = 200
 NUM_DISTINCT_PROMPTS = 40
