@@ -84,6 +84,8 @@ def main() -> None:
     check_prefill("cpu", torch.float32, heads=8, kv_heads=2, D=20, block_size=16, q_lens=(33, 17),
                   ctx_lens=(33, 60))
     check_prefill("cpu", torch.float16, heads=2, kv_heads=2, q_lens=(48,), ctx_lens=(80,))
+    # A block size that is not a power of two (the engine allows any).
+    check_prefill("cpu", torch.float32, block_size=12, q_lens=(30, 1), ctx_lens=(41, 13))
 
 
 if __name__ == "__main__":

@@ -222,15 +222,13 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                                    ) -> torch.Tensor:
     """Same contract as `ops.attention.paged_attention`, any q_len (prefill chunks, mixed batches).
 
-    Layouts as `paged_attention_triton`; the block size must be a power of two. `tiles` overrides
+    Layouts as `paged_attention_triton` (the block size is compiled in). `tiles` overrides
     `prefill_tiles` (benchmarks). No host sync: the per-row tile counts are a device prefix sum and
     the grid is the bound min(n * cdiv(max_query_len, BLOCK_M), cdiv(T, BLOCK_M) + n).
     """
     T, heads, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     n = block_tables.shape[0]
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache need unit stride in head_dim")
     out = torch.empty_like(q)
