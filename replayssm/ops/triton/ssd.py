@@ -110,7 +110,7 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
             **(blocks | dict(BLOCK_P=st_p, BLOCK_K=st_k)),
         )
     if n:
-        pass_p = max(16, min(config.pass_block_p, triton.next_power_of_2(sh.P)))
+        pass_p = _tile(config.pass_block_p, 32, triton.next_power_of_2(sh.P))
         pass_n = _tile(config.pass_block_n, sh.block_n, sh.block_n)
         sd = tl_dtype(state.dtype)
         kern.chunk_pass_kernel[(n, sh.H, triton.cdiv(sh.P, pass_p) * triton.cdiv(sh.N, pass_n))](
