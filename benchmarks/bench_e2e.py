@@ -94,6 +94,7 @@ class Workload:
     kv_block_size: int = 16
     window: int = 16
     cuda_graphs: bool = False
+    async_scheduling: bool | None = None  # the engine's default (on with CUDA) unless set
     # One untimed warm-up run per (mode, setting, batch) before the timed ones (see warmup_sizes).
     warmup: bool = True
 
@@ -258,7 +259,7 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     each group; the kwargs come from w, the fn runs the sizes it is given (w, or warmup_sizes(w))."""
     base = dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype="float32",
                 kv_block_size=w.kv_block_size, max_num_batched_tokens=w.max_num_batched_tokens,
-                load_format="dummy", cuda_graphs=w.cuda_graphs)
+                load_format="dummy", cuda_graphs=w.cuda_graphs, async_scheduling=w.async_scheduling)
     runs = []
     for s in ORDER:
         kw = dict(base, replayssm=s == "on", max_num_seqs=w.decode_batch,
@@ -311,6 +312,7 @@ def _run_engine(engine_cls, config, workload, rng: random.Random, sizes: Workloa
     graphs = getattr(engine.runner, "graphs", None)
     out = {"build_s": build_s, "wall": wall, "trace": trace, "metrics": engine.get_metrics(),
            "graph_replays": graphs.num_replays if graphs is not None else 0,
+           "async_scheduling": engine.async_scheduling,
            "graph_error": graphs.error if graphs is not None else None}
     del engine, graphs
     gc.collect()
@@ -359,6 +361,8 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
                    # Graphs asked for, replays done, and why they were turned off (eager fallback).
                    "cuda_graphs": bool(kw["cuda_graphs"]), "graph_replays": run["graph_replays"],
                    "graph_error": run["graph_error"],
+                   # Steps launched ahead of the previous step's read-back (LLMEngine.step).
+                   "async_scheduling": run["async_scheduling"], "ahead_steps": m.get("num_ahead_steps", 0),
                    **summarize(run["trace"], m, run["wall"],
                                ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
                                k=kw.get("num_speculative_tokens", 0))}

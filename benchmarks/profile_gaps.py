@@ -119,7 +119,8 @@ def cprofile_top(prof, steps: int, n: int = 30) -> list[str]:
             for (f, line, fn), (_, nc, tt, ct, _) in rows]
 
 
-def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[str, Any]:
+def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_scheduling: bool | None = None
+                ) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -133,7 +134,7 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[s
     kw = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", replay_window=16,
               state_dtype="float32", kv_block_size=16, max_num_batched_tokens=8192, load_format="dummy",
               cuda_graphs=cuda, replayssm=replayssm, max_num_seqs=args.batch,
-              max_model_len=args.prompt + total + 1)
+              max_model_len=args.prompt + total + 1, async_scheduling=async_scheduling)
     engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
     rng = random.Random(f"gaps-{replayssm}")
     params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
@@ -141,7 +142,7 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[s
         engine.add_request(f"r{i}", [rng.randrange(3, cfg["vocab_size"]) for _ in range(args.prompt)], params)
     gc.collect()
     gc.freeze()
-    out: dict[str, Any] = {"replayssm": replayssm, "points": []}
+    out: dict[str, Any] = {"replayssm": replayssm, "async_scheduling": engine.async_scheduling, "points": []}
     done = 0
     for ctx in contexts:
         while done < ctx - args.prompt:  # the first step prefills; decode steps then add one token each
@@ -184,7 +185,8 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[s
                 log(f"  cprofile {row}")
         out["points"].append(point)
         got = {k: point.get(f"{k}_ms_per_step", 0.0) for k in ("profiled_wall", "gpu_busy", "gpu_idle")}
-        log(f"replayssm={replayssm} context~{point['context']}: wall {wall:.2f} ms/step; profiled "
+        log(f"replayssm={replayssm} async={engine.async_scheduling} context~{point['context']}: "
+            f"wall {wall:.2f} ms/step; profiled "
             f"{got['profiled_wall']:.2f}, GPU busy {got['gpu_busy']:.2f}, idle {got['gpu_idle']:.2f}")
     del engine
     gc.unfreeze()
@@ -192,6 +194,10 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log) -> dict[s
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def setting_name(s: dict) -> str:
+    return ("on" if s["replayssm"] else "off") + (", async" if s.get("async_scheduling") else "")
 
 
 def render(doc: dict) -> str:
@@ -202,7 +208,7 @@ def render(doc: dict) -> str:
              "| setting | context | wall ms/step | profiled ms/step | GPU busy | GPU idle "
              "| idle by host phase (ms/step) | device by group (ms/step) |", "|---" * 8 + "|"]
     for s in doc["settings"]:
-        name = "on" if s["replayssm"] else "off"
+        name = setting_name(s)
         for p in s["points"]:
             head = f"| {name} | {p['context']} | {p['wall_ms_per_step']:.2f} | "
             if "error" in p:
@@ -218,7 +224,7 @@ def render(doc: dict) -> str:
         p = s["points"][-1]
         if "host_phase_ms_per_step_inclusive" in p:
             hp = ", ".join(f"{k} {v:.2f}" for k, v in p["host_phase_ms_per_step_inclusive"].items())
-            lines.append(f"- {'on' if s['replayssm'] else 'off'}: {hp}")
+            lines.append(f"- {setting_name(s)}: {hp}")
     return "\n".join(lines) + "\n"
 
 
@@ -232,6 +238,9 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true",
                     help="after each point, one more window under cProfile (own-time top 30 into the JSON)")
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (a check of the script)")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
+                    help="engine async scheduling: auto (on with CUDA), on, off, or both (each setting "
+                    "twice)")
     args = ap.parse_args()
     import torch
 
@@ -243,8 +252,10 @@ def main() -> None:
     settings = []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(cfg))
-        for on in (False, True):
-            settings.append(run_setting(cfg, model_dir, args, on, print))
+        modes = dict(auto=[None], on=[True], off=[False], both=[False, True])[args.async_scheduling]
+        for a in modes:
+            for on in (False, True):
+                settings.append(run_setting(cfg, model_dir, args, on, print, a))
     from report_e2e import run_meta
 
     meta = run_meta(["python3", "benchmarks/profile_gaps.py", *sys.argv[1:]])

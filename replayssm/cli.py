@@ -34,7 +34,7 @@ _SIZE_UNITS = {
 ENGINE_FLAGS = {
     EngineConfig: (
         "device", "dtype", "replayssm", "replay_window", "tokenizer", "load_format", "cuda_graphs",
-        "tensor_parallel_size", "host_threads",
+        "tensor_parallel_size", "host_threads", "async_scheduling",
     ),
     CacheConfig: (
         "memory_budget",
@@ -69,7 +69,8 @@ def parse_size(text: str) -> int:
 def _add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
     flag = "--" + f.name.replace("_", "-")
     help_text = f.metadata.get("help", "")
-    if f.type in ("bool", bool):
+    if f.type in ("bool", bool, "bool | None"):
+        # bool | None: not given -> None (the field's automatic choice).
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         return
     if f.name == "memory_budget":
@@ -222,7 +223,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="keep the other modes' rows of an existing e2e.json (split one benchmark over "
                         "several commands)")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="replay decode/verify steps as CUDA graphs (not yet verified on a GPU)")
+                        help="replay decode/verify steps as CUDA graphs")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="run every engine with async scheduling off (default: the engine's, on with "
+                        "CUDA except speculative decoding)")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the modes: profile mode (a)'s decode step, OFF and ON (time per "
                         "layer part, SSM bytes against bandwidth) into e2e-profile.{json,md}")
@@ -249,6 +253,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("the full benchmark needs a CUDA GPU; use --quick for the CPU smoke run")
     if args.cuda_graphs:
         workload = dataclasses.replace(workload, cuda_graphs=True)
+    if args.no_async_scheduling:
+        workload = dataclasses.replace(workload, async_scheduling=False)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     out = args.out or str(report.ROOT / "benchmarks" / "results")
     command = ["replayssm", *args.argv]

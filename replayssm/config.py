@@ -158,6 +158,11 @@ class EngineConfig:
         "doubled the H200 host loop once block tables outgrew its parallel grain; 0 leaves PyTorch's "
         "setting (CPU engines always do: their model runs on those threads)"
     )
+    async_scheduling: bool | None = _doc(
+        None, "launch each decode step before the previous step's tokens are read back, so the host's "
+        "per-step work (stop checks, outputs) overlaps the GPU; a request that stops computes one extra "
+        "row, dropped. None = on for CUDA engines; off with speculative decoding or tensor_parallel_size > 1"
+    )
     tensor_parallel_size: int = _doc(
         1, "GPUs (CPU processes with device cpu) that split every layer's heads and weights; "
         "N > 1 spawns N - 1 worker processes, or runs under torchrun with N processes"
@@ -181,6 +186,9 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("host_threads", self.host_threads, 0)
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
+            raise ValueError(f"async_scheduling must be True, False or None (auto), "
+                             f"got {self.async_scheduling!r}")
         if self.tensor_parallel_size > 1 and self.cuda_graphs:
             raise ValueError("cuda_graphs=True does not support tensor_parallel_size > 1 yet "
                              "(graphs with NCCL collectives are untested)")

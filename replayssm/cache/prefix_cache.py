@@ -153,6 +153,11 @@ class PrefixCache:
             out.append(mine)
         return out
 
+    def discard(self, planned: list[PlannedCheckpoint]) -> None:
+        """Give back the checkpoint slots planned for a row whose results are dropped."""
+        for p in planned:
+            self.slot_pool.discard(p.slot)
+
     def finish(self, request: Request, c0: int, num_accepted: int, planned: list[PlannedCheckpoint]) -> None:
         """After the step's tokens are appended to ``request`` (and before anything is released):
         publish the checkpoints it reached, discard the rest, hash its newly full KV blocks."""

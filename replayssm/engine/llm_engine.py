@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +18,54 @@ from replayssm.engine.runner_setup import RunnerSetup, build_runner
 from replayssm.engine.scheduler import ScheduledChunk, Scheduler
 from replayssm.ops.sampling import SamplingTensors, sample
 from replayssm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Launched:
+    """One engine step queued on the device whose results the engine has not applied yet."""
+
+    chunks: list[ScheduledChunk]
+    rows: list[ScheduledRow]
+    drafts: list[Any]
+    plans: list[Any] | None  # prefix-cache checkpoints planned per row
+    logits: torch.Tensor | None  # kept only when a row records prompt logprobs
+    offsets: list[int]  # each row's first logit
+    sampled: list[int]  # rows that sample one token (in `tokens` order)
+    verified: list[int]  # verify rows
+    tokens: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    emitted: dict[int, tuple[list[int], list[float] | None]] = field(default_factory=dict)
+    num_accepted: list[int] = field(default_factory=list)
+    live: list[int] = field(default_factory=list)  # each row's live slot after the commit
+    _host: list[torch.Tensor | None] | None = None
+    _ready: Any = None  # CUDA event after the copies to `_host`
+
+    def read_back(self) -> None:
+        """Queue the sampled tokens' (and logprobs') copy to pinned host memory; no wait.
+
+        A later `results()` waits for this copy only, not for work queued after it (a step
+        launched ahead), which a plain `.tolist()` would.
+        """
+        if self.tokens is None or self.tokens.device.type != "cuda":
+            return
+        self._host = []
+        for t in (self.tokens, self.logprobs):
+            if t is not None:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t = h
+            self._host.append(t)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def results(self) -> tuple[list[int], list[float] | None]:
+        """The sampled tokens and logprobs as lists (waits for `read_back`'s copy)."""
+        tokens, logprobs = self.tokens, self.logprobs
+        if self._host is not None:
+            self._ready.synchronize()
+            tokens, logprobs = self._host
+        return (tokens.tolist() if tokens is not None else [],
+                logprobs.tolist() if logprobs is not None else None)
 
 
 class LLMEngine:
@@ -62,6 +111,14 @@ class LLMEngine:
         self._pending_aborts: list[str] = []
         self._seed_rng = random.Random(config.seed)
         self._arrivals = 0
+        # Async scheduling (see `step`): the default on CUDA; it needs a runner that feeds tokens
+        # on the device (not the tensor-parallel wrapper) and no speculative decoding.
+        wanted = config.async_scheduling
+        if wanted is None:
+            wanted = getattr(self.runner, "device", torch.device("cpu")).type == "cuda"
+        self.async_scheduling = bool(wanted) and getattr(type(self.runner), "feeds_tokens", False) \
+            and self.spec is None
+        self._ahead: _Launched | None = None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -116,22 +173,46 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return outputs of requests that got a token or finished."""
+        """Run one engine step; return outputs of requests that got a token or finished.
+
+        With async scheduling, a step whose successor is predictable (every running request
+        decodes one token, nothing waits, no drafts) launches that successor before reading its
+        own tokens back: the next forward takes its input tokens from this step's samples on the
+        device, and this step's host work (stop checks, outputs, prefix publication) runs while the
+        GPU computes. The successor is completed by the next call. A request that stops here has
+        computed one extra row there, which is dropped.
+        """
         outputs = [
             self._finish(self._requests[rid], "abort")
             for rid in dict.fromkeys(self._pending_aborts)
             if rid in self._requests
         ]
         self._pending_aborts.clear()
-        sched = self.scheduler.schedule()
-        self.metrics.num_preemptions += len(sched.preempted)
-        if not sched.chunks:
-            return outputs
+        launched, self._ahead = self._ahead, None
+        if launched is None:
+            sched = self.scheduler.schedule()
+            self.metrics.num_preemptions += len(sched.preempted)
+            if not sched.chunks:
+                return outputs
+            if sched.copies:
+                self.runner.copy_slots([s for s, _ in sched.copies], [d for _, d in sched.copies])
+                self.scheduler.copies_done(sched)
+            launched = self._launch(sched.chunks)
+        if self.async_scheduling:
+            self._ahead = self._launch_ahead(launched)
+        outputs += self._complete(launched)
+        if self._ahead is not None and all(c.request.finished for c in self._ahead.chunks):
+            # Every row's request stopped in `launched`: nothing to wait for (it computed nothing kept).
+            self._complete(self._ahead)
+            self._ahead = None
+        return outputs
+
+    def _launch(self, chunks: list[ScheduledChunk], feed: tuple[torch.Tensor, list[int]] | None = None
+                ) -> _Launched:
+        """Queue one step on the device: forward, sampling, verify, commit. Reads nothing back except
+        for verify rows (their acceptance decides the commit). feed: (device tokens, index per row),
+        the rows' input tokens (one per row) taken on the device from an earlier step's samples."""
         self.metrics.num_steps += 1
-        chunks = sched.chunks
-        if sched.copies:
-            self.runner.copy_slots([s for s, _ in sched.copies], [d for _, d in sched.copies])
-            self.scheduler.copies_done(sched)
         drafts = [None] * len(chunks)
         if self.spec is not None:
             drafts = self.spec.propose([c.request for c in chunks], [c.num_lookahead for c in chunks])
@@ -144,7 +225,7 @@ class LLMEngine:
             )
             for row, plan in zip(rows, plans):
                 row.checkpoints = [(p.offset, p.slot) for p in plan] or None
-        logits = self.runner.execute(rows)
+        logits = self.runner.execute(rows) if feed is None else self.runner.execute(rows, feed=feed)
         offsets, sample_rows, sampled = [], [], []
         offset = 0
         for i, (chunk, row, d) in enumerate(zip(chunks, rows, drafts)):
@@ -155,33 +236,81 @@ class LLMEngine:
             offset += row.num_logits
         assert logits.shape[0] == offset, (logits.shape, offset)
         verified = [i for i, d in enumerate(drafts) if d is not None]
-        verified_set = set(verified)  # membership per row: a list made that O(rows^2) (~0.5 ms at 256)
-        tokens = logprobs = None
+        # Logits are kept for prompt logprobs only (a step's logits are ~0.5 GB at 256 x 128k vocab).
+        keep = any(c.request.wants_prompt_logprobs() for c in chunks)
+        step = _Launched(chunks, rows, drafts, plans, logits if keep else None, offsets, sampled, verified)
         if sampled:
             # A device index (pinned, asynchronous): a Python list index would copy and sync.
             rows_idx = to_device(sample_rows, torch.int64, logits.device)
-            tokens, logprobs = self._sample(logits[rows_idx], [chunks[i] for i in sampled])
-        emitted: dict[int, tuple[list[int], list[float] | None]] = {}
+            step.tokens, step.logprobs = self._sample(logits[rows_idx], [chunks[i] for i in sampled])
         if verified:
             out, lps = self.spec.verify(logits, [offsets[i] for i in verified],
                                         [chunks[i].request for i in verified], [drafts[i] for i in verified])
-            emitted = {i: (out[j], lps[j] if lps is not None else None) for j, i in enumerate(verified)}
-        num_accepted = [len(emitted[i][0]) if i in emitted else 1 for i in range(len(rows))]
+            step.emitted = {i: (out[j], lps[j] if lps is not None else None) for j, i in enumerate(verified)}
+        step.num_accepted = [len(step.emitted[i][0]) if i in step.emitted else 1 for i in range(len(rows))]
         # Queue the commit before reading tokens back, so it overlaps the device-to-host copy.
-        live = self.runner.commit(rows, num_accepted) or [row.slot for row in rows]
-        tokens_list = tokens.tolist() if tokens is not None else []  # the step's one sync
-        logprobs_list = logprobs.tolist() if logprobs is not None else None
-        for j, i in enumerate(sampled):
+        step.live = self.runner.commit(rows, step.num_accepted) or [row.slot for row in rows]
+        step.read_back()
+        return step
+
+    def _launch_ahead(self, prev: _Launched) -> _Launched | None:
+        """Launch the step after `prev` before prev's tokens are read (see `step`), or None when that
+        step is not known yet: drafts, prompt logprobs, waiting or unscheduled requests, a row that
+        does not sample, no KV room, or a runner that cannot feed tokens on the device."""
+        if (self.spec is not None or prev.verified or self.scheduler.waiting or self._pending_aborts
+                or len(prev.sampled) != len(prev.chunks)):
+            return None
+        alive = [(j, c) for j, c in enumerate(prev.chunks) if not c.request.finished]
+        if len(alive) != len(self.scheduler.running) or len(alive) > self.scheduler.max_num_batched_tokens:
+            return None
+        bs = self.scheduler.kv_block_size
+        chunks, feed, need = [], [], []
+        for j, c in alive:
+            r, p = c.request, c.start + c.num_tokens  # p: position of the token prev samples
+            if r.wants_prompt_logprobs():
+                return None
+            # After prev, r holds p + 1 tokens; it stops for length there, whatever the token.
+            if p + 1 - r.num_prompt_tokens >= r.params.max_tokens or p + 1 >= self.max_model_len:
+                continue
+            chunks.append(ScheduledChunk(r, p, 1, fed=True))
+            feed.append(j)
+            need.append(max(0, -(-(p + 1) // bs) - len(r.block_table)))
+        if not chunks or not self.scheduler.block_pool.can_allocate(sum(need)):
+            return None
+        for c, n in zip(chunks, need):
+            if n:
+                c.request.block_table.extend(self.scheduler.block_pool.allocate(n))
+        self.metrics.num_ahead_steps += 1
+        return self._launch(chunks, feed=(prev.tokens, feed))
+
+    def _complete(self, step: _Launched) -> list[RequestOutput]:
+        """Read a launched step's tokens back and apply them: append, detokenize, stop checks,
+        prefix publication, outputs. Rows of requests finished since the launch are dropped."""
+        chunks, rows, drafts, plans = step.chunks, step.rows, step.drafts, step.plans
+        tokens_list, logprobs_list = step.results()  # the step's one wait
+        emitted = step.emitted
+        for j, i in enumerate(step.sampled):
             emitted[i] = ([tokens_list[j]], [logprobs_list[j]] if logprobs_list is not None else None)
-        for chunk, row, off, slot, d in zip(chunks, rows, offsets, live, drafts):
-            if row.num_logits and d is None and chunk.request.wants_prompt_logprobs():
-                self._record_prompt_logprobs(chunk, logits[off : off + row.num_logits])
+        verified_set = set(step.verified)  # membership per row: a list made that O(rows^2) (~0.5 ms at 256)
+        dropped = [i for i, c in enumerate(chunks) if c.request.finished]
+        if dropped:
+            self.metrics.num_ahead_rows_dropped += len(dropped)
+            for i in dropped:
+                emitted.pop(i, None)
+                if plans is not None:
+                    self.prefix_cache.discard(plans[i])
+        kept = [i for i, c in enumerate(chunks) if not c.request.finished]
+        for i in kept:
+            chunk, row, off, slot = chunks[i], rows[i], step.offsets[i], step.live[i]
+            if row.num_logits and drafts[i] is None and chunk.request.wants_prompt_logprobs():
+                self._record_prompt_logprobs(chunk, step.logits[off : off + row.num_logits])
             if chunk.request.slots and chunk.request.slots[0] != slot:
                 # Baseline verify: the state at the last accepted token lives in that spec slot.
                 chunk.request.slots.remove(slot)
                 chunk.request.slots.insert(0, slot)
-        for i, chunk in enumerate(chunks):
-            computed = num_accepted[i] if i in verified_set else chunk.num_tokens
+        for i in kept:
+            chunk = chunks[i]
+            computed = step.num_accepted[i] if i in verified_set else chunk.num_tokens
             chunk.request.num_computed_tokens += computed
             if chunk.num_tokens == 1 and chunk.start > 0:
                 self.metrics.num_decode_tokens_computed += len(rows[i].token_ids)
@@ -202,15 +331,16 @@ class LLMEngine:
                     r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens - 1)
                     break
             reasons[i] = reason
-        advanced = [c.request.num_computed_tokens - c.start for c in chunks]
+        advanced = {i: chunks[i].request.num_computed_tokens - chunks[i].start for i in kept}
         if plans is not None:
             # Publication happens before any block of this step is released.
-            for chunk, plan, n in zip(chunks, plans, advanced):
-                self.prefix_cache.finish(chunk.request, chunk.start, n, plan)
+            for i in kept:
+                self.prefix_cache.finish(chunks[i].request, chunks[i].start, advanced[i], plans[i])
         if self.spec is not None:
-            alive = [i for i in range(len(chunks)) if reasons.get(i) is None]
+            alive = [i for i in kept if reasons.get(i) is None]
             self.spec.observe([chunks[i].request for i in alive], alive, [chunks[i].start for i in alive],
                               [advanced[i] for i in alive])
+        outputs = []
         for i, reason in reasons.items():
             r = chunks[i].request
             out = self._finish(r, reason) if reason is not None else make_output(r)
@@ -247,7 +377,7 @@ class LLMEngine:
         else:
             num_logits = 1 if chunk.samples else 0
         return ScheduledRow(
-            token_ids=r.token_slice(chunk.start, chunk.start + chunk.num_tokens),
+            token_ids=[0] if chunk.fed else r.token_slice(chunk.start, chunk.start + chunk.num_tokens),
             start_pos=chunk.start,
             block_table=r.block_table,  # read during this step only: no copy
             slot=r.slots[0],
@@ -262,7 +392,7 @@ class LLMEngine:
             top_k=[r.params.top_k for r in reqs],
             top_p=[r.params.top_p for r in reqs],
             seeds=[r.seed for r in reqs],
-            positions=[r.num_tokens for r in reqs],
+            positions=[c.start + c.num_tokens for c in chunks],  # the sampled token's position
             vocab_size=logits.shape[-1],
             device=logits.device,
         )
@@ -292,6 +422,11 @@ class LLMEngine:
         if reason == "abort":
             self.metrics.num_requests_aborted += 1
         return make_output(r)
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's pool accounting, counting the checkpoints of a step in flight."""
+        plans = self._ahead.plans if self._ahead is not None else None
+        self.scheduler.check_integrity(lent_slots=sum(len(p) for p in plans) if plans else 0)
 
     def close(self) -> None:
         """Release the runner's resources (tensor-parallel workers drop their shard); idempotent."""

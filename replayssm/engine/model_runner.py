@@ -161,9 +161,17 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------
 
+    feeds_tokens = True  # execute(rows, feed=...) below (the engine's async scheduling checks it)
+
     @torch.no_grad()
-    def execute(self, rows: list[ScheduledRow]) -> torch.Tensor:
-        """Forward one engine step; returns fp32 logits (sum of num_logits, vocab), rows in order."""
+    def execute(self, rows: list[ScheduledRow], feed: tuple[torch.Tensor, list[int]] | None = None
+                ) -> torch.Tensor:
+        """Forward one engine step; returns fp32 logits (sum of num_logits, vocab), rows in order.
+
+        feed: (tokens, index) for a step of one-token decode rows whose input tokens are on the
+        device, e.g. the previous step's samples: row i's input is tokens[index[i]] (its
+        token_ids entry is a placeholder). Taken on the device, so nothing waits for them.
+        """
         if self._pending is not None:
             raise ValueError("commit() the previous step's rows before the next execute()")
         limits = self._limits  # one RowLimits per step, not per row
@@ -175,6 +183,12 @@ class ModelRunner:
         check_batch(views, limits)
         batch = build_inputs(views, block_size=self.kv_block_size, device=self.device,
                              baseline=not self.replayssm, tables=tables)
+        if feed is not None:
+            tokens, index = feed
+            if batch.prefill or len(index) != len(rows) or any(
+                    r.forced or len(r.token_ids) != 1 or r.index != i for i, r in enumerate(batch.decode)):
+                raise ValueError("feed needs one-token decode rows only, one index per row")
+            batch.input_ids.copy_(tokens.index_select(0, to_device(index, torch.int64, tokens.device)))
         if self.replayssm and batch.prefill:
             self._prepare_prefill_slots(batch.prefill)
         self._reset_cursors([d for v in views for _, d in v.checkpoints or ()])

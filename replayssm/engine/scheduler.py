@@ -20,11 +20,14 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     num_lookahead: int = 0  # KV room reserved past the chunk for speculative drafts (decode only)
+    # Launched ahead (LLMEngine.step): the one input token is the previous step's sample, not
+    # appended to the request yet; the runner takes it on the device.
+    fed: bool = False
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the request's last known token, so its logits sample the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.fed or self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -187,8 +190,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
-    def check_integrity(self) -> None:
-        """Assert that pool usage equals what running requests hold."""
+    def check_integrity(self, lent_slots: int = 0) -> None:
+        """Assert that pool usage equals what running requests hold (plus `lent_slots` checkpoint
+        slots planned for a step still in flight)."""
         self.block_pool.check_integrity()
         self.slot_pool.check_integrity()
         refs = [0] * self.block_pool.num_blocks
@@ -198,7 +202,7 @@ class Scheduler:
         assert refs == self.block_pool.ref_counts, "block references differ from the running tables"
         held_slots = sum(len(r.slots) for r in self.running)
         cached = getattr(self.slot_pool, "num_cached", 0)
-        assert held_slots == self.slot_pool.num_slots - self.slot_pool.num_free - cached
+        assert held_slots + lent_slots == self.slot_pool.num_slots - self.slot_pool.num_free - cached
         assert all(not r.block_table and not r.slots for r in self.waiting)
         for r in self.running:
             assert len(r.block_table) * self.kv_block_size >= r.num_computed_tokens

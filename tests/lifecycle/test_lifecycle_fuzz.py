@@ -50,7 +50,7 @@ def drive(llm: LLM, reqs, *, check: bool, at_once: bool = False) -> dict[str, li
             if out.finished:
                 done[out.request_id] = out.token_ids
         if check:
-            engine.scheduler.check_integrity()
+            engine.check_integrity()
         step += 1
     assert engine.scheduler.block_pool.num_used == 0 and not engine.scheduler.running
     return done
@@ -60,8 +60,8 @@ def drive(llm: LLM, reqs, *, check: bool, at_once: bool = False) -> dict[str, li
                          [(True, 300, False), (True, 200, True), (False, 150, False), (False, 150, True)])
 def test_fuzzed_lifecycles_match_a_plain_run(replayssm, num_requests, spec):
     """Hundreds of requests under tight memory with prefix caching (and k = 3 drafts with random
-    acceptance): tokens equal an unconstrained plain run, pool integrity holds after every step, and
-    preemptions, hits and evictions all happened."""
+    acceptance; without drafts, async scheduling): tokens equal an unconstrained plain run, pool
+    integrity holds after every step, and preemptions, hits and evictions all happened."""
     reqs = workload(5, num_requests)
     base = dict(device="cpu", kv_block_size=4, replay_window=4, replayssm=replayssm, max_model_len=48)
     plain = drive(LLM(small_checkpoint(), max_num_seqs=32, max_num_batched_tokens=1024, **base), reqs,
@@ -71,7 +71,7 @@ def test_fuzzed_lifecycles_match_a_plain_run(replayssm, num_requests, spec):
     # The baseline verify holds 1 + k slots per request.
     llm = LLM(small_checkpoint(), enable_prefix_caching=True, prefix_checkpoint_interval=4, num_kv_blocks=14,
               num_slots=12 if replayssm or not spec else 24, max_num_seqs=6, max_num_batched_tokens=14, **kw,
-              **base)
+              async_scheduling=not spec, **base)
     if spec:
         drafter = llm.engine.spec.proposer = OracleDrafter(plain, seed=6)
     tight = drive(llm, reqs, check=True)
@@ -81,4 +81,5 @@ def test_fuzzed_lifecycles_match_a_plain_run(replayssm, num_requests, spec):
         assert m["spec_draft_tokens"] > m["spec_accepted_tokens"] > 0
         assert len(set(drafter.accepted)) == 4  # every acceptance count 0..k happened
     assert m["num_preemptions"] > 0 and m["prefix_cache_hit_tokens"] > 0
+    assert (m["num_ahead_steps"] > 0) == (not spec)
     assert m["kv_block_evictions"] > 0 and m["prefix_checkpoint_evictions"] > 0
