@@ -1,6 +1,7 @@
 """Graph-replayed decode timeline, mode (a) shape: where the GPU waits for the host.
 
     python3 benchmarks/profile_gaps.py [--contexts 64,512,1000] [--steps 16] [--cprofile] [--out D] [--quick]
+        [--async-scheduling auto|on|off|both] [--spec-k K [--acceptance L]]
 
 `replayssm bench --profile` labels kernels by layer part, which needs eager steps; the bench itself
 replays CUDA graphs, and its steps are longer than the GPU work they hold. This script builds the
@@ -12,7 +13,9 @@ under torch.profiler with the engine's host phases labelled. From the trace:
     (innermost label), with gaps under 5 us counted apart as kernel boundaries;
   - device ms/step per kernel group (SSM, conv, GEMM, attention, other) and the top kernels.
 The profiled steps run slower than the plain ones (labels cost host time); the plain wall is the
-measurement, the profiled split says where the waits are. Writes e2e-gaps.{json,md}.
+measurement, the profiled split says where the waits are. Writes e2e-gaps.{json,md}
+(e2e-gaps-spec.{json,md} with --spec-k: verify steps of mode (b)'s synthetic drafter, K drafts
+with mean acceptance length L; a point's context is then the running requests' mean length).
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_e2e import NEMOTRON_H_8B, TINY  # noqa: E402
+from bench_e2e import ACCEPTANCE_LENGTH, NEMOTRON_H_8B, TINY  # noqa: E402
 from profile_e2e import _innermost, patched_labels  # noqa: E402
 
 HOST = ("host: step (loops, sync)", "host: schedule", "host: rows", "host: execute (checks, views)",
         "host: build inputs", "host: graph run (copies, replay)", "host: sample", "host: commit",
-        "host: append tokens", "host: make_output")
+        "host: append tokens", "host: make_output", "host: propose drafts", "host: verify")
 GROUPS = (("SSM", r"replay|ssu|_lean|_ring_term|_stream_kernel|_flush|_weights_kernel|fold"),
           ("conv", r"conv"), ("attention", r"paged|attention|attn"),
           ("GEMM", r"nvjet|gemm|cutlass|xmma|splitK"), ("norm", r"_norm_kernel"))
@@ -52,8 +55,16 @@ def host_labels(engine):
                (engine.runner, "commit", HOST[7]), (engine.output, "append_token", HOST[8])]
     if engine.runner.graphs is not None:
         methods.append((engine.runner.graphs, "run", HOST[5]))
+    if engine.spec is not None:
+        methods += [(engine.spec, "propose", HOST[10]), (engine.spec, "verify", HOST[11])]
     functions = [(model_runner, "build_inputs", HOST[4]), (llm_engine, "make_output", HOST[9])]
     return patched_labels(methods, functions)
+
+
+def mean_context(engine) -> float:
+    """Mean tokens of the running requests."""
+    running = engine.scheduler.running
+    return sum(r.num_tokens for r in running) / max(1, len(running))
 
 
 def group(kernel: str) -> str:
@@ -129,12 +140,16 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
     from replayssm.sampling_params import SamplingParams
 
     contexts = sorted(int(c) for c in args.contexts.split(","))
-    total = contexts[-1] + 2 * args.steps + 8
+    per_step = 1 + args.spec_k  # most tokens a step adds to a request
+    total = contexts[-1] + (3 * args.steps + 8) * per_step
     cuda = torch.cuda.is_available()
     kw = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", replay_window=16,
               state_dtype="float32", kv_block_size=16, max_num_batched_tokens=8192, load_format="dummy",
               cuda_graphs=cuda, replayssm=replayssm, max_num_seqs=args.batch,
-              max_model_len=args.prompt + total + 1, async_scheduling=async_scheduling)
+              max_model_len=args.prompt + total + per_step, async_scheduling=async_scheduling)
+    if args.spec_k:
+        kw.update(num_speculative_tokens=args.spec_k, speculative_method="synthetic",
+                  synthetic_acceptance_length=args.acceptance)
     engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
     rng = random.Random(f"gaps-{replayssm}")
     params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
@@ -143,11 +158,10 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
     gc.collect()
     gc.freeze()
     out: dict[str, Any] = {"replayssm": replayssm, "async_scheduling": engine.async_scheduling, "points": []}
-    done = 0
+
     for ctx in contexts:
-        while done < ctx - args.prompt:  # the first step prefills; decode steps then add one token each
+        while not engine.scheduler.running or mean_context(engine) < ctx:  # the first step prefills
             engine.step()
-            done += 1
         if cuda:
             torch.cuda.synchronize()
         t, c = time.perf_counter(), time.process_time()
@@ -163,7 +177,6 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
                 engine.step()
             if cuda:
                 torch.cuda.synchronize()
-        done += 2 * args.steps
         top = None
         if args.cprofile:
             prof_py = cProfile.Profile()
@@ -171,13 +184,12 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
             for _ in range(args.steps):
                 engine.step()
             prof_py.disable()
-            done += args.steps
             top = cprofile_top(prof_py, args.steps)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
             point = analyse(json.loads(Path(path).read_text()), args.steps)
-        point.update(context=args.prompt + done, wall_ms_per_step=wall, process_cpu_ms_per_step=cpu,
+        point.update(context=round(mean_context(engine)), wall_ms_per_step=wall, process_cpu_ms_per_step=cpu,
                      graph_replays=getattr(engine.runner.graphs, "num_replays", None))
         if top is not None:
             point["cprofile_top_ms_per_step"] = top
@@ -201,7 +213,9 @@ def setting_name(s: dict) -> str:
 
 
 def render(doc: dict) -> str:
-    lines = ["# Graph-replayed decode steps: GPU busy and where it waits", "",
+    title = (f"verify steps (k = {doc['spec_k']}, synthetic acceptance {doc['acceptance']})"
+             if doc.get("spec_k") else "decode steps")
+    lines = [f"# Graph-replayed {title}: GPU busy and where it waits", "",
              f"- commit `{doc['commit']}`, device {doc['device']}, command `{doc['command']}`",
              f"- batch {doc['batch']}, prompt {doc['prompt']}, {doc['steps']} steps per point; wall = plain "
              "steps, the rest from profiled steps (host labels add host time)", "",
@@ -238,6 +252,10 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true",
                     help="after each point, one more window under cProfile (own-time top 30 into the JSON)")
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (a check of the script)")
+    ap.add_argument("--spec-k", type=int, default=0,
+                    help="verify steps of K synthetic drafts instead of plain decode steps (mode (b))")
+    ap.add_argument("--acceptance", type=float, default=ACCEPTANCE_LENGTH,
+                    help=f"synthetic mean acceptance length with --spec-k (default: {ACCEPTANCE_LENGTH})")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
                     help="engine async scheduling: auto (on with CUDA), on, off, or both (each setting "
                     "twice)")
@@ -259,11 +277,13 @@ def main() -> None:
     from report_e2e import run_meta
 
     meta = run_meta(["python3", "benchmarks/profile_gaps.py", *sys.argv[1:]])
-    doc = {**meta, "batch": args.batch, "prompt": args.prompt, "steps": args.steps, "settings": settings}
+    doc = {**meta, "batch": args.batch, "prompt": args.prompt, "steps": args.steps, "spec_k": args.spec_k,
+           "acceptance": args.acceptance if args.spec_k else None, "settings": settings}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e-gaps.json").write_text(json.dumps(doc, indent=1))
-    (out / "e2e-gaps.md").write_text(render(doc))
+    stem = "e2e-gaps-spec" if args.spec_k else "e2e-gaps"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{stem}.md").write_text(render(doc))
     print(render(doc))
 
 
