@@ -15,6 +15,8 @@ Each public op validates its arguments and runs the Triton kernel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -147,7 +149,10 @@ def causal_conv1d_update_ref(
     conv_state: Tensor,
     state_indices: Tensor,
     activation: str | None = "silu",
-) -> Tensor:
+    *,
+    outs: Sequence[Tensor] | None = None,
+    inputs_out: Tensor | None = None,
+) -> Tensor | tuple[Tensor, ...]:
     """Reference of `causal_conv1d_update` (same signature), vectorized over rows and tokens."""
     b, q, D = x.shape
     K = weight.shape[1]
@@ -155,7 +160,14 @@ def causal_conv1d_update_ref(
     ext = _windows_then_new(x, conv_state, slots).reshape(b * (K - 1 + q), D)
     starts = (torch.arange(b, device=x.device) * (K - 1 + q))[:, None] + torch.arange(q, device=x.device)
     y = _conv_taps(ext, starts.reshape(-1), weight, bias, activation).view(b, q, D)
-    return torch.where((slots >= 0)[:, None, None], y, 0.0).to(x.dtype)
+    y = torch.where((slots >= 0)[:, None, None], y, 0.0).to(x.dtype)
+    if inputs_out is not None:
+        inputs_out.copy_(x)
+    if outs is None:
+        return y
+    for o, part in zip(outs, y.split([o.shape[2] for o in outs], dim=2)):
+        o.copy_(part)
+    return tuple(outs)
 
 
 def causal_conv1d_update(
@@ -165,16 +177,38 @@ def causal_conv1d_update(
     conv_state: Tensor,
     state_indices: Tensor,
     activation: str | None = "silu",
-) -> Tensor:
+    *,
+    outs: Sequence[Tensor] | None = None,
+    inputs_out: Tensor | None = None,
+) -> Tensor | tuple[Tensor, ...]:
     """Conv outputs of q new tokens per row from the committed window; the window is NOT changed.
 
-    x (b, q, D_conv); weight (D_conv, K); bias (D_conv,) or None; conv_state (S, D_conv, K-1);
-    state_indices (b,) int32, -1 = padding row (zero output). Returns y (b, q, D_conv) x.dtype.
+    x (b, q, D_conv), any strides (a column slice of a projection is read in place); weight
+    (D_conv, K); bias (D_conv,) or None; conv_state (S, D_conv, K-1); state_indices (b,) int32,
+    -1 = padding row (zero output). Returns y (b, q, D_conv) in x.dtype.
+    outs: up to three (b, q, D_i) tensors of x.dtype, last dim contiguous, sum D_i = D_conv: y's
+    channels are written into them in order (x | B | C of a Mamba layer, no split copies) and they
+    are returned instead. inputs_out: (b, q, D_conv) x.dtype, last dim contiguous, receives x.
     """
     _check_conv(x, 3, weight, bias, conv_state, activation)
     check_indices("state_indices", state_indices, (x.shape[0],), conv_state.shape[0], x.device)
+    b, q, D = x.shape
+    if outs is not None:
+        outs = tuple(outs)
+        if not 1 <= len(outs) <= 3:
+            raise ValueError(f"outs: expected 1 to 3 tensors, got {len(outs)}")
+        for i, o in enumerate(outs):
+            check_tensor(f"outs[{i}]", o, (b, q, None), (x.dtype,), x.device)
+            if o.stride(2) != 1:
+                raise ValueError(f"outs[{i}]: the last dimension must be contiguous")
+        if sum(o.shape[2] for o in outs) != D:
+            raise ValueError(f"outs: widths {[o.shape[2] for o in outs]} must add up to D_conv = {D}")
+    if inputs_out is not None:
+        check_tensor("inputs_out", inputs_out, (b, q, D), (x.dtype,), x.device)
+        if inputs_out.stride(2) != 1:
+            raise ValueError("inputs_out: the last dimension must be contiguous")
     fn = pick_impl("conv1d", "causal_conv1d_update", x, causal_conv1d_update_ref)
-    return fn(x, weight, bias, conv_state, state_indices, activation)
+    return fn(x, weight, bias, conv_state, state_indices, activation, outs=outs, inputs_out=inputs_out)
 
 
 def causal_conv1d_commit_ref(

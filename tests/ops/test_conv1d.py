@@ -284,6 +284,30 @@ def test_update_commit_bad_arguments_raise(name, bad):
             causal_conv1d_update(args["x"], w, bias, args["conv_state"], args["state_indices"])
 
 
+def test_update_split_outputs_and_parked_inputs():
+    """outs receive y's channels in order (x a strided column slice), inputs_out receives x, and
+    bad outs / inputs_out raise ValueError naming them."""
+    D, K, S, b, q = 24, 4, 9, 5, 3
+    weight, bias = _params(D, K, torch.float32)
+    pool = _pool(S, D, K, torch.float32)
+    slots = _slots(S, b, pad_rows=(1,))
+    x = torch.randn(b, q, D + 6)[:, :, 2:2 + D]
+    want = causal_conv1d_update(x.contiguous(), weight, bias, pool, slots)
+    outs = tuple(torch.full((b, q, n), float("nan")) for n in (12, 8, 4))
+    park = torch.full((b, q, D), float("nan"))
+    got = causal_conv1d_update(x, weight, bias, pool, slots, outs=outs, inputs_out=park)
+    assert all(g is o for g, o in zip(got, outs))
+    assert torch.equal(torch.cat(got, dim=2), want) and torch.equal(park, x)
+    for kw, match in ((dict(outs=(torch.zeros(b, q, 12), torch.zeros(b, q, 8))), "add up"),
+                      (dict(outs=(torch.zeros(b, q, 24, 2)[..., 0],)), "contiguous"),
+                      (dict(outs=(torch.zeros(b, q, 24, dtype=torch.bfloat16),)), "outs"),
+                      (dict(outs=()), "outs"),
+                      (dict(inputs_out=torch.zeros(b, q, D - 1)), "inputs_out"),
+                      (dict(inputs_out=torch.zeros(b, q, D, 2)[..., 0]), "inputs_out")):
+        with pytest.raises(ValueError, match=match):
+            causal_conv1d_update(x, weight, bias, pool, slots, **kw)
+
+
 @requires_cuda
 def test_cuda_matches_cpu_ref():
     """On CUDA the public ops (Triton when present) match the CPU references."""

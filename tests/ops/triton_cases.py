@@ -227,6 +227,17 @@ def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=Tru
         y = conv1d.causal_conv1d_update_triton(x, w, bb, c1, idx, activation)
         _close("conv y", y, causal_conv1d_update_ref(x, w, bb, cs, idx, activation), act)
         assert torch.equal(c1, cs), "update changed the window"
+    # x a column slice of a wider projection (strided rows), outputs split in three (boundaries inside
+    # a channel block), raw inputs parked in a strided view of a larger scratch; outputs NaN first.
+    xs = torch.randn(b, q, Dc + 24).to(act).to(device)[:, :, 8:8 + Dc]
+    widths = (Dc // 2, Dc // 4, Dc - Dc // 2 - Dc // 4)
+    outs = [torch.full((b, q, n), float("nan"), dtype=act, device=device) for n in widths]
+    park = torch.full((b + 2, q + 1, Dc), float("nan"), dtype=act, device=device)
+    got = conv1d.causal_conv1d_update_triton(xs, w, bb, cs, idx, "silu", outs=outs, inputs_out=park[:b, :q])
+    assert all(g is o for g, o in zip(got, outs))
+    _close("conv split", torch.cat(got, dim=2), causal_conv1d_update_ref(xs, w, bb, cs, idx, "silu"), act)
+    assert torch.equal(park[:b, :q], xs), "parked inputs differ"
+    assert park[b:].isnan().all() and park[:, q:].isnan().all(), "parked past the view"
     for moved in (False, True):
         acc = (torch.arange(b) % (q + 1)).to(torch.int32).to(device)
         dst = None

@@ -145,13 +145,17 @@ class Mamba2Mixer(nn.Module):
             dt_grid = dt.new_zeros(b * q, self.H)
             dt_grid[md.decode_token_index] = dt
             xbc, dt = grid, dt_grid
-        xbc = xbc.reshape(b, q, self.conv_dim)
+        xbc = xbc.reshape(b, q, self.conv_dim)  # a view: rows keep the projection's stride
         dt = dt.reshape(b, q, self.H).contiguous()
-        # The window is only advanced by the commit, from these raw inputs.
-        cache.conv_scratch[li][:b, :q].copy_(xbc)
-        xbc = causal_conv1d_update(xbc.contiguous(), weight, self.conv1d.bias, cache.conv[li],
-                                   md.decode_slots, activation="silu")
-        x, B, C = self._split(xbc, (b, q))
+        # One launch reads the projection in place, parks the raw inputs in the conv scratch (the
+        # commit advances the window from them) and writes x, B and C as separate dense tensors.
+        x = xbc.new_empty(b, q, self.H, self.P)
+        B = xbc.new_empty(b, q, self.G, self.N)
+        C = xbc.new_empty(b, q, self.G, self.N)
+        GN = self.G * self.N
+        outs = (x.view(b, q, self.I), B.view(b, q, GN), C.view(b, q, GN))
+        causal_conv1d_update(xbc, weight, self.conv1d.bias, cache.conv[li], md.decode_slots,
+                             activation="silu", outs=outs, inputs_out=cache.conv_scratch[li][:b, :q])
         if ctx.replayssm:
             y = replay_forward(x, dt, A, B, C, self.D, self.dt_bias, cache.state[li], cache.ring_x[li],
                                cache.ring_B[li], cache.ring_dt[li], cache.ring_start, cache.committed,

@@ -24,10 +24,11 @@ def _tap(win_ptr, x_ptr, k: tl.constexpr, K1: tl.constexpr, cm, wmask, sx_t):
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y_ptr, Dc,
-                        sx_b, sx_t, sy_b, sy_t, scs_s, scs_d,
+def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr, y2_ptr, save_ptr, Dc, D1, D2,
+                        sx_b, sx_t, s0_b, s0_t, s1_b, s1_t, s2_b, s2_t, ss_b, ss_t, scs_s, scs_d,
                         Q: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        SAVE: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Channels [0, D1) go to y0, [D1, D1 + D2) to y1, the rest to y2 (one output: D1 = Dc).
     pid_d = tl.program_id(0)
     i = tl.program_id(1)
     s = tl.load(idx_ptr + i)
@@ -37,7 +38,13 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y_ptr, Dc,
     wmask = cm & ((c * 0 + s) >= 0)
     win_ptr = cs_ptr + tl.maximum(s, 0).to(tl.int64) * scs_s + c * scs_d
     xrow = x_ptr + i * sx_b + c
+    m0 = cm & (c < D1)
+    m1 = cm & (c >= D1) & (c < D1 + D2)
+    m2 = cm & (c >= D1 + D2)
     for t in tl.static_range(Q):
+        if SAVE:  # park the raw inputs (the commit advances the window from them)
+            xv = tl.load(xrow + t * sx_t, mask=cm, other=0.0)
+            tl.store(save_ptr + i * ss_b + t * ss_t + c, xv.to(save_ptr.dtype.element_ty), mask=cm)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
@@ -47,30 +54,44 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y_ptr, Dc,
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         acc = tl.where(valid, acc, 0.0)
-        tl.store(y_ptr + i * sy_b + t * sy_t + c, acc.to(y_ptr.dtype.element_ty), mask=cm)
+        tl.store(y0_ptr + i * s0_b + t * s0_t + c, acc.to(y0_ptr.dtype.element_ty), mask=m0)
+        tl.store(y1_ptr + i * s1_b + t * s1_t + (c - D1), acc.to(y1_ptr.dtype.element_ty), mask=m1)
+        tl.store(y2_ptr + i * s2_b + t * s2_t + (c - D1 - D2), acc.to(y2_ptr.dtype.element_ty), mask=m2)
 
 
 def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 conv_state: torch.Tensor, state_indices: torch.Tensor,
-                                activation: str | None = "silu") -> torch.Tensor:
+                                activation: str | None = "silu", *, outs=None, inputs_out=None):
     """Conv outputs of q new tokens per row from the window (unchanged); API.md `causal_conv1d_update`.
 
-    x (b, q, D); weight (D, K); bias (D,) or None; conv_state (S, D, K-1); state_indices (b,)
-    int32, -1 = padding (zero output). Returns y (b, q, D) in x.dtype.
+    x (b, q, D), rows and tokens at any stride; weight (D, K); bias (D,) or None; conv_state
+    (S, D, K-1); state_indices (b,) int32, -1 = padding (zero output). Returns y (b, q, D) in
+    x.dtype, or writes its channels into `outs` (up to three (b, q, D_i) tensors, in order) and
+    returns them; inputs_out (b, q, D) receives x.
     """
     b, q, Dc = x.shape
     K = weight.shape[1]
-    assert x.stride(2) == 1 and conv_state.stride(2) == 1
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    assert conv_state.stride(2) == 1
     weight = weight.contiguous()
-    y = torch.empty_like(x)
+    ys = tuple(outs) if outs is not None else (torch.empty(b, q, Dc, dtype=x.dtype, device=x.device),)
+    assert 1 <= len(ys) <= 3 and all(y.stride(2) == 1 for y in ys)
     if b == 0:
-        return y
+        return ys if outs is not None else ys[0]
+    widths = [y.shape[2] for y in ys] + [0] * (3 - len(ys))
+    padded = ys + (ys[-1],) * (3 - len(ys))
+    save = inputs_out if inputs_out is not None else x
+    assert save.stride(2) == 1
+    strides = [v for y in padded for v in (y.stride(0), y.stride(1))]
     _conv_update_kernel[(triton.cdiv(Dc, BLOCK_D), b)](
-        x, weight, bias if bias is not None else weight, conv_state, state_indices, y, Dc,
-        x.stride(0), x.stride(1), y.stride(0), y.stride(1), conv_state.stride(0), conv_state.stride(1),
-        Q=q, K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_D=BLOCK_D, num_warps=4,
+        x, weight, bias if bias is not None else weight, conv_state, state_indices, *padded, save, Dc,
+        widths[0], widths[1], x.stride(0), x.stride(1), *strides, save.stride(0), save.stride(1),
+        conv_state.stride(0), conv_state.stride(1),
+        Q=q, K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", SAVE=inputs_out is not None,
+        BLOCK_D=BLOCK_D, num_warps=4,
     )
-    return y
+    return ys if outs is not None else ys[0]
 
 
 @triton.jit
