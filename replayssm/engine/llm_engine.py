@@ -176,11 +176,11 @@ class LLMEngine:
         """Run one engine step; return outputs of requests that got a token or finished.
 
         With async scheduling, a step whose successor is predictable (every running request
-        decodes one token, nothing waits, no drafts) launches that successor before reading its
-        own tokens back: the next forward takes its input tokens from this step's samples on the
-        device, and this step's host work (stop checks, outputs, prefix publication) runs while the
-        GPU computes. The successor is completed by the next call. A request that stops here has
-        computed one extra row there, which is dropped.
+        decodes one token, no waiting request could be admitted, no drafts) launches that
+        successor before reading its own tokens back: the next forward takes its input tokens
+        from this step's samples on the device, and this step's host work (stop checks, outputs,
+        prefix publication) runs while the GPU computes. The successor is completed by the next
+        call. A request that stops here has computed one extra row there, which is dropped.
         """
         outputs = [
             self._finish(self._requests[rid], "abort")
@@ -255,9 +255,11 @@ class LLMEngine:
 
     def _launch_ahead(self, prev: _Launched) -> _Launched | None:
         """Launch the step after `prev` before prev's tokens are read (see `step`), or None when that
-        step is not known yet: drafts, prompt logprobs, waiting or unscheduled requests, a row that
-        does not sample, no KV room, or a runner that cannot feed tokens on the device."""
-        if (self.spec is not None or prev.verified or self.scheduler.waiting or self._pending_aborts
+        step is not known yet: drafts, prompt logprobs, a waiting request that could be admitted,
+        unscheduled requests, a row that does not sample, no KV room. Requests waiting for a seat
+        (max_num_seqs running, or no free slot group) do not stop it: schedule() would not admit
+        them either, and once a request finishes the next step is scheduled normally."""
+        if (self.spec is not None or prev.verified or self.scheduler.could_admit() or self._pending_aborts
                 or len(prev.sampled) != len(prev.chunks)):
             return None
         alive = [(j, c) for j, c in enumerate(prev.chunks) if not c.request.finished]

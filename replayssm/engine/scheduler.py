@@ -175,6 +175,11 @@ class Scheduler:
             budget -= n
         return out
 
+    def could_admit(self) -> bool:
+        """Whether a waiting request may be admitted by the next `schedule()` (a seat and a slot
+        group are free); False guarantees it would not be."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.slot_pool.can_allocate()
+
     def copies_done(self, out: SchedulerOutput) -> None:
         """The runner copied every hit checkpoint of ``out``: unpin them (evictable again)."""
         for src, _ in out.copies:

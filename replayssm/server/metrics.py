@@ -42,6 +42,10 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                                             "Prefill tokens computed (recomputation included)"),
     "num_decode_tokens_computed": _counter("engine_decode_tokens_computed", "Decode tokens computed"),
     "num_requests_aborted": _counter("engine_requests_aborted", "Requests aborted"),
+    "num_ahead_steps": _counter("engine_ahead_steps",
+                                "Steps launched before the last one's tokens were read (async scheduling)"),
+    "num_ahead_rows_dropped": _counter("engine_ahead_rows_dropped",
+                                       "Rows of steps launched ahead whose request had finished"),
 }
 
 

@@ -114,6 +114,29 @@ def test_async_with_aborts_arrivals_and_prefix_hits():
     assert m["num_ahead_steps"] > 5 and m["prefix_cache_hit_tokens"] > 0
 
 
+def test_async_runs_ahead_while_requests_wait_for_a_seat():
+    """A full engine (max_num_seqs running, more waiting) keeps launching ahead; a waiting request is
+    admitted once a seat frees, and every output equals a synchronous run."""
+    ckpt = small_checkpoint()
+    reqs = [(p, SamplingParams(max_tokens=6 + 4 * (i % 3), ignore_eos=True, seed=i, temperature=0.5))
+            for i, p in enumerate(prompts(6))]
+    kw = dict(BASE, max_num_seqs=2)
+    sync = drive(LLM(ckpt, async_scheduling=False, **kw), reqs)
+    engine = LLM(ckpt, async_scheduling=True, **kw).engine
+    for i, r in enumerate(reqs):
+        engine.add_request(str(i), *r)
+    got, ahead_while_waiting = {}, 0
+    while engine.has_unfinished_requests():
+        waiting, before = len(engine.scheduler.waiting), engine.metrics.num_ahead_steps
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out
+        engine.check_integrity()
+        ahead_while_waiting += waiting > 0 and engine.metrics.num_ahead_steps > before
+    same(got, sync)
+    assert ahead_while_waiting > 5
+
+
 def test_async_default_and_when_it_is_off():
     """Auto is off on CPU (nothing to overlap), on when asked; speculative decoding turns it off;
     the config rejects a non-bool; the CLI flag leaves None (auto) unless given."""

@@ -32,8 +32,9 @@ def real(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     path = demo_checkpoint(cache_dir=str(tmp_path_factory.mktemp("demo")))
-    # 40 KV blocks of 16 tokens for 64 running requests: the load test runs into preemptions.
-    llm = LLM(path, device="cpu", max_model_len=128, max_num_seqs=64, num_kv_blocks=40)
+    # 40 KV blocks of 16 tokens for 64 running requests: the load test runs into preemptions. Async
+    # scheduling on (the CUDA default): streaming, client drops and aborts meet steps launched ahead.
+    llm = LLM(path, device="cpu", max_model_len=128, max_num_seqs=64, num_kv_blocks=40, async_scheduling=True)
     vocab = llm.engine.model_config.vocab_size
     distinct = random_prompts(NUM_DISTINCT_PROMPTS, vocab, seed=1)
     offline = [o.token_ids for o in llm.generate(distinct, GREEDY, use_tqdm=False)]
@@ -129,5 +130,7 @@ def test_load_with_drops_real_engine(real):
     aborted = engine_after["num_requests_aborted"] - engine_before["num_requests_aborted"]
     assert counts["abort"] == aborted == NUM_LOAD_REQUESTS // DROP_EVERY
     assert engine_after["num_preemptions"] > engine_before["num_preemptions"]  # recompute path exercised
+    assert engine_after["num_ahead_steps"] > engine_before["num_ahead_steps"]  # async steps too
     exposition = httpx.get(server.base_url + "/metrics").text
     assert f"replayssm_num_preemptions_total {float(engine_after['num_preemptions'])}" in exposition
+    assert f"replayssm_engine_ahead_steps_total {float(engine_after['num_ahead_steps'])}" in exposition
