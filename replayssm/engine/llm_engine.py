@@ -76,6 +76,14 @@ class LLMEngine:
     detokenize, check stops -> publish checkpoints + hash full KV blocks -> release finished
     requests. Sampling is keyed by (request seed, position), so outputs do not depend on
     batching, preemption or prefix hits.
+
+    Async scheduling (`step`) splits a step into `_launch` (schedule .. commit, all queued on the
+    device) and `_complete` (read back .. release) and queues step N+1's launch before step N's
+    completion. DESIGN.md section 3's order then holds on the device but not on the host: step
+    N's publication and releases run after step N+1 was queued. That is safe because the ahead
+    step holds only one-token decode rows (no checkpoint is read, no request admitted), the
+    checkpoint states of step N were written by step N's commit, queued first, and a block or slot
+    released after N+1 was queued is reused only by work queued after N+1.
     """
 
     def __init__(self, config: EngineConfig, runner_cls: Any = None) -> None:
