@@ -74,12 +74,15 @@ PHASES = [
     ("  publish_*", "replayssm.engine.decode_commit", "publish_conv_windows"),
     ("  publish_*", "replayssm.engine.decode_commit", "publish_states"),
     ("  cursor mirror + rest of commit", "", ""),
+    ("propose (drafts)", "replayssm.spec.decode", "SpecDecoder.propose"),
+    ("verify", "replayssm.spec.decode", "SpecDecoder.verify"),
+    ("  rejection_sample (op)", "replayssm.spec.decode", "rejection_sample"),
     ("append_token", "replayssm.engine.output", "OutputProcessor.append_token"),
     ("make_output", "replayssm.engine.llm_engine", "make_output"),
     ("step() itself (its loops, the rest)", "", ""),
 ]
-TOP = ("schedule", "_row", "execute", "_sample (lists + build + sample)", "commit", "append_token",
-       "make_output")
+TOP = ("schedule", "_row", "execute", "_sample (lists + build + sample)", "commit", "propose (drafts)",
+       "verify", "append_token", "make_output")
 # Host-to-device copies (each on CUDA: a tensor build, a pinned staging block, an async copy).
 COUNTED = [("host-to-device copies", f"replayssm.engine.{m}", "to_device")
            for m in ("model_runner", "batch_inputs", "llm_engine", "publish", "decode_commit")]
@@ -88,7 +91,8 @@ COUNTED += [("op checks", f"replayssm.ops.{m}", n)
             for m in ("conv1d", "replay", "ssu", "attention", "norm", "moe")
             for n in ("check_tensor", "check_indices", "check_int")]
 # Device work on a GPU (graph replay, Triton kernels): subtracted from the wall to get the host time.
-MODEL = ("  forward (model)", "  compute_logits (model)", "    its compute (ref)", "    their compute (ref)")
+MODEL = ("  forward (model)", "  compute_logits (model)", "    its compute (ref)", "    their compute (ref)",
+         "  rejection_sample (op)")
 
 
 class Timers:
@@ -151,18 +155,22 @@ def run(setting: str, args, model_dir: str, profile: bool) -> dict:
             timers.wrap(label, module, attr)
     for label, module, attr in COUNTED:
         timers.wrap(label, module, attr, timed=False)
+    per_step = 1 + args.spec_k  # most tokens a step adds to a request
+    spec = dict(num_speculative_tokens=args.spec_k, speculative_method="synthetic",
+                synthetic_acceptance_length=args.acceptance) if args.spec_k else {}
     try:
         config = EngineConfig.from_kwargs(model_dir, device="cpu", dtype="float32", replayssm=setting == "on",
                                           replay_window=16, state_dtype="float32",
                                           kv_block_size=args.kv_block_size,
                                           max_num_seqs=args.batch,
-                                          max_num_batched_tokens=args.batch * args.prompt,
-                                          max_model_len=args.prompt + args.warm + args.steps + 8,
-                                          load_format="dummy", seed=0)
+                                          max_num_batched_tokens=args.batch * max(args.prompt, per_step),
+                                          max_model_len=args.prompt + (args.warm + args.steps + 8) * per_step,
+                                          load_format="dummy", seed=0, **spec)
         engine = LLMEngine(config)
         rng = random.Random(0)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.warm + args.steps + 4,
-                                ignore_eos=True, seed=None)
+        params = SamplingParams(temperature=args.temperature,
+                                max_tokens=(args.warm + args.steps + 4) * per_step, ignore_eos=True,
+                                seed=None)
         for i in range(args.batch):
             engine.add_request(f"r{i}", [rng.randrange(3, TINY_8B["vocab_size"]) for _ in range(args.prompt)],
                                params)
@@ -241,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (as bench_e2e)")
     ap.add_argument("--settings", default="off,on")
+    ap.add_argument("--spec-k", type=int, default=0,
+                    help="verify steps with K synthetic drafts (mode (b)) instead of plain decode steps")
+    ap.add_argument("--acceptance", type=float, default=3.1151, help="synthetic mean acceptance length")
     ap.add_argument("--profile", default="", help="setting to run under cProfile too (off / on)")
     ap.add_argument("--profile-top", type=int, default=30)
     ap.add_argument("--repo", default=_REPO, help="checkout whose replayssm package is measured")

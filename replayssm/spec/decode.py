@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from replayssm.config import EngineConfig
-from replayssm.engine.batch_inputs import to_device
+from replayssm.engine.host_pack import HostPack
 from replayssm.engine.request import Request
 from replayssm.sampling_params import GREEDY_EPS
 from replayssm.spec.proposer import Drafts, Proposer
@@ -86,37 +86,43 @@ class SpecDecoder:
         drafts[i]. Returns the emitted tokens per row (accepted drafts + one) and, when any
         request wants logprobs, their logprobs under the raw target distribution."""
         b, V = len(requests), logits.shape[-1]
-        K = max(len(d.tokens) for d in drafts)
-        dev = logits.device
-
-        def up(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            # Pinned and asynchronous: a plain torch.tensor(..., device=cuda) waits for the forward.
-            return to_device(values, dtype, dev)
-
-        rows = up([[o + min(j, len(d.tokens)) for j in range(K + 1)] for o, d in zip(offsets, drafts)])
-        padded = logits[rows]  # (b, K+1, V); positions past a row's drafts repeat its last logit
-        tokens = up([d.tokens + [0] * (K - len(d.tokens)) for d in drafts])
-        num = up([len(d.tokens) for d in drafts])
+        lens = [len(d.tokens) for d in drafts]
+        K = max(lens)
+        p = [r.params for r in requests]
+        top_k = [V if x.top_k <= 0 else min(x.top_k, V) for x in p]
+        i64, f32 = torch.int64, torch.float32
+        # Every list goes up in one packed copy (pinned and asynchronous on CUDA: a plain
+        # torch.tensor(..., device=cuda) would wait for the forward).
+        pad = [(*d.tokens, *[0] * (K - n)) for d, n in zip(drafts, lens)]
+        forced = [-1 if d.forced_accepted is None else d.forced_accepted for d in drafts]
+        pack = HostPack()
+        parts = dict(
+            rows=pack.add([o + min(j, n) for o, n in zip(offsets, lens) for j in range(K + 1)], i64,
+                          (b, K + 1)),
+            tokens=pack.add([tok for row in pad for tok in row], i64, (b, K)),
+            num=pack.add(lens, i64),
+            temperature=pack.add([float(x.temperature) for x in p], f32),
+            top_k=pack.add(top_k, i64),
+            top_p=pack.add([float(x.top_p) for x in p], f32),
+            seeds=pack.add([((r.seed + (1 << 63)) % (1 << 64)) - (1 << 63) for r in requests], i64),
+            positions=pack.add([r.num_tokens for r in requests], i64),
+        )
+        if any(f >= 0 for f in forced):
+            parts["forced"] = pack.add(forced, i64)
+        sent = pack.send(logits.device)
+        up = {name: sent[i] for name, i in parts.items()}
+        padded = logits[up["rows"]]  # (b, K+1, V); positions past a row's drafts repeat its last logit
+        tokens = up["tokens"]
         probs = None
         if any(d.probs is not None for d in drafts):
-            probs = torch.zeros(b, K, V, device=dev)
+            probs = torch.zeros(b, K, V, device=logits.device)
             for i, d in enumerate(drafts):
                 n = len(d.tokens)
                 probs[i, :n] = d.probs if d.probs is not None else \
                     torch.nn.functional.one_hot(tokens[i, :n], V).float()
-        forced = None
-        if any(d.forced_accepted is not None for d in drafts):
-            forced = up([-1 if d.forced_accepted is None else d.forced_accepted for d in drafts])
-        p = [r.params for r in requests]
-        top_k = [V if x.top_k <= 0 else min(x.top_k, V) for x in p]
         out, acc = rejection_sample(
-            padded, tokens, num, probs,
-            up([float(x.temperature) for x in p], torch.float32),
-            up(top_k),
-            up([float(x.top_p) for x in p], torch.float32),
-            up([((r.seed + (1 << 63)) % (1 << 64)) - (1 << 63) for r in requests]),
-            up([r.num_tokens for r in requests]),
-            forced=forced,
+            padded, tokens, up["num"], probs, up["temperature"], up["top_k"], up["top_p"], up["seeds"],
+            up["positions"], forced=up.get("forced"),
             # Known here, so the sampler reads nothing back (and skips the softmax when all greedy).
             all_greedy=all(x.temperature < GREEDY_EPS for x in p),
             any_top_k=any(k < V for k in top_k),
