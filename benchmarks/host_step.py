@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tables", action="store_true", help="only the block-table microbenchmark")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
+    if args.spec_k and not 1.0 <= args.acceptance <= args.spec_k + 1:
+        ap.error(f"--acceptance must be in [1, spec_k + 1 = {args.spec_k + 1}], got {args.acceptance}")
     import torch
 
     torch.set_num_threads(1)

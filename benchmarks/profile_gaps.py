@@ -260,6 +260,8 @@ def main() -> None:
                     help="engine async scheduling: auto (on with CUDA), on, off, or both (each setting "
                     "twice)")
     args = ap.parse_args()
+    if args.spec_k and not 1.0 <= args.acceptance <= args.spec_k + 1:
+        ap.error(f"--acceptance must be in [1, spec_k + 1 = {args.spec_k + 1}], got {args.acceptance}")
     import torch
 
     cfg = dict(NEMOTRON_H_8B)

@@ -53,3 +53,36 @@ def test_profile_quick_writes_parts(tmp_path, capsys):
         assert s["eager_wall_ms_per_step"] > 0
     assert "| part | OFF ms/step |" in (tmp_path / "e2e-profile.md").read_text()
     assert "GPU busy" in capsys.readouterr().out
+
+
+def test_profile_gaps_quick_spec_and_async_settings(tmp_path):
+    """profile_gaps.py on the CPU: --async-scheduling both gives four settings (async on where asked),
+    --spec-k writes the verify-step files."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "profile_gaps.py"
+    run = lambda *a: subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path), *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    assert run("--async-scheduling", "both").returncode == 0
+    doc = json.loads((tmp_path / "e2e-gaps.json").read_text())
+    assert [(s["replayssm"], s["async_scheduling"]) for s in doc["settings"]] == \
+        [(False, False), (True, False), (False, True), (True, True)]
+    assert run("--spec-k", "3").returncode == 0
+    spec = json.loads((tmp_path / "e2e-gaps-spec.json").read_text())
+    assert spec["spec_k"] == 3 and len(spec["settings"]) == 2
+    assert "verify steps (k = 3" in (tmp_path / "e2e-gaps-spec.md").read_text()
+    bad = run("--spec-k", "2")  # the default acceptance 3.1151 is above k + 1
+    assert bad.returncode == 2 and "--acceptance must be in" in bad.stderr
+
+
+def test_host_step_spec_phases(tmp_path):
+    """host_step.py --spec-k times verify steps: the drafter and verify phases run every step."""
+    host_step = _load_benchmark("host_step")
+    out = tmp_path / "h.json"
+    assert host_step.main(["--batch", "8", "--steps", "3", "--warm", "3", "--spec-k", "3", "--settings", "on",
+                           "--json", str(out)]) == 0
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["calls_per_step"]["verify"] == 1 and res["calls_per_step"]["propose (drafts)"] == 1
+    assert res["phases"]["propose (drafts)"] > 0 and res["host_ms"] > 0
