@@ -79,6 +79,7 @@ PHASES = [
     ("  rejection_sample (op)", "replayssm.spec.decode", "rejection_sample"),
     ("append_token", "replayssm.engine.output", "OutputProcessor.append_token"),
     ("make_output", "replayssm.engine.llm_engine", "make_output"),
+    ("make_output", "replayssm.engine.engine_step", "make_output"),
     ("step() itself (its loops, the rest)", "", ""),
 ]
 TOP = ("schedule", "_row", "execute", "_sample (lists + build + sample)", "commit", "propose (drafts)",

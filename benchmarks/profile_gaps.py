@@ -48,7 +48,7 @@ SHORT_GAP_US = 5.0
 
 
 def host_labels(engine):
-    from replayssm.engine import llm_engine, model_runner
+    from replayssm.engine import engine_step, llm_engine, model_runner
 
     methods = [(engine, "step", HOST[0]), (engine.scheduler, "schedule", HOST[1]), (engine, "_row", HOST[2]),
                (engine.runner, "execute", HOST[3]), (engine, "_sample", HOST[6]),
@@ -57,7 +57,8 @@ def host_labels(engine):
         methods.append((engine.runner.graphs, "run", HOST[5]))
     if engine.spec is not None:
         methods += [(engine.spec, "propose", HOST[10]), (engine.spec, "verify", HOST[11])]
-    functions = [(model_runner, "build_inputs", HOST[4]), (llm_engine, "make_output", HOST[9])]
+    functions = [(model_runner, "build_inputs", HOST[4]), (llm_engine, "make_output", HOST[9]),
+                 (engine_step, "make_output", HOST[9])]
     return patched_labels(methods, functions)
 
 
