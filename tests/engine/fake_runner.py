@@ -9,6 +9,7 @@ that continues from the wrong state fails loudly instead of silently changing th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -97,8 +98,14 @@ class FakeRunner:
             h = fold(h, t)
         return h
 
-    def execute(self, rows) -> torch.Tensor:
+    feeds_tokens = True  # execute(rows, feed=...): async scheduling runs on the fake too
+
+    def execute(self, rows, feed=None) -> torch.Tensor:
         assert not self.uncommitted, "execute twice without commit"
+        if feed is not None:  # one-token decode rows whose token is an earlier step's sample
+            tokens, index = feed
+            assert len(index) == len(rows) and all(not r.is_prefill and len(r.token_ids) == 1 for r in rows)
+            rows = [dataclasses.replace(r, token_ids=[int(tokens[i])]) for r, i in zip(rows, index)]
         assert rows and len(rows) <= self.max_num_seqs
         assert sum(len(r.token_ids) for r in rows) <= self.max_num_batched_tokens
         assert len({r.slot for r in rows}) == len(rows), "two rows share a slot"

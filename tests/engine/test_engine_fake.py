@@ -229,3 +229,25 @@ def test_step_outputs_are_snapshots_that_cost_no_copy(ckpt):
         assert o.logprobs == final.logprobs[: k + 1] and o.has_logprobs
         assert o.tokens_since(k) == [final.token_ids[k]] and o.logprobs_since(k) == [final.logprobs[k]]
     assert all(o._tokens is snaps[0]._tokens for o in snaps), "a snapshot copied the token list"
+
+
+def test_async_scheduling_stop_strings_eos_and_texts(ckpt):
+    """Async scheduling on the fake model: stop strings (text cut), eos, stop tokens and length end
+    requests at the same tokens and texts as synchronous steps; dropped rows are counted."""
+    ps = prompts(8, seed=11)
+    full = run(make_llm(ckpt), ps, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    params = []
+    for i in range(len(ps)):
+        f = full[i]
+        kind = i % 4
+        params.append(SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=kind != 1,
+                                     stop=[f.text[6:9]] if kind == 0 else None,
+                                     stop_token_ids=[f.token_ids[5]] if kind == 2 else None))
+    sync = run(make_llm(ckpt, async_scheduling=False), ps, params)
+    llm = make_llm(ckpt, async_scheduling=True)
+    got = run(llm, ps, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in sync]
+    assert {o.finish_reason for o in sync} >= {"stop", "length"}
+    m = llm.get_metrics()
+    assert m["num_ahead_steps"] > 5 and m["num_ahead_rows_dropped"] > 0

@@ -34,7 +34,7 @@ def _run(path, reqs, aborts, **kw):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.scheduler.check_integrity()
+        engine.check_integrity()
         step += 1
     assert engine.scheduler.block_pool.num_used == 0 and not engine.scheduler.running
     return done, engine.get_metrics()
@@ -46,13 +46,16 @@ def _run(path, reqs, aborts, **kw):
     budget=st.sampled_from([1, 3, 8, 64]),
     memory=st.sampled_from([3100, 5200, 9000]),
     abort_steps=st.dictionaries(st.integers(0, 20), st.lists(st.integers(0, 7), max_size=2), max_size=3),
+    async_on=st.booleans(),
 )
-def test_random_lifecycles_match_a_roomy_run(tmp_path_factory, reqs, budget, memory, abort_steps):
-    """Any workload under tight memory and token budgets, with aborts, finishes every request, and each
-    request that was not aborted has exactly the tokens of an unconstrained run."""
+def test_random_lifecycles_match_a_roomy_run(tmp_path_factory, reqs, budget, memory, abort_steps, async_on):
+    """Any workload under tight memory and token budgets, with aborts, with or without async scheduling,
+    finishes every request, and each request that was not aborted has exactly the tokens of an
+    unconstrained synchronous run."""
     path = _ckpt(tmp_path_factory)
     aborts = {s: [str(i) for i in ids] for s, ids in abort_steps.items()}
-    tight, metrics = _run(path, reqs, aborts, memory_budget=memory, max_num_batched_tokens=budget)
+    tight, metrics = _run(path, reqs, aborts, memory_budget=memory, max_num_batched_tokens=budget,
+                          async_scheduling=async_on)
     roomy, _ = _run(path, reqs, {})
     assert set(tight) == set(roomy) == {str(i) for i in range(len(reqs))}
     for rid, out in tight.items():
