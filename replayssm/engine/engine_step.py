@@ -113,7 +113,7 @@ def launch(engine: LLMEngine, chunks: list[ScheduledChunk],
         step.tokens, step.logprobs = engine._sample(logits[rows_idx], [chunks[i] for i in sampled])
     if verified:
         out, lps = engine.spec.verify(logits, [offsets[i] for i in verified],
-                                    [chunks[i].request for i in verified], [drafts[i] for i in verified])
+                                      [chunks[i].request for i in verified], [drafts[i] for i in verified])
         step.emitted = {i: (out[j], lps[j] if lps is not None else None) for j, i in enumerate(verified)}
     step.num_accepted = [len(step.emitted[i][0]) if i in step.emitted else 1 for i in range(len(rows))]
     # Queue the commit before reading tokens back, so it overlaps the device-to-host copy.
@@ -121,9 +121,10 @@ def launch(engine: LLMEngine, chunks: list[ScheduledChunk],
     step.read_back()
     return step
 
+
 def launch_ahead(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep | None:
-    """Launch the step after `prev` before prev's tokens are read (see `LLMEngine.step`), or None when that
-    step is not known yet: drafts, prompt logprobs, a waiting request that could be admitted,
+    """Launch the step after `prev` before prev's tokens are read (see `LLMEngine.step`), or None
+    when that step is not known yet: drafts, prompt logprobs, a waiting request that could be admitted,
     unscheduled requests, a row that does not sample, no KV room. Requests waiting for a seat
     (max_num_seqs running, or no free slot group) do not stop it: schedule() would not admit
     them either, and once a request finishes the next step is scheduled normally."""
@@ -153,6 +154,7 @@ def launch_ahead(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep | None:
     engine.metrics.num_ahead_steps += 1
     return launch(engine, chunks, feed=(prev.tokens, feed))
 
+
 def complete(engine: LLMEngine, step: LaunchedStep) -> list[RequestOutput]:
     """Read a launched step's tokens back and apply them: append, detokenize, stop checks,
     prefix publication, outputs. Rows of requests finished since the launch are dropped."""
@@ -162,14 +164,14 @@ def complete(engine: LLMEngine, step: LaunchedStep) -> list[RequestOutput]:
     for j, i in enumerate(step.sampled):
         emitted[i] = ([tokens_list[j]], [logprobs_list[j]] if logprobs_list is not None else None)
     verified_set = set(step.verified)  # membership per row: a list made that O(rows^2) (~0.5 ms at 256)
-    dropped = [i for i, c in enumerate(chunks) if c.request.finished]
-    if dropped:
-        engine.metrics.num_ahead_rows_dropped += len(dropped)
-        for i in dropped:
-            emitted.pop(i, None)
-            if plans is not None:
-                engine.prefix_cache.discard(plans[i])
-    kept = [i for i, c in enumerate(chunks) if not c.request.finished]
+    kept, dropped = [], []  # dropped: rows of requests finished since the launch (a step launched ahead)
+    for i, c in enumerate(chunks):
+        (dropped if c.request.finished else kept).append(i)
+    for i in dropped:
+        engine.metrics.num_ahead_rows_dropped += 1
+        emitted.pop(i, None)
+        if plans is not None:
+            engine.prefix_cache.discard(plans[i])
     for i in kept:
         chunk, row, off, slot = chunks[i], rows[i], step.offsets[i], step.live[i]
         if row.num_logits and drafts[i] is None and chunk.request.wants_prompt_logprobs():
@@ -209,7 +211,7 @@ def complete(engine: LLMEngine, step: LaunchedStep) -> list[RequestOutput]:
     if engine.spec is not None:
         alive = [i for i in kept if reasons.get(i) is None]
         engine.spec.observe([chunks[i].request for i in alive], alive, [chunks[i].start for i in alive],
-                          [advanced[i] for i in alive])
+                            [advanced[i] for i in alive])
     outputs = []
     for i, reason in reasons.items():
         r = chunks[i].request
