@@ -31,7 +31,7 @@ def test_replay_cycle_gpu(state_dtype, q, route):
 
 
 STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.o",
-                 "stream-list.o.p5"]
+                 "stream-list.o.p5", "stream-list.o.p5.x"]
 
 
 @requires_cuda
@@ -59,7 +59,7 @@ def test_replay_cycle_lean_gpu(state_dtype, q, route):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
 @pytest.mark.parametrize("block", [(64, 4), (32, 4), (16, 2)])
-@pytest.mark.parametrize("route", ["mono", "mono.t"])
+@pytest.mark.parametrize("route", ["mono", "mono.t", "mono.t.x"])
 def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
     """On the GPU: the one-launch routes (small batches) match the reference at each tile."""
     from replayssm.ops.triton.ssu import LaunchConfig
@@ -95,11 +95,29 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 
 
 @requires_cuda
-def test_replay_cycle_fp32_act_gpu():
-    """On the GPU with fp32 activations (the 3xTF32 products): cycles match the reference."""
+@pytest.mark.parametrize("route, block", [("auto", None), ("stream-list.o.p5", (64, 4)), ("mono.t", (32, 4))])
+def test_replay_cycle_fp32_act_gpu(route, block):
+    """On the GPU with fp32 activations (fp32-accurate TF32 products, `tf32.dot_split`, at the fp32
+    tolerance 2e-4): cycles match the reference."""
     from triton_cases import check_replay_cycle
 
-    check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=12, S=40, W=16, steps=20, q=2)
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    config = LaunchConfig(*block) if block else None
+    check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=12, S=40, W=16, steps=20, q=2, route=route,
+                       config=config)
+
+
+@requires_cuda
+@pytest.mark.parametrize("route, block",
+                         [("stream-list.o.p5", (64, 4)), ("mono.t", (32, 4)), ("mono.t", (64, 4))])
+def test_output_products_one_pass_gpu(route, block):
+    """bf16 outputs from one TF32 pass per product stay within 2^-8 (1 + |y|) of the reference."""
+    from triton_cases import check_output_passes
+
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    check_output_passes("cuda", route, LaunchConfig(*block))
 
 
 @requires_cuda

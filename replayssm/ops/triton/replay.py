@@ -108,14 +108,15 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if route.startswith(("stream-list", "lean")):
         # "stream-list|lean[.sSTAGES][.iITEMS][.c][.o][.pN]": pipeline stages, pieces per program,
         # flush launches on a side stream (replay_stream.py, replay_lean.py), outputs of every row in
-        # one launch with a fold-only flush launch after it, flush programs per SM. lean also takes
+        # one launch with a fold-only flush launch after it, flush programs per SM. stream-list also
+        # takes .x (fp32-accurate output products where y is 16-bit: `tf32.dot_out`). lean also takes
         # .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one updates),
         # .fROWS / .wWARPS (flush tile) and .hN (heads per ring-term program). The benchmarks sweep
         # them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
-        flags = {"c", "o"}
+        flags = {"c", "o"} if lean else {"c", "o", "x"}
         if lean:
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
             flags |= {"d", "e"}
@@ -125,6 +126,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         kw = {names[o[0]]: int(o[1:]) for o in opts if o not in flags}
         if "o" in opts:
             kw["outputs_all"] = True
+        if "x" in opts:
+            kw["exact"] = True
         if "e" in opts or "d" in opts:
             kw["dot_fold"] = "d" in opts
         cfg = config or CONFIG
@@ -139,11 +142,16 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                concurrent="c" in opts, **kw)
         return y
-    if route in ("mono", "mono.t"):
+    if route == "mono":
         cfg = config or CONFIG
-        launch = launch_mono_mma if route == "mono.t" else launch_mono
-        launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-               state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
+        launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
+        return y
+    if route in ("mono.t", "mono.t.x"):
+        cfg = config or CONFIG
+        launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                        state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
+                        exact=route == "mono.t.x")
         return y
     if route in ("fused", "split", "weights"):
         cfg = config or CONFIG

@@ -12,19 +12,21 @@ everything as products:
 
 the three products over N in one pass of NS-column chunks, the state tile never held whole.
 
-with fp32 accuracy (`tf32.dot_split`: one TF32 pass for two 16-bit operands, two with one fp32).
-Appends and the flush fold are replay_mono.py's.
+with fp32 accuracy (`tf32.dot_split`: one TF32 pass for two 16-bit operands, two with one fp32),
+or one pass each where y is 16-bit (`tf32.dot_out`: the products reach only y). Appends and the
+flush fold are replay_mono.py's.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _row_head
 from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
-from replayssm.ops.triton.tf32 import dot_split
+from replayssm.ops.triton.tf32 import dot_out
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -34,7 +36,7 @@ def _mono_mma_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -71,9 +73,9 @@ def _mono_mma_kernel(
         Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
                       other=0.0).to(tl.float32)  # (NS, QB)
         S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
-        cb_h = dot_split(Cc, Bhc, cb_h, X16, RING16)
-        cb_n = dot_split(Cc, Bnc, cb_n, X16, X16)
-        acc = dot_split(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32)
+        cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
+        cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
+        acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
     wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * cb_h  # zero past hc: Δ = 0
     wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
     wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
@@ -83,8 +85,8 @@ def _mono_mma_kernel(
     xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
     xn_raw = tl.load(xrows, mask=tm[:, None], other=0.0)
     xn = xn_raw.to(tl.float32)
-    acc = dot_split(wh, xh, acc, False, RING16)
-    acc = dot_split(wn, xn, acc, False, X16)
+    acc = dot_out(wh, xh, acc, False, RING16, OUT16)
+    acc = dot_out(wn, xn, acc, False, X16, OUT16)
     acc += tl.load(D_ptr + h) * xn
     acc = tl.where(valid, acc, 0.0)
     tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + p[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -100,8 +102,10 @@ def _mono_mma_kernel(
 
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int) -> None:
-    """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements)."""
+                    state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
+                    exact: bool = False) -> None:
+    """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements).
+    exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -115,5 +119,6 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
-        STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
+        STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
+        num_warps=num_warps,
     )  # fmt: skip

@@ -5,6 +5,11 @@ into hi (its low 13 mantissa bits cleared, exact in TF32) and lo = v - hi (exact
 to TF32 in the pass: ~2^-22 of v lost). A 16-bit operand (bf16/fp16 activations, ring rows) is
 exact in TF32 already, so a product with one such operand needs two passes (hi and lo of the
 other), and one with two needs one; only fp32 x fp32 takes Triton's three ("tf32x3").
+
+`dot_out` is for products that only reach a 16-bit output (the decode outputs y with bf16/fp16
+activations): one pass, whose ~2^-11 relative error per operand sits below the output's own
+rounding (2^-9 for bf16, 2^-11 for fp16), where dot_split's extra passes buy bits the store
+throws away. Nothing a pass rounds reaches a stored state: folds keep dot_split or fp32.
 """
 
 from __future__ import annotations
@@ -32,4 +37,15 @@ def dot_split(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr):
         acc = tl.dot(a - hi, b, tl.dot(hi, b, acc, input_precision="tf32"), input_precision="tf32")
     else:
         acc = tl.dot(a, b, acc, input_precision="tf32x3")
+    return acc
+
+
+@triton.jit
+def dot_out(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, OUT16: tl.constexpr):
+    """acc + a @ b for a product that only reaches an output: one TF32 pass when that output is
+    16-bit (OUT16), else `dot_split`'s fp32 accuracy."""
+    if OUT16:
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+    else:
+        acc = dot_split(a, b, acc, A_EXACT, B_EXACT)
     return acc
