@@ -31,7 +31,7 @@ def test_replay_cycle_gpu(state_dtype, q, route):
 
 
 STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.o",
-                 "stream-list.o.p5", "stream-list.o.p5.x"]
+                 "stream-list.o.p5"]
 
 
 @requires_cuda
@@ -109,15 +109,14 @@ def test_replay_cycle_fp32_act_gpu(route, block):
 
 
 @requires_cuda
-@pytest.mark.parametrize("route, block",
-                         [("stream-list.o.p5", (64, 4)), ("mono.t", (32, 4)), ("mono.t", (64, 4))])
-def test_output_products_one_pass_gpu(route, block):
+@pytest.mark.parametrize("block", [(32, 4), (64, 4)])
+def test_output_products_one_pass_gpu(block):
     """bf16 outputs from one TF32 pass per product stay within 2^-8 (1 + |y|) of the reference."""
     from triton_cases import check_output_passes
 
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    check_output_passes("cuda", route, LaunchConfig(*block))
+    check_output_passes("cuda", "mono.t", LaunchConfig(*block))
 
 
 @requires_cuda

@@ -179,9 +179,10 @@ def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, ste
 
 
 def check_output_passes(device, route: str, config, *, H=8, P=64, N=128, G=2, b=12, q=4, S=40, W=16) -> None:
-    """One TF32 pass per output product where y is bf16 (`tf32.dot_out`): the outputs stay within
-    2^-8 (1 + |y|) of the fp32 reference (the output's own rounding is up to 2^-9 |y|; the cycle
-    tests allow 3e-2), and route + ".x" (fp32-accurate products) gives the same bound."""
+    """One TF32 pass per output product where y is bf16 (`tf32.dot_out`): the largest error against
+    the fp32 reference (run on the CPU) stays within a bf16 ulp at the step's output scale,
+    2^-7 max |y|, as it does with fp32-accurate products (route + ".x"). (The cycle tests allow
+    3e-2 (1 + |y|); the interpreter's bf16 stores truncate, which this bound also admits.)"""
     from replayssm.ops.triton import replay
 
     torch.manual_seed(5)
@@ -194,12 +195,14 @@ def check_output_passes(device, route: str, config, *, H=8, P=64, N=128, G=2, b=
     idx = _slots(b, S, device)
     x, dt, B, C = _tokens(b, q, H, P, G, N, torch.bfloat16, device)
     args = (x, dt, A, B, C, D, dt_bias)
-    y_ref = replay_forward_ref(*args, *[t.clone() for t in cache], idx, W, rand_seed=1).double()
+    cpu = [t.to("cpu", copy=True) for t in (*args, *cache, idx)]  # the reference appends and folds in place
+    y_ref = replay_forward_ref(*cpu, W, rand_seed=1, out=torch.empty(x.shape)).double()
+    bound = 2.0**-7 * y_ref.abs().max().item()
     for r in (route, route + ".x"):
         y = replay.launch_replay_forward(*args, *[t.clone() for t in cache], idx, W, True, 1,
                                          torch.full_like(x, float("nan")), config, r)
-        err = ((y.double() - y_ref).abs() / (1.0 + y_ref.abs())).max().item()
-        assert err <= 2.0**-8, f"{r}: max relative error {err:.3e} > 2^-8"
+        err = (y.cpu().double() - y_ref).abs().max().item()
+        assert err <= bound, f"{r}: max error {err:.3e} > 2^-7 max|y| = {bound:.3e}"
 
 
 def check_materialize(device, *, H=4, P=12, N=12, G=2, m=4, S=13, W=5, state_dtype=torch.float32,
@@ -383,11 +386,7 @@ def run_interpreter(part: str) -> None:
         # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,
                            act=torch.bfloat16)
-        # .x: fp32-accurate output products with 16-bit outputs (tf32.dot_out); fp32 outputs take them anyway.
-        tile16 = LaunchConfig(16, 1)
-        check_replay_cycle("cpu", q=2, P=32, N=32, config=tile16, route="stream-list.o.x", steps=6,
-                           act=torch.bfloat16)
-        check_replay_cycle("cpu", q=2, P=32, N=32, config=tile16, route="stream-list.o", steps=6)
+        check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1), route="stream-list.o", steps=6)
         # .o: outputs of every row in one launch, flush pieces only fold (column chunks of NS=16).
         check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o",
                            steps=12, act=torch.bfloat16)
@@ -403,6 +402,7 @@ def run_interpreter(part: str) -> None:
                            state_dtype=torch.float16)
         check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x", steps=6,
                            act=torch.bfloat16)
+        check_output_passes("cpu", "mono.t", LaunchConfig(16, 1), H=4, P=16, N=32, b=5, q=3, S=11, W=8)
         check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
         check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
         check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,

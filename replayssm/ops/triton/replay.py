@@ -62,6 +62,8 @@ FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # vs mono vs the split route): b = 1 7.3 vs 12.1 (32x4; 64x4 7.9), b = 8 26.5 (64x4; 32x4 30.9) vs 51.0
 # vs 45.7, b = 32 88.6 vs 178.8 vs 79.2 (4,096 row-heads: the split route), b = 128 331.6 vs 258.2;
 # TP8 shape (call 4) b = 128 (2,048 row-heads) 49.9 vs 57.7 for the split route, b = 256 89.8 vs 80.4.
+# One TF32 pass per product where y is 16-bit vs fp32-accurate products ("mono.t.x"; session 10 call 1,
+# q = 4, bf16 y): 8B b = 8 22.4 vs 26.6 us, TP8 b = 32 16.6 vs 19.1, b = 128 41.4 vs 50.3.
 MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 MONO_T_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))  # <= / > 128
 MONO_MAX_ROW_HEADS = (2048, 2048)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
@@ -86,7 +88,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     route "stream-list" (with its sweep suffixes): `replay_stream.py`; "fused":
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
-    twin `replay_mono_mma.py`); "auto": `auto_route` ("mono"
+    twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
+    products there too, for the benchmarks); "auto": `auto_route` ("mono"
     for small steps, else "lean.c" for one token, "stream-list.o.p5" for several) where their tiles
     fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights": the weights launch alone (benchmark diagnostics only: y is not written).
@@ -108,15 +111,14 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if route.startswith(("stream-list", "lean")):
         # "stream-list|lean[.sSTAGES][.iITEMS][.c][.o][.pN]": pipeline stages, pieces per program,
         # flush launches on a side stream (replay_stream.py, replay_lean.py), outputs of every row in
-        # one launch with a fold-only flush launch after it, flush programs per SM. stream-list also
-        # takes .x (fp32-accurate output products where y is 16-bit: `tf32.dot_out`). lean also takes
+        # one launch with a fold-only flush launch after it, flush programs per SM. lean also takes
         # .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one updates),
         # .fROWS / .wWARPS (flush tile) and .hN (heads per ring-term program). The benchmarks sweep
         # them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
-        flags = {"c", "o"} if lean else {"c", "o", "x"}
+        flags = {"c", "o"}
         if lean:
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
             flags |= {"d", "e"}
@@ -126,8 +128,6 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         kw = {names[o[0]]: int(o[1:]) for o in opts if o not in flags}
         if "o" in opts:
             kw["outputs_all"] = True
-        if "x" in opts:
-            kw["exact"] = True
         if "e" in opts or "d" in opts:
             kw["dot_fold"] = "d" in opts
         cfg = config or CONFIG

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.rounding import stochastic_round
-from replayssm.ops.triton.tf32 import dot_out
+from replayssm.ops.triton.tf32 import dot_split
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _piece(
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, OUT16: tl.constexpr,
+    MAXV: tl.constexpr,
 ):
     # One (head, P tile) piece of row i: outputs of its Q tokens, x appended to the ring, and
     # (FOLD) the history folded into the tile and written back.
@@ -81,13 +81,14 @@ def _piece_mma(
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, OUT16: tl.constexpr,
+    MAXV: tl.constexpr,
 ):
     # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
     # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
     # by chunk so that no warp holds all of C^T. 16-bit C is exact in TF32, so an fp32 tile split
-    # into hi + lo TF32 parts gives ~fp32 products (two MMAs), or one pass where y is 16-bit
-    # (OUT16, `tf32.dot_out`); the fold stays plain fp32 on the
+    # into hi + lo TF32 parts gives ~fp32 products (two MMAs, `tf32.dot_split`; one TF32 pass where
+    # y is 16-bit measured slower here: 546 vs 485 us at q = 4, 8B, b = 256, NOTES-kernels.md
+    # session 10); the fold stays plain fp32 on the
     # CUDA cores (no tensor-core rounding reaches a stored state). A 3xTF32 fold per chunk here
     # measured no better (NOTES-kernels.md, sessions 5 and 6): the lean fold-only launch has it.
     TB: tl.constexpr = 16 if QB < 16 else QB
@@ -117,7 +118,7 @@ def _piece_mma(
         S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
         Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
         Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
-        acc = dot_out(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32, OUT16)
+        acc = dot_split(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32)
         if FOLD:
             # Rank-one updates on the CUDA cores, as `_piece`.
             S = S0 * decay
@@ -130,12 +131,12 @@ def _piece_mma(
             tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
     acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
     wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
-    acc = dot_out(xh, wh, acc, rx_ptr.dtype.element_ty != tl.float32, False, OUT16)
+    acc = dot_split(xh, wh, acc, rx_ptr.dtype.element_ty != tl.float32, False)
     xrows = x_ptr + i * sx_b + t[None, :] * sx_t + h * sx_h + p[:, None]
     xn_raw = tl.load(xrows, mask=tm[None, :], other=0.0)
     xn = xn_raw.to(tl.float32)  # (BLOCK_P, TB): token k in column k
     wn = tl.load(w_ptr + wbase + t[None, :] * JB + HB + t[:, None], mask=tm[:, None] & tm[None, :], other=0.0)
-    acc = dot_out(xn, wn, acc, x_ptr.dtype.element_ty != tl.float32, False, OUT16)
+    acc = dot_split(xn, wn, acc, x_ptr.dtype.element_ty != tl.float32, False)
     acc = tl.where(valid, acc + tl.load(D_ptr + h) * xn, 0.0)
     tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=tm[None, :])
@@ -149,14 +150,14 @@ def _any_piece(
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, OUT16: tl.constexpr,
+    MAXV: tl.constexpr,
 ):
-    # MMA: 0 = CUDA cores, 1 = tensor-core outputs (OUT16: one TF32 pass per product, `tf32.dot_out`).
+    # MMA: 0 = CUDA cores, 1 = tensor-core outputs.
     if MMA:
         _piece_mma(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                    w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, OUT16)
+                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
     else:
         _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-               Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, OUT16)
+               Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)

@@ -38,7 +38,7 @@ def _stream_kernel(
     w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
-    MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ALL: tl.constexpr,
+    MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -58,7 +58,7 @@ def _stream_kernel(
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                        w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                       Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV, OUT16)
+                       Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def _flush_kernel(
     idx_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, OUT16: tl.constexpr,
+    MAXV: tl.constexpr,
 ):
     # Persistent over the pieces of the listed flush rows: a fixed, small grid whatever the batch,
     # so the fold's registers never throttle the launch of programs with nothing to do, and the
@@ -96,7 +96,7 @@ def _flush_kernel(
         o = tl.load(ring_start_ptr + s64)
         _any_piece(w % per_row, 0, i, s64, s >= 0, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
                    y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
-                   H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV, OUT16)
+                   H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV)
 
 
 def stream_items(H: int, P: int, block_p: int, items: int) -> int:
@@ -116,13 +116,12 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                   items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
-                  flush_programs_per_sm: int = 4, exact: bool = False) -> None:
+                  flush_programs_per_sm: int = 4) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
     the streaming launch takes every row and the lean route's fold-only launch follows it.
-    flush_programs_per_sm: programs per SM of the fold-only launch (outputs_all). exact: fp32-accurate
-    output products even where y is 16-bit (else one TF32 pass each there, `tf32.dot_out`).
+    flush_programs_per_sm: programs per SM of the fold-only launch (outputs_all).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -137,8 +136,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
     mma = int(q > 1 and block_p >= 16)  # several tokens: tensor-core pieces (16-row operands)
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
-                STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-                num_warps=num_warps)
+                STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
         # Flush rows listed on the device, then folded by a persistent launch.
         rows = torch.empty(b, device=x.device, dtype=torch.int32)
