@@ -75,10 +75,15 @@ class Workload:
     spec_prompt: int = 32
     spec_output: int = 256
     spec_k: int = 3
-    # The PyTorch chunked-scan prefill holds ~60 MB per 128-token chunk and every short prompt is
-    # a chunk: 8,192 tokens of 32-token prompts would peak near 15 GB, more than the (b) OFF runs
-    # leave beside their ~110 GB of slots. 2,048 still takes a whole verify step (512 x (1 + k)).
-    spec_max_num_batched_tokens: int = 2048
+    # 4,096: a whole verify step of 512 rows (512 x (1 + k) = 2,048) plus as many prompt tokens.
+    # At 2,048 the prefill of (b) 512 spread over ~50 mixed steps in which decode rows got fewer
+    # drafts (the budget ran out), so most steps were ragged and ran eagerly: the H200 run at 6e5ba0d
+    # replayed graphs for 36 of 132 ON steps. A scheduler-only simulation of the workload
+    # (prompt 32, output 256, k = 3, ~3.1 accepted) gives steps with prefill / ragged / uniform rows
+    # of 52 / 44 / 47 at 2,048, 6 / 24 / 80 at 4,096, 3 / 22 / 79 at 8,192. (The PyTorch chunked scan
+    # this was first sized for would have peaked near 15 GB at 8,192 prompt tokens; the Triton scan
+    # holds no per-prompt chunk scratch.)
+    spec_max_num_batched_tokens: int = 4096
     conversations: int = 1
     shared_context: int = 12800
     turns: int = 4
