@@ -1,5 +1,9 @@
 """The commit half of a decode step: cursors (once), conv windows (every Mamba layer), checkpoints.
 
+`commit_decode` takes the accepted counts as a host list; `commit_decode_device` takes them on the
+device, for a verify step whose counts are read back later (two interleaved request groups,
+LLMEngine).
+
 Host cost matters here: it runs every decode step between the forward and the step's one
 device read. The slot, count and destination lists go up in one packed copy, the conv-window
 commit validates its arguments once for all layers (ops/conv1d.py: causal_conv1d_commit_layers),
@@ -43,6 +47,34 @@ def commit_decode(runner, batch: BatchInputs, rows: list[RowView], accepted: lis
     causal_conv1d_commit_layers(cache.conv, [s[first:first + len(rows), :q] for s in cache.conv_scratch], acc,
                                 slots, dst_indices=dst)
     publish_states(runner, pubs, runner._next_seed())
+
+
+def commit_decode_device(runner, batch: BatchInputs, rows: list[RowView], accepted: torch.Tensor) -> None:
+    """`commit_decode` with the counts on the device (accepted[r.index] for row r, int32), reading
+    nothing back: cursors and conv windows only (rows with checkpoints need `commit_decode`). The
+    host mirror of the cursors is the caller's to update once the counts are known (`mirror_commit`)."""
+    first = batch.decode.index(rows[0])
+    q = batch.mamba.decode_q
+    cache = runner.mamba_cache
+    pack = HostPack()
+    pack.add([r.slot for r in rows], torch.int32)
+    pack.add([r.index for r in rows], torch.int64)
+    has_dst = any(r.spec_slots is not None for r in rows)
+    if has_dst:
+        # Each row's spec slots padded to q with its last one (a <= the row's own q picks a real one).
+        table = []
+        for r in rows:
+            spec = r.spec_slots or [r.slot]
+            table += spec + spec[-1:] * (q - len(spec))
+        pack.add(table, torch.int32, (len(rows), q))
+    slots, index, *rest = pack.send(runner.device)
+    acc = accepted.index_select(0, index)
+    dst = rest[0].gather(1, (acc.long() - 1)[:, None]).squeeze(1) if has_dst else None
+    if runner.replayssm:
+        replay_commit(cache.ring_start, cache.committed, slots, acc, q, runner.window,
+                      ring_rows=cache.ring_rows)
+    causal_conv1d_commit_layers(cache.conv, [s[first:first + len(rows), :q] for s in cache.conv_scratch], acc,
+                                slots, dst_indices=dst)
 
 
 def mirror_commit(ring_start: list[int], committed: list[int], slots: list[int], accepted: list[int], q: int,

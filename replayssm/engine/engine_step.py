@@ -2,13 +2,16 @@
 
     launch    propose drafts -> rows -> plan checkpoints -> runner.execute -> sample (or verify)
               -> runner.commit -> queue the sampled tokens' copy to the host      (no wait, except
-              verify rows: their accepted counts decide the commit)
+              verify rows: their accepted counts decide the commit; with defer_verify the commit
+              takes them on the device and they come back with the tokens)
     complete  wait for that copy -> append tokens, detokenize, stop checks -> publish checkpoints
               + hash full KV blocks -> release finished requests -> outputs
 
 `LLMEngine.step` runs both for one step; with async scheduling it queues the next step with
 `launch_ahead` between them (its input tokens are this step's samples, on the device), so the
-host's `complete` overlaps the GPU's next step.
+host's `complete` overlaps the GPU's next step. With speculative decoding it alternates two request
+groups instead: one group's `complete` and next `launch` (deferred verify) overlap the GPU's step of
+the other.
 """
 
 from __future__ import annotations
@@ -44,19 +47,29 @@ class LaunchedStep:
     emitted: dict[int, tuple[list[int], list[float] | None]] = field(default_factory=dict)
     num_accepted: list[int] = field(default_factory=list)
     live: list[int] = field(default_factory=list)  # each row's live slot after the commit
+    # A deferred verify (`launch(defer_verify=True)`): its tokens, emitted counts and logprobs on the
+    # device, and the runner's commit_async handle; `complete` reads them back and finishes both.
+    verify: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    commit: Any = None
     _host: list[torch.Tensor | None] | None = None
     _ready: Any = None  # CUDA event after the copies to `_host`
+    _verify_lists: list[Any] = field(default_factory=list)
+
+    def _device_results(self) -> list[torch.Tensor | None]:
+        return [self.tokens, self.logprobs, *(self.verify or ())]
 
     def read_back(self) -> None:
-        """Queue the sampled tokens' (and logprobs') copy to pinned host memory; no wait.
+        """Queue the sampled tokens' (logprobs', a deferred verify's) copy to pinned host memory;
+        no wait.
 
         A later `results()` waits for this copy only, not for work queued after it (a step
-        launched ahead), which a plain `.tolist()` would.
+        launched ahead, the other group's step), which a plain `.tolist()` would.
         """
-        if self.tokens is None or self.tokens.device.type != "cuda":
+        tensors = self._device_results()
+        if not any(t is not None and t.device.type == "cuda" for t in tensors):
             return
         self._host = []
-        for t in (self.tokens, self.logprobs):
+        for t in tensors:
             if t is not None:
                 h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 h.copy_(t, non_blocking=True)
@@ -66,20 +79,29 @@ class LaunchedStep:
         self._ready.record()
 
     def results(self) -> tuple[list[int], list[float] | None]:
-        """The sampled tokens and logprobs as lists (waits for `read_back`'s copy)."""
-        tokens, logprobs = self.tokens, self.logprobs
+        """The sampled tokens and logprobs as lists (waits for `read_back`'s copy); with a deferred
+        verify, also its tokens, counts and logprobs as lists (`verify_results`)."""
+        host = self._device_results()
         if self._host is not None:
             self._ready.synchronize()
-            tokens, logprobs = self._host
-        return (tokens.tolist() if tokens is not None else [],
-                logprobs.tolist() if logprobs is not None else None)
+            host = self._host
+        lists = [t.tolist() if t is not None else None for t in host]
+        self._verify_lists = lists[2:]
+        return lists[0] if lists[0] is not None else [], lists[1]
+
+    def verify_results(self) -> tuple[list[list[int]], list[int], list[list[float]] | None]:
+        """A deferred verify's (tokens, emitted counts, logprobs) as lists; after `results()`."""
+        out, acc, lps = self._verify_lists
+        return out, acc, lps
 
 
 def launch(engine: LLMEngine, chunks: list[ScheduledChunk],
-           feed: tuple[torch.Tensor, list[int]] | None = None) -> LaunchedStep:
+           feed: tuple[torch.Tensor, list[int]] | None = None, defer_verify: bool = False) -> LaunchedStep:
     """Queue one step on the device: forward, sampling, verify, commit. Reads nothing back except
-    for verify rows (their acceptance decides the commit). feed: (device tokens, index per row),
-    the rows' input tokens (one per row) taken on the device from an earlier step's samples."""
+    for verify rows (their acceptance decides the commit), unless defer_verify: then the verify and
+    the commit run on the device with the counts there (`runner.commit_async`) and `complete`
+    reads everything back. feed: (device tokens, index per row), the rows' input tokens (one per
+    row) taken on the device from an earlier step's samples."""
     engine.metrics.num_steps += 1
     drafts = [None] * len(chunks)
     if engine.spec is not None:
@@ -111,9 +133,18 @@ def launch(engine: LLMEngine, chunks: list[ScheduledChunk],
         # A device index (pinned, asynchronous): a Python list index would copy and sync.
         rows_idx = to_device(sample_rows, torch.int64, logits.device)
         step.tokens, step.logprobs = engine._sample(logits[rows_idx], [chunks[i] for i in sampled])
+    args = ([offsets[i] for i in verified], [chunks[i].request for i in verified],
+            [drafts[i] for i in verified])
+    if verified and defer_verify:
+        step.verify = engine.spec.verify_launch(logits, *args)
+        # Every row accepts 1 but the verify rows, which accept their emitted counts.
+        accepted = torch.ones(len(rows), dtype=torch.int32, device=logits.device)
+        accepted[to_device(verified, torch.int64, logits.device)] = step.verify[1].to(torch.int32)
+        step.commit = engine.runner.commit_async(rows, accepted)
+        step.read_back()
+        return step
     if verified:
-        out, lps = engine.spec.verify(logits, [offsets[i] for i in verified],
-                                      [chunks[i].request for i in verified], [drafts[i] for i in verified])
+        out, lps = engine.spec.verify(logits, *args)
         step.emitted = {i: (out[j], lps[j] if lps is not None else None) for j, i in enumerate(verified)}
     step.num_accepted = [len(step.emitted[i][0]) if i in step.emitted else 1 for i in range(len(rows))]
     # Queue the commit before reading tokens back, so it overlaps the device-to-host copy.
@@ -167,6 +198,14 @@ def complete(engine: LLMEngine, step: LaunchedStep) -> list[RequestOutput]:
     kept, dropped = [], []  # dropped: rows of requests finished since the launch (a step launched ahead)
     for i, c in enumerate(chunks):
         (dropped if c.request.finished else kept).append(i)
+    if step.verify is not None:
+        out, acc, lps = step.verify_results()
+        out, lps = engine.spec.verify_finish([drafts[i] for i in step.verified], out, acc, lps)
+        for j, i in enumerate(step.verified):
+            emitted[i] = (out[j], lps[j] if lps is not None else None)
+        step.num_accepted = [len(emitted[i][0]) if i in verified_set else 1 for i in range(len(rows))]
+        keep = [not c.request.finished for c in chunks]
+        step.live = engine.runner.finish_commit(step.commit, rows, step.num_accepted, keep)
     for i in dropped:
         engine.metrics.num_ahead_rows_dropped += 1
         emitted.pop(i, None)

@@ -71,13 +71,20 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._arrivals = 0
         # Async scheduling (see `step`): the default on CUDA; it needs a runner that feeds tokens
-        # on the device (not the tensor-parallel wrapper) and no speculative decoding.
+        # on the device (not the tensor-parallel wrapper) and no speculative decoding. With
+        # speculative decoding it interleaves two request groups instead (`_step_group`), where the
+        # commit can take the accepted counts on the device (no checkpoints to publish: no prefix
+        # caching) and the drafter keeps no device state (ngram, synthetic).
         wanted = config.async_scheduling
         if wanted is None:
             wanted = getattr(self.runner, "device", torch.device("cpu")).type == "cuda"
         self.async_scheduling = bool(wanted) and getattr(type(self.runner), "feeds_tokens", False) \
             and self.spec is None
+        self.interleave = bool(wanted) and self.spec is not None and self.spec.proposer.host_only \
+            and self.prefix_cache is None and hasattr(self.runner, "commit_async")
         self._ahead: LaunchedStep | None = None
+        self._inflight: list[LaunchedStep | None] = [None, None]  # per request group (interleave)
+        self._turn = 0
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -147,6 +154,8 @@ class LLMEngine:
             if rid in self._requests
         ]
         self._pending_aborts.clear()
+        if self.interleave:
+            return outputs + self._step_group()
         launched, self._ahead = self._ahead, None
         if launched is None:
             sched = self.scheduler.schedule()
@@ -164,6 +173,24 @@ class LLMEngine:
             # Every row's request stopped in `launched`: nothing to wait for (it computed nothing kept).
             complete(self, self._ahead)
             self._ahead = None
+        return outputs
+
+    def _step_group(self) -> list[RequestOutput]:
+        """One step of one of two request groups, taking turns: complete the group's step in flight,
+        then schedule and launch its next one with a deferred verify (engine_step.launch), which
+        reads nothing back. The other group's step, queued before, keeps the GPU busy meanwhile:
+        one group's host work (read back, stop checks, outputs, scheduling, drafting, inputs)
+        overlaps the other's forward. Each group's steps stay in order on the device, and the two
+        never share a request, a slot or a KV block (preemption stays inside the group)."""
+        g, self._turn = self._turn, self._turn ^ 1
+        outputs = []
+        launched, self._inflight[g] = self._inflight[g], None
+        if launched is not None:
+            outputs += complete(self, launched)
+        sched = self.scheduler.schedule(group=g)
+        self.metrics.num_preemptions += len(sched.preempted)
+        if sched.chunks:
+            self._inflight[g] = launch(self, sched.chunks, defer_verify=True)
         return outputs
 
     def _row(self, chunk: ScheduledChunk, drafts: Any = None) -> ScheduledRow:

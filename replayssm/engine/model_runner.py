@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ from replayssm.distributed.sharding import local_config
 from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs, to_device
 from replayssm.engine.block_tables import BlockTables
 from replayssm.engine.context import ForwardContext
-from replayssm.engine.decode_commit import commit_decode
+from replayssm.engine.decode_commit import commit_decode, commit_decode_device, mirror_commit
 from replayssm.engine.row_checks import RowLimits, check_batch, check_slot, view_row
 from replayssm.models.config import MAMBA, ModelConfig
 from replayssm.models.loader import load_model
@@ -235,6 +236,49 @@ class ModelRunner:
                 live[r.index] = r.spec_slots[a - 1]
         self._pending = None
         self._commit_decode(batch, decode, accepted)
+        return live
+
+    def commit_async(self, rows: list[ScheduledRow], accepted: torch.Tensor) -> Any:
+        """`commit` with the counts on the device (int32, one per row; rows that verify nothing
+        accept 1), reading nothing back. Returns what `finish_commit` takes once the counts are
+        known on the host. Rows with checkpoints (prefix caching) need `commit`: their
+        publications read the counts first."""
+        batch = self._pending
+        if batch is None:
+            return None
+        decode = [r for r in batch.decode if not r.forced]
+        if any(r.index >= len(rows) or rows[r.index].slot != r.slot for r in decode):
+            raise ValueError("commit_async() rows differ from the rows of the last execute()")
+        if any(r.checkpoints for r in decode):
+            raise ValueError("commit_async() cannot publish checkpoints: use commit()")
+        if accepted.shape != (len(rows),) or accepted.dtype != torch.int32 or accepted.device != self.device:
+            raise ValueError(f"accepted must be an int32 tensor of shape ({len(rows)},) on {self.device}")
+        self._pending = None
+        if decode:
+            commit_decode_device(self, batch, decode, accepted)
+        return batch.mamba.decode_q, decode
+
+    def finish_commit(self, handle: Any, rows: list[ScheduledRow], num_accepted: list[int],
+                      keep: list[bool]) -> list[int]:
+        """After `commit_async`: the counts as a host list (validated as `commit` does). Updates the
+        host cursor mirror of the rows with keep[i] (the others' requests finished since: their
+        slots may already serve another request) and returns every row's live slot, as `commit`."""
+        live = [r.slot for r in rows]
+        if handle is None:
+            return live
+        q, decode = handle
+        accepted = []
+        for r in decode:
+            a = num_accepted[r.index]
+            if not isinstance(a, int) or not 1 <= a <= len(r.token_ids):
+                raise ValueError(f"num_accepted[{r.index}] must be in [1, {len(r.token_ids)}], got {a!r}")
+            accepted.append(a)
+            if r.spec_slots is not None:
+                live[r.index] = r.spec_slots[a - 1]
+        if self.replayssm:
+            kept = [(r.slot, a) for r, a in zip(decode, accepted) if keep[r.index]]
+            mirror_commit(self._ring_start, self._committed, [s for s, _ in kept], [a for _, a in kept], q,
+                          self.window, self.mamba_cache.ring_rows)
         return live
 
     def row_hidden(self, index: int, num_tokens: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    group: int = 0  # which of two interleaved request groups steps it (Scheduler.schedule(group))
     text: str = ""
     # Prefix caching: hashes of the full blocks of known tokens (tokens never change, so these
     # survive preemption), how many of block_table's blocks carry theirs, and the prompt tokens

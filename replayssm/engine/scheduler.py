@@ -118,36 +118,51 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's chunks; allocates their KV blocks (and slots for new requests)."""
+    def schedule(self, group: int | None = None) -> SchedulerOutput:
+        """Pick this step's chunks; allocates their KV blocks (and slots for new requests).
+
+        group (0 or 1): schedule only the running requests of that group, preempt only among them
+        (the other group's step may be in flight), and admit into it while it holds at most half
+        of max_num_seqs (rounded up), so the two groups stay balanced (LLMEngine's interleaved
+        verify steps). None: every request, one group.
+        """
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        mine = self.running if group is None else [r for r in self.running if r.group == group]
+
+        def drop_last() -> Request:
+            victim = mine.pop()
+            if mine is not self.running:
+                self.running.remove(victim)
+            return victim
+
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(mine) and budget > 0:
+            request = mine[i]
             n = min(request.num_uncomputed_tokens, budget)
             extra = self._lookahead(request, n, budget)
             need = self._blocks_needed(request, n + extra)
-            while not self.block_pool.can_allocate(need) and self.running[-1] is not request:
-                victim = self.running.pop()
+            while not self.block_pool.can_allocate(need) and mine[-1] is not request:
+                victim = drop_last()
                 self._preempt(victim)
                 out.preempted.append(victim)
             if not self.block_pool.can_allocate(need):
                 # Only `request` itself is left to give memory back: it waits for recompute.
-                assert self.running[-1] is request
-                self.running.pop()
-                self._preempt(request)
+                assert mine[-1] is request
+                self._preempt(drop_last())
                 out.preempted.append(request)
                 break
             request.block_table.extend(self.block_pool.allocate(need))
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n, extra))
             budget -= n + extra
             i += 1
+        seats = -(-self.max_num_seqs // 2)
         while (
             self.waiting
             and not out.preempted
             and budget > 0
             and len(self.running) < self.max_num_seqs
+            and (group is None or len(mine) < seats)
             and self.slot_pool.can_allocate()
         ):
             request = self.waiting[0]
@@ -171,6 +186,9 @@ class Scheduler:
                 out.copies.append((hit.checkpoint, request.slots[0]))
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival)
+            if group is not None:
+                request.group = group
+                mine.append(request)  # only counted from here on (the loop above is done)
             out.chunks.append(ScheduledChunk(request, start, n))
             budget -= n
         return out

@@ -85,6 +85,15 @@ class SpecDecoder:
         """Verify rows: logits[offsets[i] : offsets[i] + 1 + k_i] belong to requests[i] with
         drafts[i]. Returns the emitted tokens per row (accepted drafts + one) and, when any
         request wants logprobs, their logprobs under the raw target distribution."""
+        out, acc, lps = self.verify_launch(logits, offsets, requests, drafts)
+        both = torch.cat([out, acc[:, None]], dim=-1).tolist()  # the verify step's one host sync
+        return self.verify_finish(drafts, [row[:-1] for row in both], [row[-1] for row in both],
+                                  lps.tolist() if lps is not None else None)
+
+    def verify_launch(self, logits: torch.Tensor, offsets: list[int], requests: list[Request],
+                      drafts: list[Drafts]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`verify` on the device, reading nothing back: (tokens (b, K + 1), emitted counts (b,),
+        their logprobs (b, K + 1) or None). `verify_finish` takes them once they are lists."""
         b, V = len(requests), logits.shape[-1]
         lens = [len(d.tokens) for d in drafts]
         K = max(lens)
@@ -130,13 +139,16 @@ class SpecDecoder:
         )
         lps = None
         if any(x.logprobs is not None for x in p):
-            lps = padded.log_softmax(dim=-1).gather(-1, out[..., None]).squeeze(-1).tolist()
-        both = torch.cat([out, acc[:, None]], dim=-1).tolist()  # the verify step's one host sync
-        out_l, acc_l = [row[:-1] for row in both], [row[-1] for row in both]
-        emitted = [row[:a] for row, a in zip(out_l, acc_l)]
-        for d, a in zip(drafts, acc_l):
+            lps = padded.log_softmax(dim=-1).gather(-1, out[..., None]).squeeze(-1)
+        return out, acc, lps
+
+    def verify_finish(self, drafts: list[Drafts], out: list[list[int]], acc: list[int],
+                      lps: list[list[float]] | None) -> tuple[list[list[int]], list[list[float]] | None]:
+        """`verify`'s result from `verify_launch`'s tensors as lists; records the acceptance."""
+        emitted = [row[:a] for row, a in zip(out, acc)]
+        for d, a in zip(drafts, acc):
             self.stats.record(len(d.tokens), a - 1)
-        return emitted, None if lps is None else [row[:a] for row, a in zip(lps, acc_l)]
+        return emitted, None if lps is None else [row[:a] for row, a in zip(lps, acc)]
 
     def observe(self, requests: list[Request], row_index: list[int], starts: list[int],
                 num_computed: list[int]) -> None:

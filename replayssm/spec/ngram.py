@@ -29,6 +29,8 @@ class NgramProposer(Proposer):
     that grows with the tokens (they are only ever appended), so a step costs O(new tokens).
     """
 
+    host_only = True
+
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self._index: dict[str, tuple[list[int], int, dict[tuple[int, ...], int]]] = {}

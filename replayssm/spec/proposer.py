@@ -36,6 +36,9 @@ class Proposer:
     """
 
     produces_model_output = True
+    # Drafts come from host work only (no device state of its own, no target hidden states): the
+    # engine may then interleave two request groups' verify steps (LLMEngine, async scheduling).
+    host_only = False
 
     def propose(self, requests: list[Request], num_drafts: list[int]) -> list[Drafts]:
         """At most num_drafts[i] drafts for requests[i] (each has exactly one uncomputed token)."""

@@ -42,6 +42,7 @@ def _mix64(x: int) -> int:
 class SyntheticProposer(Proposer):
     """Arbitrary draft tokens with a forced, seeded number of accepted drafts."""
 
+    host_only = True
     produces_model_output = False
 
     def __init__(self, mean_length: float, k: int, vocab_size: int, seed: int = 0) -> None:
