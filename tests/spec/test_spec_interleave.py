@@ -113,7 +113,8 @@ def test_interleaved_abort_and_stop_in_flight():
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i in range(4):
         eng.add_request(f"r{i}", prompts()[i % 2], greedy)
-    eng.add_request("stop", prompts()[1], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop]))
+    stopping = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop])
+    eng.add_request("stop", prompts()[1], stopping)
     outs, aborted, steps = {}, False, 0
     while eng.has_unfinished_requests():
         if steps == 4 and not aborted:
