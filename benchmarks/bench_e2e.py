@@ -317,7 +317,7 @@ def _run_engine(engine_cls, config, workload, rng: random.Random, sizes: Workloa
     graphs = getattr(engine.runner, "graphs", None)
     out = {"build_s": build_s, "wall": wall, "trace": trace, "metrics": engine.get_metrics(),
            "graph_replays": graphs.num_replays if graphs is not None else 0,
-           "async_scheduling": engine.async_scheduling,
+           "async_scheduling": engine.async_scheduling, "interleave": engine.interleave,
            "graph_error": graphs.error if graphs is not None else None}
     del engine, graphs
     gc.collect()
@@ -368,6 +368,7 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
                    "graph_error": run["graph_error"],
                    # Steps launched ahead of the previous step's read-back (LLMEngine.step).
                    "async_scheduling": run["async_scheduling"], "ahead_steps": m.get("num_ahead_steps", 0),
+                   "interleave": run.get("interleave", False),
                    **summarize(run["trace"], m, run["wall"],
                                ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
                                k=kw.get("num_speculative_tokens", 0))}

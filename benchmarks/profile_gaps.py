@@ -158,7 +158,10 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
         engine.add_request(f"r{i}", [rng.randrange(3, cfg["vocab_size"]) for _ in range(args.prompt)], params)
     gc.collect()
     gc.freeze()
-    out: dict[str, Any] = {"replayssm": replayssm, "async_scheduling": engine.async_scheduling, "points": []}
+    out: dict[str, Any] = {"replayssm": replayssm, "async_scheduling": engine.async_scheduling,
+                           "interleave": engine.interleave, "points": []}
+    # Two interleaved request groups step in turns: a "step" here is one turn of each (every row once).
+    calls = 2 if engine.interleave else 1
 
     for ctx in contexts:
         while not engine.scheduler.running or mean_context(engine) < ctx:  # the first step prefills
@@ -166,7 +169,7 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
         if cuda:
             torch.cuda.synchronize()
         t, c = time.perf_counter(), time.process_time()
-        for _ in range(args.steps):
+        for _ in range(args.steps * calls):
             engine.step()
         if cuda:
             torch.cuda.synchronize()
@@ -174,7 +177,7 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
         cpu = (time.process_time() - c) / args.steps * 1e3
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with host_labels(engine), profile(activities=acts) as prof:
-            for _ in range(args.steps):
+            for _ in range(args.steps * calls):
                 engine.step()
             if cuda:
                 torch.cuda.synchronize()
@@ -182,7 +185,7 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
         if args.cprofile:
             prof_py = cProfile.Profile()
             prof_py.enable()
-            for _ in range(args.steps):
+            for _ in range(args.steps * calls):
                 engine.step()
             prof_py.disable()
             top = cprofile_top(prof_py, args.steps)
@@ -198,7 +201,8 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
                 log(f"  cprofile {row}")
         out["points"].append(point)
         got = {k: point.get(f"{k}_ms_per_step", 0.0) for k in ("profiled_wall", "gpu_busy", "gpu_idle")}
-        log(f"replayssm={replayssm} async={engine.async_scheduling} context~{point['context']}: "
+        log(f"replayssm={replayssm} async={engine.async_scheduling} interleave={engine.interleave} "
+            f"context~{point['context']}: "
             f"wall {wall:.2f} ms/step; profiled "
             f"{got['profiled_wall']:.2f}, GPU busy {got['gpu_busy']:.2f}, idle {got['gpu_idle']:.2f}")
     del engine
@@ -210,7 +214,8 @@ def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_sch
 
 
 def setting_name(s: dict) -> str:
-    return ("on" if s["replayssm"] else "off") + (", async" if s.get("async_scheduling") else "")
+    return ("on" if s["replayssm"] else "off") + (", async" if s.get("async_scheduling") else "") + \
+        (", interleaved" if s.get("interleave") else "")
 
 
 def render(doc: dict) -> str:

@@ -4,12 +4,14 @@ there (runner.commit_async) and they are read back at the group's next turn, aft
 step was queued. Every output must equal the synchronous engine's (and plain greedy decoding's)."""
 
 import functools
+import json
 
 import pytest
 import torch
+from conftest import requires_cuda
 from spec_helpers import generate, make_llm, one_thread, plain_greedy, prompts, target  # noqa: F401 (autouse fixture)
 
-from replayssm import SamplingParams
+from replayssm import LLM, SamplingParams
 from replayssm.cache.block_pool import BlockPool
 from replayssm.cache.slot_pool import SlotPool
 from replayssm.engine import llm_engine
@@ -165,3 +167,32 @@ def test_scheduler_groups_preempt_inside_and_balance_admission():
     assert out.preempted == [reqs[1]] and [c.request for c in out.chunks] == [reqs[0]]
     assert all(r.group == 1 and r in sched.running for r in reqs[2:4])
     sched.check_integrity()
+
+
+@requires_cuda
+@pytest.mark.parametrize("replayssm", [True, False])
+def test_interleaved_equals_synchronous_cuda_graphs(tmp_path, replayssm):
+    """On CUDA with graph replay (the configuration it is for; the auto default turns it on): the
+    tokens of the synchronous engine, for the n-gram drafter with seeded sampling and the synthetic
+    drafter, with graphs replayed for the verify steps of both groups."""
+    config = {
+        "architectures": ["NemotronHForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+        "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
+        "chunk_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 192, "hybrid_override_pattern": "M*M-M-", "dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 12, 7, 21, 3)]
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, ignore_eos=True, seed=11)
+    for method, extra in (("ngram", {}), ("synthetic", {"synthetic_acceptance_length": 3.1})):
+        kw = dict(device="cuda", load_format="dummy", cuda_graphs=True, kv_block_size=4, replay_window=8,
+                  max_model_len=96, max_num_seqs=8, replayssm=replayssm, num_speculative_tokens=3,
+                  speculative_method=method, **extra)
+        sync = LLM(str(tmp_path), async_scheduling=False, **kw)
+        want = [o.token_ids for o in sync.generate(ps, params, use_tqdm=False)]
+        llm = LLM(str(tmp_path), **kw)
+        assert llm.engine.interleave
+        assert [o.token_ids for o in llm.generate(ps, params, use_tqdm=False)] == want, method
+        assert llm.engine.runner.graphs.num_replays > 0 and llm.get_metrics()["spec_verify_steps"] > 0
+        llm.engine.check_integrity()
