@@ -251,7 +251,8 @@ class ModelRunner:
             raise ValueError("commit_async() rows differ from the rows of the last execute()")
         if any(r.checkpoints for r in decode):
             raise ValueError("commit_async() cannot publish checkpoints: use commit()")
-        if accepted.shape != (len(rows),) or accepted.dtype != torch.int32 or accepted.device != self.device:
+        if accepted.shape != (len(rows),) or accepted.dtype != torch.int32 or \
+                accepted.device.type != self.device.type:
             raise ValueError(f"accepted must be an int32 tensor of shape ({len(rows)},) on {self.device}")
         self._pending = None
         if decode:

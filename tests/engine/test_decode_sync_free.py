@@ -83,12 +83,16 @@ def test_engine_decode_step_syncs_once(tmp_path):
 
 
 @requires_cuda
+@pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("replayssm", [True, False])
-def test_engine_verify_step_syncs_once(tmp_path, replayssm):
-    """A warm greedy speculative (synthetic, k = 3) verify step syncs once: reading the verified tokens."""
+def test_engine_verify_step_syncs_once(tmp_path, replayssm, interleave):
+    """A warm greedy speculative (synthetic, k = 3) verify step syncs once: reading the verified tokens.
+    Interleaved (two request groups, the CUDA default), a step is one group's turn: it waits once,
+    for that group's previous step."""
     outs, syncs = _warm_step_syncs(tmp_path, 24, replayssm=replayssm, num_speculative_tokens=3,
-                                   speculative_method="synthetic", synthetic_acceptance_length=2.5)
-    assert len(outs) == 3 and len(syncs) <= 1, syncs
+                                   speculative_method="synthetic", synthetic_acceptance_length=2.5,
+                                   async_scheduling=interleave)
+    assert len(outs) == (2 if interleave else 3) and len(syncs) <= 1, syncs
 
 
 @requires_cuda
