@@ -161,7 +161,9 @@ class EngineConfig:
     async_scheduling: bool | None = _doc(
         None, "launch each decode step before the previous step's tokens are read back, so the host's "
         "per-step work (stop checks, outputs) overlaps the GPU; a request that stops computes one extra "
-        "row, dropped. None = on for CUDA engines; off with speculative decoding or tensor_parallel_size > 1"
+        "row, dropped. With speculative decoding (ngram or synthetic drafts, no prefix caching) it splits "
+        "the requests into two groups whose verify steps take turns, one group's host work overlapping "
+        "the other's forward. None = on for CUDA engines; off with tensor_parallel_size > 1"
     )
     tensor_parallel_size: int = _doc(
         1, "GPUs (CPU processes with device cpu) that split every layer's heads and weights; "

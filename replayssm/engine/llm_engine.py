@@ -35,6 +35,15 @@ class LLMEngine:
     (no checkpoint is read, no request admitted), the checkpoint states of step N were written by
     step N's commit, queued first, and a block or slot released after N+1 was queued is reused
     only by work queued after N+1.
+
+    With speculative decoding, async scheduling interleaves two request groups instead
+    (`_step_group`): the next verify step of a group depends on its accepted counts, so it cannot
+    be launched ahead, but the other group's step can run meanwhile. Each group's own steps keep
+    section 3's order (its commit takes the counts on the device and the host mirror follows when
+    they are read back); the scheduler preempts only inside the group it schedules, since the other
+    group's step may be in flight (DESIGN.md says "the newest running request"; here it is the
+    newest of the group). Prefix caching keeps synchronous steps: its publications read the
+    counts before the commit.
     """
 
     def __init__(self, config: EngineConfig, runner_cls: Any = None) -> None:

@@ -63,10 +63,13 @@ FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # vs 45.7, b = 32 88.6 vs 178.8 vs 79.2 (4,096 row-heads: the split route), b = 128 331.6 vs 258.2;
 # TP8 shape (call 4) b = 128 (2,048 row-heads) 49.9 vs 57.7 for the split route, b = 256 89.8 vs 80.4.
 # One TF32 pass per product where y is 16-bit vs fp32-accurate products ("mono.t.x"; session 10 call 1,
-# q = 4, bf16 y): 8B b = 8 22.4 vs 26.6 us, TP8 b = 32 16.6 vs 19.1, b = 128 41.4 vs 50.3.
+# q = 4, bf16 y): 8B b = 8 22.4 vs 26.6 us, TP8 b = 32 16.6 vs 19.1, b = 128 41.4 vs 50.3. Against the
+# split route (call 2, mono.t 64x4 vs "stream-list.o.p5"): 8B b = 32 (4,096 row-heads) 68.7 vs 78.8 us,
+# TP8 b = 256 71.3 vs 80.0, TP8 b = 512 (8,192) 130.6 vs 139.1; hence up to 8,192 row-heads. Above
+# (8B b = 128, 16,384), mono.t.x took 333 us against 256 for the split route (call 1).
 MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 MONO_T_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))  # <= / > 128
-MONO_MAX_ROW_HEADS = (2048, 2048)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
+MONO_MAX_ROW_HEADS = (2048, 8192)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
 
 
 def auto_route(b: int, q: int, H: int, P: int, N: int) -> tuple[str, LaunchConfig] | None:
