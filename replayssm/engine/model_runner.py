@@ -220,20 +220,11 @@ class ModelRunner:
         if len(num_accepted) != len(rows):
             raise ValueError(f"num_accepted has {len(num_accepted)} entries for {len(rows)} rows")
         live = [r.slot for r in rows]
-        batch = self._pending
-        if batch is None:
+        pending = self._pending_decode(rows, "commit")
+        if pending is None:
             return live
-        decode = [r for r in batch.decode if not r.forced]
-        if any(r.index >= len(rows) or rows[r.index].slot != r.slot for r in decode):
-            raise ValueError("commit() rows differ from the rows of the last execute()")
-        accepted = []
-        for r in decode:
-            a = num_accepted[r.index]
-            if not isinstance(a, int) or not 1 <= a <= len(r.token_ids):
-                raise ValueError(f"num_accepted[{r.index}] must be in [1, {len(r.token_ids)}], got {a!r}")
-            accepted.append(a)
-            if r.spec_slots is not None:
-                live[r.index] = r.spec_slots[a - 1]
+        batch, decode = pending
+        accepted = _accepted(decode, num_accepted, live)
         self._pending = None
         self._commit_decode(batch, decode, accepted)
         return live
@@ -243,12 +234,10 @@ class ModelRunner:
         accept 1), reading nothing back. Returns what `finish_commit` takes once the counts are
         known on the host. Rows with checkpoints (prefix caching) need `commit`: their
         publications read the counts first."""
-        batch = self._pending
-        if batch is None:
+        pending = self._pending_decode(rows, "commit_async")
+        if pending is None:
             return None
-        decode = [r for r in batch.decode if not r.forced]
-        if any(r.index >= len(rows) or rows[r.index].slot != r.slot for r in decode):
-            raise ValueError("commit_async() rows differ from the rows of the last execute()")
+        batch, decode = pending
         if any(r.checkpoints for r in decode):
             raise ValueError("commit_async() cannot publish checkpoints: use commit()")
         if accepted.shape != (len(rows),) or accepted.dtype != torch.int32 or \
@@ -268,19 +257,23 @@ class ModelRunner:
         if handle is None:
             return live
         q, decode = handle
-        accepted = []
-        for r in decode:
-            a = num_accepted[r.index]
-            if not isinstance(a, int) or not 1 <= a <= len(r.token_ids):
-                raise ValueError(f"num_accepted[{r.index}] must be in [1, {len(r.token_ids)}], got {a!r}")
-            accepted.append(a)
-            if r.spec_slots is not None:
-                live[r.index] = r.spec_slots[a - 1]
+        accepted = _accepted(decode, num_accepted, live)
         if self.replayssm:
             kept = [(r.slot, a) for r, a in zip(decode, accepted) if keep[r.index]]
             mirror_commit(self._ring_start, self._committed, [s for s, _ in kept], [a for _, a in kept], q,
                           self.window, self.mamba_cache.ring_rows)
         return live
+
+    def _pending_decode(self, rows: list[ScheduledRow],
+                        what: str) -> tuple[BatchInputs, list[RowView]] | None:
+        """The last execute's batch and its engine decode rows (None: nothing to commit)."""
+        batch = self._pending
+        if batch is None:
+            return None
+        decode = [r for r in batch.decode if not r.forced]
+        if any(r.index >= len(rows) or rows[r.index].slot != r.slot for r in decode):
+            raise ValueError(f"{what}() rows differ from the rows of the last execute()")
+        return batch, decode
 
     def row_hidden(self, index: int, num_tokens: int) -> torch.Tensor:
         """Hidden states (num_tokens, hidden), before the final norm, of the first num_tokens
@@ -358,3 +351,17 @@ class ModelRunner:
 
     def _check_slot(self, slot: object, name: str) -> None:
         check_slot(slot, name, self.num_slots)
+
+
+def _accepted(decode: list[RowView], num_accepted: list[int], live: list[int]) -> list[int]:
+    """The decode rows' counts, each checked to lie in [1, the row's tokens]; live[i] becomes the spec
+    slot a baseline verify row keeps (spec_slots[a - 1])."""
+    accepted = []
+    for r in decode:
+        a = num_accepted[r.index]
+        if not isinstance(a, int) or not 1 <= a <= len(r.token_ids):
+            raise ValueError(f"num_accepted[{r.index}] must be in [1, {len(r.token_ids)}], got {a!r}")
+        accepted.append(a)
+        if r.spec_slots is not None:
+            live[r.index] = r.spec_slots[a - 1]
+    return accepted
