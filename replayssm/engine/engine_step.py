@@ -91,8 +91,7 @@ class LaunchedStep:
 
     def verify_results(self) -> tuple[list[list[int]], list[int], list[list[float]] | None]:
         """A deferred verify's (tokens, emitted counts, logprobs) as lists; after `results()`."""
-        out, acc, lps = self._verify_lists
-        return out, acc, lps
+        return tuple(self._verify_lists)
 
 
 def launch(engine: LLMEngine, chunks: list[ScheduledChunk],

@@ -26,7 +26,8 @@ class EngineMetrics:
     peak_running_requests: int = 0
     peak_kv_blocks_used: int = 0
     num_ahead_steps: int = 0  # async scheduling: steps launched before the previous one was read back
-    num_ahead_rows_dropped: int = 0  # their rows whose request had finished meanwhile (computed, dropped)
+    # rows of a step in flight (launched ahead, or an interleaved group's) whose request finished meanwhile
+    num_ahead_rows_dropped: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         d: dict[str, int | float] = dataclasses.asdict(self)

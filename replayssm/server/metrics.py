@@ -45,7 +45,8 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "num_ahead_steps": _counter("engine_ahead_steps",
                                 "Steps launched before the last one's tokens were read (async scheduling)"),
     "num_ahead_rows_dropped": _counter("engine_ahead_rows_dropped",
-                                       "Rows of steps launched ahead whose request had finished"),
+                                       "Rows of steps in flight (launched ahead or interleaved) whose "
+                                       "request had finished"),
 }
 
 
