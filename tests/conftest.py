@@ -10,6 +10,13 @@ torch.set_num_threads(1)
 HAS_CUDA = torch.cuda.is_available()
 CUDA_REASON = "needs CUDA"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_REASON)
+# A small Nemotron-H (Mamba, attention, MLP) for engine tests on the GPU with dummy weights.
+TINY_HYBRID_BF16 = {
+    "architectures": ["NemotronHForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+    "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
+    "chunk_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "intermediate_size": 192, "hybrid_override_pattern": "M*M-M-", "dtype": "bfloat16",
+}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import requires_cuda
+from conftest import TINY_HYBRID_BF16, requires_cuda
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "prefix"))
 from prefix_helpers import one_thread, small_checkpoint  # noqa: E402, F401 (autouse fixture)
@@ -188,13 +188,7 @@ def test_fed_token_is_the_sampled_one():
 def test_async_equals_sync_cuda_graphs(tmp_path):
     """On CUDA with graph replay (the configuration async scheduling is for): same tokens as
     synchronous steps, steps ran ahead, and the auto default turned it on."""
-    config = {
-        "architectures": ["NemotronHForCausalLM"], "vocab_size": 256, "hidden_size": 128,
-        "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
-        "chunk_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "intermediate_size": 192, "hybrid_override_pattern": "M*M-M-", "dtype": "bfloat16",
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HYBRID_BF16))
     kw = dict(device="cuda", load_format="dummy", cuda_graphs=True, kv_block_size=4, replay_window=4,
               max_model_len=96, max_num_seqs=8)
     plain = drive(LLM(str(tmp_path), async_scheduling=False, **kw), workload({}))

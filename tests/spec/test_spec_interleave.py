@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import requires_cuda
+from conftest import TINY_HYBRID_BF16, requires_cuda
 from spec_helpers import generate, make_llm, one_thread, plain_greedy, prompts, target  # noqa: F401 (autouse fixture)
 
 from replayssm import LLM, SamplingParams
@@ -175,13 +175,7 @@ def test_interleaved_equals_synchronous_cuda_graphs(tmp_path, replayssm):
     """On CUDA with graph replay (the configuration it is for; the auto default turns it on): the
     tokens of the synchronous engine, for the n-gram drafter with seeded sampling and the synthetic
     drafter, with graphs replayed for the verify steps of both groups."""
-    config = {
-        "architectures": ["NemotronHForCausalLM"], "vocab_size": 256, "hidden_size": 128,
-        "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
-        "chunk_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "intermediate_size": 192, "hybrid_override_pattern": "M*M-M-", "dtype": "bfloat16",
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HYBRID_BF16))
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 12, 7, 21, 3)]
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, ignore_eos=True, seed=11)
