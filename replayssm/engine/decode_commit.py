@@ -39,13 +39,10 @@ def commit_decode(runner, batch: BatchInputs, rows: list[RowView], accepted: lis
     # Checkpoint windows read the live window before its commit; states need the committed cursors.
     pubs = decode_publications(rows, accepted, first)
     publish_conv_windows(cache, pubs, q, runner.device)
+    _queue_commits(runner, first, len(rows), q, slots, acc, dst)
     if runner.replayssm:
-        replay_commit(cache.ring_start, cache.committed, slots, acc, q, runner.window,
-                      ring_rows=cache.ring_rows)
         mirror_commit(runner._ring_start, runner._committed, slot_list, accepted, q, runner.window,
                       cache.ring_rows)
-    causal_conv1d_commit_layers(cache.conv, [s[first:first + len(rows), :q] for s in cache.conv_scratch], acc,
-                                slots, dst_indices=dst)
     publish_states(runner, pubs, runner._next_seed())
 
 
@@ -55,7 +52,6 @@ def commit_decode_device(runner, batch: BatchInputs, rows: list[RowView], accept
     host mirror of the cursors is the caller's to update once the counts are known (`mirror_commit`)."""
     first = batch.decode.index(rows[0])
     q = batch.mamba.decode_q
-    cache = runner.mamba_cache
     pack = HostPack()
     pack.add([r.slot for r in rows], torch.int32)
     pack.add([r.index for r in rows], torch.int64)
@@ -70,10 +66,18 @@ def commit_decode_device(runner, batch: BatchInputs, rows: list[RowView], accept
     slots, index, *rest = pack.send(runner.device)
     acc = accepted.index_select(0, index)
     dst = rest[0].gather(1, (acc.long() - 1)[:, None]).squeeze(1) if has_dst else None
+    _queue_commits(runner, first, len(rows), q, slots, acc, dst)
+
+
+def _queue_commits(runner, first: int, n: int, q: int, slots: torch.Tensor, acc: torch.Tensor,
+                   dst: torch.Tensor | None) -> None:
+    """The device half of both commits: cursors (ReplaySSM) and every layer's conv window, for the n
+    decode rows from grid row `first`, slots / counts / baseline destinations on the device."""
+    cache = runner.mamba_cache
     if runner.replayssm:
         replay_commit(cache.ring_start, cache.committed, slots, acc, q, runner.window,
                       ring_rows=cache.ring_rows)
-    causal_conv1d_commit_layers(cache.conv, [s[first:first + len(rows), :q] for s in cache.conv_scratch], acc,
+    causal_conv1d_commit_layers(cache.conv, [s[first:first + n, :q] for s in cache.conv_scratch], acc,
                                 slots, dst_indices=dst)
 
 
