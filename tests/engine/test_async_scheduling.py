@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_HYBRID_BF16, requires_cuda
+from engine_drive import drive
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "prefix"))
 from prefix_helpers import one_thread, small_checkpoint  # noqa: E402, F401 (autouse fixture)
@@ -25,27 +26,6 @@ BASE = dict(device="cpu", kv_block_size=4, replay_window=4, max_model_len=64, ma
 
 def prompts(n: int) -> list[list[int]]:
     return [[(11 * i + 5 * j) % 240 + 3 for j in range(3 + (i * 7) % 9)] for i in range(n)]
-
-
-def drive(llm: LLM, reqs: list[tuple[list[int], SamplingParams]], aborts: dict[int, list[str]] | None = None,
-          arrivals: dict[int, list[int]] | None = None) -> dict:
-    """Add requests (all at step 0 unless `arrivals` says at which step), abort some at given steps,
-    step until done with the pool check after every step; returns the finished outputs by id."""
-    engine, done, step = llm.engine, {}, 0
-    pending = dict(arrivals or {0: list(range(len(reqs)))})
-    while pending or engine.has_unfinished_requests():
-        for i in pending.pop(step, ()):
-            engine.add_request(str(i), *reqs[i])
-        for rid in (aborts or {}).get(step, ()):
-            engine.abort_request(rid)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-        step += 1
-    sched = engine.scheduler
-    assert sched.block_pool.num_used == 0 and not sched.running and engine._ahead is None
-    return done
 
 
 def same(a: dict, b: dict) -> None:

@@ -1,5 +1,6 @@
 """Random request lifecycles on the fake runner: tight memory, odd budgets, aborts."""
 
+from engine_drive import drive
 from fake_runner import FakeRunner, write_fake_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,20 +25,10 @@ request_st = st.tuples(
 
 
 def _run(path, reqs, aborts, **kw):
-    engine = LLM(path, runner_cls=FakeRunner, device="cpu", max_model_len=80, kv_block_size=4, **kw).engine
-    for i, (prompt, max_tokens, temp, seed) in enumerate(reqs):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=temp, seed=seed, max_tokens=max_tokens))
-    done, step = {}, 0
-    while engine.has_unfinished_requests():
-        for rid in aborts.get(step, ()):
-            engine.abort_request(rid)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-        step += 1
-    assert engine.scheduler.block_pool.num_used == 0 and not engine.scheduler.running
-    return done, engine.get_metrics()
+    llm = LLM(path, runner_cls=FakeRunner, device="cpu", max_model_len=80, kv_block_size=4, **kw)
+    done = drive(llm, [(prompt, SamplingParams(temperature=temp, seed=seed, max_tokens=max_tokens))
+                       for prompt, max_tokens, temp, seed in reqs], aborts)
+    return done, llm.get_metrics()
 
 
 @settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
