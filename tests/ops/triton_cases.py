@@ -178,11 +178,13 @@ def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, ste
         tri = [r.clone() for r in ref]
 
 
-def check_output_passes(device, route: str, config, *, H=8, P=64, N=128, G=2, b=12, q=4, S=40, W=16) -> None:
-    """One TF32 pass per output product where y is bf16 (`tf32.dot_out`): the largest error against
-    the fp32 reference (run on the CPU) stays within a bf16 ulp at the step's output scale,
-    2^-7 max |y|, as it does with fp32-accurate products (route + ".x"). (The cycle tests allow
-    3e-2 (1 + |y|); the interpreter's bf16 stores truncate, which this bound also admits.)"""
+def check_output_passes(device, route: str, config, *, accurate: str | None = None, H=8, P=64, N=128,
+                        G=2, b=12, q=4, S=40, W=16) -> None:
+    """Cheaper output products where y is bf16 (one TF32 pass, `tf32.dot_out`; bf16 hi + lo,
+    `tf32.dot_bf16_split`): the largest error against the fp32 reference (run on the CPU) stays
+    within a bf16 ulp at the step's output scale, 2^-7 max |y|, as it does with fp32-accurate
+    products (route `accurate`, default route + ".x"). (The cycle tests allow 3e-2 (1 + |y|); the
+    interpreter's bf16 stores truncate, which this bound also admits.)"""
     from replayssm.ops.triton import replay
 
     torch.manual_seed(5)
@@ -198,7 +200,7 @@ def check_output_passes(device, route: str, config, *, H=8, P=64, N=128, G=2, b=
     cpu = [t.to("cpu", copy=True) for t in (*args, *cache, idx)]  # the reference appends and folds in place
     y_ref = replay_forward_ref(*cpu, W, rand_seed=1, out=torch.empty(x.shape)).double()
     bound = 2.0**-7 * y_ref.abs().max().item()
-    for r in (route, route + ".x"):
+    for r in (route, accurate or route + ".x"):
         y = replay.launch_replay_forward(*args, *[t.clone() for t in cache], idx, W, True, 1,
                                          torch.full_like(x, float("nan")), config, r)
         err = (y.cpu().double() - y_ref).abs().max().item()
@@ -390,6 +392,10 @@ def run_interpreter(part: str) -> None:
         # .o: outputs of every row in one launch, flush pieces only fold (column chunks of NS=16).
         check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o",
                            steps=12, act=torch.bfloat16)
+        # .a: the bare output products beside the small launches, then scaled (one token and several).
+        check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)
+        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.a.y", steps=6,
+                           act=torch.bfloat16)
         # mono: one launch per step; two P tiles (appends from tile 0 only), a masked window (W=5).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono", steps=6,
                            act=torch.bfloat16)

@@ -112,19 +112,20 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             # NOTES-kernels.md), so 16-bit states fold in their own launch.
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
     if route.startswith(("stream-list", "lean")):
-        # "stream-list|lean[.sSTAGES][.iITEMS][.c][.o][.pN]": pipeline stages, pieces per program,
-        # flush launches on a side stream (replay_stream.py, replay_lean.py), outputs of every row in
-        # one launch with a fold-only flush launch after it, flush programs per SM. lean also takes
-        # .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one updates),
-        # .fROWS / .wWARPS (flush tile) and .hN (heads per ring-term program). The benchmarks sweep
-        # them.
+        # "stream-list|lean[.sSTAGES][.iITEMS][.c][.o][.pN][.y][.b]": pipeline stages, pieces per
+        # program, flush launches on a side stream (replay_stream.py, replay_lean.py), outputs of every
+        # row in one launch with a fold-only flush launch after it, flush programs per SM, a
+        # high-priority side stream, bf16 hi + lo state products (several tokens, bf16 C and y). lean
+        # also takes .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one
+        # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program) and .a (the
+        # small launches beside the output launch, `launch_lean` parallel). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
-        flags = {"c", "o"}
+        flags = {"c", "o", "y", "b"}
         if lean:
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
-            flags |= {"d", "e"}
+            flags |= {"d", "e", "a"}
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
             raise ValueError(f"route {route!r}: unknown options {bad}")
@@ -133,6 +134,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             kw["outputs_all"] = True
         if "e" in opts or "d" in opts:
             kw["dot_fold"] = "d" in opts
+        if "a" in opts:
+            kw["parallel"] = True
+        kw.update(priority="y" in opts, bf16_products="b" in opts)
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.rounding import stochastic_round
-from replayssm.ops.triton.tf32 import dot_split
+from replayssm.ops.triton.tf32 import dot_bf16_split, dot_split
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def _piece_mma(
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr,
+    MAXV: tl.constexpr, MMA: tl.constexpr,
 ):
     # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
     # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
@@ -117,8 +117,12 @@ def _piece_mma(
         tile = p[:, None] * N + n[None, :]
         S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
         Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
-        Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
-        acc = dot_split(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32)
+        if MMA == 2:
+            # The tile as bf16 hi + lo against bf16 C (the launch checks the dtypes: 16-bit y).
+            acc = dot_bf16_split(S0, Ct, acc)
+        else:
+            Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
+            acc = dot_split(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32)
         if FOLD:
             # Rank-one updates on the CUDA cores, as `_piece`.
             S = S0 * decay
@@ -152,11 +156,11 @@ def _any_piece(
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
     MAXV: tl.constexpr,
 ):
-    # MMA: 0 = CUDA cores, 1 = tensor-core outputs.
+    # MMA: 0 = CUDA cores, 1 = tensor-core outputs, 2 = the same with bf16 hi + lo state products.
     if MMA:
         _piece_mma(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                    w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)
+                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA)
     else:
         _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

@@ -113,13 +113,16 @@ def _ring_term_mma_kernel(
 
 
 def launch_ring_term(x, D, ring_x, ring_start, committed, state_indices, w, window,
-                     heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ring term r (b, q, H, P) and the per-row flush flags (b,) int32; appends x to the ring."""
+                     heads_per_program: int | None = None, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring term r (b, q, H, P) and the per-row flush flags (b,) int32; appends x to the ring.
+    out: (r, flags) to fill instead of new tensors."""
     b, q, H, P = x.shape
     R = ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
-    r = torch.empty(b, q, H, P, device=x.device, dtype=torch.float32)
-    flags = torch.empty(b, device=x.device, dtype=torch.int32)
+    if out is None:
+        out = (torch.empty(b, q, H, P, device=x.device, dtype=torch.float32),
+               torch.empty(b, device=x.device, dtype=torch.int32))
+    r, flags = out
     BP = triton.next_power_of_2(P)
     args = (x, D, ring_x, ring_start, committed, state_indices, w, r, flags, int(window),
             x.stride(0), x.stride(1), x.stride(2), H, R)

@@ -175,15 +175,22 @@ def _out_kernel(
             tl.store(state_ptr + sbase + tile, val, mask=tmask)
 
 
+def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights launch's outputs (w, sc), empty: (b, H, q+1, HB+QB) and (b, H, q+1) fp32."""
+    QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
+    return (torch.empty(b, H, q + 1, HB + QB, device=device, dtype=torch.float32),
+            torch.empty(b, H, q + 1, device=device, dtype=torch.float32))
+
+
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                   state_indices, window, dt_softplus) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch."""
+                   state_indices, window, dt_softplus, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
+    (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
-    w = torch.empty(b, H, q + 1, HB + QB, device=x.device, dtype=torch.float32)
-    sc = torch.empty(b, H, q + 1, device=x.device, dtype=torch.float32)
+    w, sc = out if out is not None else weights_scratch(b, q, H, window, x.device)
     _weights_kernel[(b, G)](
         dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
         dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),

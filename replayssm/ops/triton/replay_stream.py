@@ -116,12 +116,15 @@ def stream_supported(P: int, N: int, block_p: int) -> bool:
 def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                   items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
-                  flush_programs_per_sm: int = 4) -> None:
+                  flush_programs_per_sm: int = 4, priority: bool = False,
+                  bf16_products: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
     the streaming launch takes every row and the lean route's fold-only launch follows it.
-    flush_programs_per_sm: programs per SM of the fold-only launch (outputs_all).
+    flush_programs_per_sm: programs per SM of the fold-only launch (outputs_all). priority: the
+    side stream is high-priority. bf16_products: the streaming pieces' state products take the tile
+    as bf16 hi + lo (bf16 C and 16-bit y only; the flush pieces keep TF32).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -135,6 +138,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
     mma = int(q > 1 and block_p >= 16)  # several tokens: tensor-core pieces (16-row operands)
+    bf16 = mma and bf16_products and C.dtype == torch.bfloat16 and y.dtype in (torch.bfloat16, torch.float16)
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
@@ -152,7 +156,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     def stream_launch() -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all,
+            **{**meta, "MMA": 2 if bf16 else mma},
         )
 
     if outputs_all:
@@ -166,19 +171,21 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
 
     # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
     # weights scratch, so the latency-bound flush launch may run beside the bandwidth-bound one.
-    run_beside(x.device, flush_launches, stream_launch, concurrent)
+    run_beside(x.device, flush_launches, stream_launch, concurrent, priority)
 
 
-def run_beside(device: torch.device, side_work, main_work, concurrent: bool) -> None:
+def run_beside(device: torch.device, side_work, main_work, concurrent: bool, priority: bool = False) -> None:
     """main_work() on the current stream and side_work() beside it on the device's side stream
     (forked after the work queued so far, joined before returning: the join also orders any reuse
-    of the step's scratch after both); one after the other when not concurrent or not on CUDA."""
+    of the step's scratch after both); one after the other when not concurrent or not on CUDA.
+    priority: the side stream is a high-priority one (its blocks are dispatched ahead of the main
+    launch's waiting blocks; PyTorch's CUDA graphs keep the priority of the capturing stream)."""
     if not (concurrent and device.type == "cuda"):
         main_work()
         side_work()
         return
     main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
+    side = _side_stream(device, priority)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         side_work()
@@ -186,15 +193,16 @@ def run_beside(device: torch.device, side_work, main_work, concurrent: bool) -> 
     main.wait_stream(side)
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[int, bool], torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the concurrent flush launch (created on first use)."""
+def _side_stream(device: torch.device, priority: bool = False) -> torch.cuda.Stream:
+    """One side stream per device and priority for the concurrent launches (created on first use)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    key = (index, priority)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=index, priority=-1 if priority else 0)
+    return _SIDE_STREAMS[key]
 
 
 def flush_programs(device: torch.device, per_sm: int = FLUSH_PROGRAMS_PER_SM) -> int:

@@ -11,6 +11,10 @@ bf16/fp16 activations): one pass, whose ~2^-11 relative error per operand is bel
 own rounding at the scale of its terms (2^-9 for bf16, 2^-11 for fp16), where dot_split's extra
 passes buy bits the store throws away. Nothing a pass rounds reaches a stored state: folds keep
 dot_split or fp32.
+
+`dot_bf16_split` is the same split at bf16 width for an fp32 operand against a bf16 one: hi = bf16(v),
+lo = bf16(v - hi), two bf16 products (~2^-17 of each term: between one TF32 pass and dot_split),
+for products that only reach 16-bit outputs (an option of the streaming routes, for the sweeps).
 """
 
 from __future__ import annotations
@@ -50,3 +54,11 @@ def dot_out(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, OUT16: tl.c
     else:
         acc = dot_split(a, b, acc, A_EXACT, B_EXACT)
     return acc
+
+
+@triton.jit
+def dot_bf16_split(a, b16, acc):
+    """acc + a @ b16 for fp32 a and bf16 b16 as two bf16 products (a = hi + lo, each bf16)."""
+    hi = a.to(tl.bfloat16)
+    lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.dot(lo, b16, tl.dot(hi, b16, acc))
