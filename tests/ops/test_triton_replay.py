@@ -31,8 +31,7 @@ def test_replay_cycle_gpu(state_dtype, q, route):
 
 
 STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.o",
-                 "stream-list.o.p5", "stream-list.c.y", "stream-list.o.p5.b", "stream-list.f",
-                 "stream-list.f.y.p5"]
+                 "stream-list.o.p5", "stream-list.c.y", "stream-list.o.p5.b"]
 
 
 @requires_cuda

@@ -115,8 +115,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # "stream-list|lean[.sSTAGES][.iITEMS][.c][.o][.pN][.y][.b]": pipeline stages, pieces per
         # program, flush launches on a side stream (replay_stream.py, replay_lean.py), outputs of every
         # row in one launch with a fold-only flush launch after it, flush programs per SM, a
-        # high-priority side stream, bf16 hi + lo state products (several tokens, bf16 C and y).
-        # stream-list also takes .f (fold the flush rows first, beside the non-flush rows). lean
+        # high-priority side stream, bf16 hi + lo state products (several tokens, bf16 C and y). lean
         # also takes .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one
         # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program) and .a (the
         # small launches beside the output launch, `launch_lean` parallel). The benchmarks sweep them.
@@ -127,8 +126,6 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         if lean:
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
             flags |= {"d", "e", "a"}
-        else:
-            flags.add("f")
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
             raise ValueError(f"route {route!r}: unknown options {bad}")
@@ -140,8 +137,6 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         if "a" in opts:
             kw["parallel"] = True
         kw.update(priority="y" in opts, bf16_products="b" in opts)
-        if "f" in opts:
-            kw["fold_first"] = True
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

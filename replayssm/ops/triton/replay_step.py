@@ -27,13 +27,10 @@ from replayssm.ops.triton.ssu import softplus_dt
 def _weights_kernel(
     dt_ptr, A_ptr, B_ptr, C_ptr, dt_bias_ptr, rB_ptr, rdt_ptr, ring_start_ptr, committed_ptr, idx_ptr,
     w_ptr, sc_ptr,
-    sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, H, G, R, window,
+    sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, HPB: tl.constexpr, N: tl.constexpr,
-    BLOCK_N: tl.constexpr, DT_SOFTPLUS: tl.constexpr, FOLD_FIRST: tl.constexpr,
+    BLOCK_N: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
 ):
-    # FOLD_FIRST: a flush row's token scales are e^{Λ_t - Λ_h}, for outputs taken from its folded
-    # state S_h with no history (`replay_stream.launch_stream` fold_first); its history weights are
-    # then never read.
     i = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.load(idx_ptr + i)
@@ -93,12 +90,7 @@ def _weights_kernel(
     tl.store(w_ptr + wrow + HB + t[None, None, :], wn, mask=hq)
     tl.store(w_ptr + wbase[:, None] + Q * JB + j[None, :], fh, mask=hm[:, None])
     sbase = (i.to(tl.int64) * H + head) * (Q + 1)
-    if FOLD_FIRST:
-        flush = (s >= 0) & (hc + Q > window)
-        cumn_out = cumn - tl.where(flush, lam_h, 0.0)[:, None]
-    else:
-        cumn_out = cumn
-    tl.store(sc_ptr + sbase[:, None] + t[None, :], tl.exp(cumn_out), mask=ht)
+    tl.store(sc_ptr + sbase[:, None] + t[None, :], tl.exp(cumn), mask=ht)
     tl.store(sc_ptr + sbase + Q, tl.exp(lam_h), mask=hm)
     # Appends after the history (never a history row): Δ of each head, B of the group.
     ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
@@ -191,11 +183,9 @@ def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.
 
 
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                   state_indices, window, dt_softplus, out=None,
-                   fold_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   state_indices, window, dt_softplus, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
-    (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them).
-    fold_first: flush rows' token scales start at the end of their history (see the kernel)."""
+    (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -204,9 +194,9 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
     _weights_kernel[(b, G)](
         dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
         dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        C.stride(0), C.stride(1), C.stride(2), H, G, R, int(window),
+        C.stride(0), C.stride(1), C.stride(2), H, G, R,
         Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
-        DT_SOFTPLUS=bool(dt_softplus), FOLD_FIRST=fold_first, num_warps=4,
+        DT_SOFTPLUS=bool(dt_softplus), num_warps=4,
     )
     return w, sc
 

@@ -39,7 +39,6 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    FOLDED: tl.constexpr,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -55,15 +54,7 @@ def _stream_kernel(
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
     flush = valid & (hc + Q > window)
-    if FOLDED:
-        # Flush rows only, after the fold-only launch wrote S_h: their outputs from S_h with no
-        # history (the weights launch scaled them from Λ_h); appends still go after the history.
-        if flush:
-            for k in tl.range(0, ITEMS, num_stages=STAGES):
-                _any_piece(k, first, i, s64, valid, hc * 0, o + hc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr,
-                           rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b,
-                           sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
-    elif ALL or flush == 0:
+    if ALL or flush == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                        w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -126,7 +117,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                   items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
                   flush_programs_per_sm: int = 4, priority: bool = False,
-                  bf16_products: bool = False, fold_first: bool = False) -> None:
+                  bf16_products: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -134,19 +125,14 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     flush_programs_per_sm: programs per SM of the fold-only launch (outputs_all). priority: the
     side stream is high-priority. bf16_products: the streaming pieces' state products take the tile
     as bf16 hi + lo (bf16 C and 16-bit y only; the flush pieces keep TF32).
-    fold_first (tiles of >= 16 rows, not with outputs_all): the fold-only launch folds the flush
-    rows on the side stream while the streaming launch takes the non-flush rows, then a second
-    streaming launch takes the flush rows' outputs from their folded states S_h (flush rows read
-    their state twice, as with outputs_all, but the fold leaves the critical path).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
-    fold_first = fold_first and block_p >= 16 and not outputs_all  # fold-only pieces are products
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus, fold_first=fold_first)
+                           state_indices, window, dt_softplus)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
@@ -167,29 +153,20 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
 
-    def stream_launch(folded: bool = False) -> None:
+    def stream_launch() -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, FOLDED=folded,
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all,
             **{**meta, "MMA": 2 if bf16 else mma},
         )
 
-    def fold_only() -> None:
-        from replayssm.ops.triton.replay_lean import launch_flush
-
-        launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w,
-                     sc, sc, block_p, num_warps, flush_programs_per_sm, outputs=False)
-
     if outputs_all:
         # The fold overwrites tiles the streaming launch reads: after it, on the same stream.
+        from replayssm.ops.triton.replay_lean import launch_flush
+
         stream_launch()
-        fold_only()
-        return
-    if fold_first:
-        # Disjoint rows (the fold reads only the scratch's fold row and scale, the history rows of
-        # flush slots); the flush rows' outputs follow their fold.
-        run_beside(x.device, fold_only, stream_launch, True, priority)
-        stream_launch(folded=True)
+        launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w,
+                     sc, sc, block_p, num_warps, flush_programs_per_sm, outputs=False)
         return
 
     # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
