@@ -59,7 +59,7 @@ class Scheduler:
        its live slot. Cached entries count as free memory (they are evicted LRU on demand).
     Running requests stay sorted by arrival, so "newest" means latest arrival.
     Speculative decoding: a decode request also gets up to ``num_lookahead_tokens`` positions
-    of budget and KV blocks for its drafts (fewer near max_tokens / max_model_len).
+    of budget and KV blocks for its drafts (fewer only near max_model_len or out of budget).
     """
 
     def __init__(
@@ -96,13 +96,18 @@ class Scheduler:
         return max(0, total - len(request.block_table))
 
     def _lookahead(self, request: Request, n: int, budget: int) -> int:
-        """Draft positions for a decode step: never past max_tokens or max_model_len."""
+        """Draft positions for a decode step: never past max_model_len.
+
+        Not capped by max_tokens: a row a few tokens from its end still verifies every draft (the
+        tokens past max_tokens are dropped at output), so the step keeps one q for every row and
+        replays its CUDA graph; capped, the last steps of a batch ran eagerly with ragged rows.
+        """
         if not self.num_lookahead_tokens or n != 1 or request.num_computed_tokens == 0:
             return 0
-        room = request.params.max_tokens - len(request.output_token_ids) - 1
+        room = self.num_lookahead_tokens
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - request.num_tokens)
-        return max(0, min(self.num_lookahead_tokens, budget - 1, room))
+        return max(0, min(room, budget - 1))
 
     def _release(self, request: Request) -> None:
         self.block_pool.free(request.block_table)
