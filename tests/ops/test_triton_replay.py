@@ -161,20 +161,20 @@ def test_auto_route_policy():
 
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
     assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128
-    assert auto_route(32, 1, 128, 64, 128)[0] == "lean.c"
+    assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y"
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
     assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 2,048 row-heads
     assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t"  # 4,096 row-heads
     assert auto_route(512, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 8,192 row-heads
-    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.o.p5"
-    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.o.p5"
+    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.o.p5.b"
+    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.o.p5.b"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
 
 
 
-@pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e"])
+@pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e", "stream-list.a", "lean.f"])
 def test_route_options_are_checked(route):
     """A route option the route does not take, or an unknown route, is refused (no silent default)."""
     from replayssm.ops.triton.replay import launch_replay_forward

@@ -10,14 +10,18 @@ Routes (all read S0 once per row and write it only on flush rows):
 - "lean" (`replay_lean.py`, the default for one token where its tiles fit): the weights launch,
   a launch that precomputes the ring term r_t of every row and head, an output launch over the
   non-flush rows that is a gather-and-reduce of the state tiles plus r_t, and the flush rows
-  listed and folded (3xTF32 product) by a persistent launch.
+  listed and folded (3xTF32 product) by a persistent launch. The default "lean.a.y" runs the
+  output launch (bare products S0 C_t) beside all the others, which go on a high-priority side
+  stream, then scales and adds r_t in one elementwise launch.
 - "stream-list" (`replay_stream.py`): the weights launch of `replay_step.py`, a pipelined launch
   streaming every non-flush row (tensor-core pieces for several tokens), and the flush rows
   listed on the device and folded by a persistent launch. Suffixes .sN (pipeline stages), .iN
   (pieces per program) and .c (flush launch on a side stream) are for the benchmark sweeps.
-  "stream-list.o" (the default for several tokens) streams the outputs of every row and then
-  folds the flush rows in a fold-only launch: flush rows read S0 twice, but neither launch holds
-  outputs and fold at once (q = 4, 8B, b = 256 on the H200: 500 vs 582 µs, NOTES-kernels.md).
+  "stream-list.o" streams the outputs of every row and then folds the flush rows in a fold-only
+  launch: flush rows read S0 twice, but neither launch holds outputs and fold at once (q = 4, 8B,
+  b = 256 on the H200: 500 vs 582 µs, NOTES-kernels.md). The default for several tokens,
+  "stream-list.o.p5.b", adds five fold programs per SM and bf16 hi + lo state products (~2^-17 of
+  each term, far below a 16-bit output's rounding; TF32 hi + lo otherwise).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -44,13 +48,15 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.c" at 32x4 (321 us vs 380 for "stream-list" at
-# the 8B headline), several take "stream-list.o.p5" at 64x4 (491 vs 504 us for four fold programs
-# per SM, 582 for "stream-list.c" at q = 4); else replay_step.py (q = 1) or the tensor-core route
-# (q > 1).
+# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.o.p5.b" at 64x4;
+# else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
+#   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
+#          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
+#   q = 4: stream-list.o.p5.b 476.0 / 471.8 vs stream-list.o.p5 487.0 / 485.5 (bf16 hi + lo state
+#          products; two calls of session 11), 582 for stream-list.c (session 5).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
-AUTO_ROUTES = (("lean.c", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list.o.p5", LaunchConfig(block_p=64, num_warps=4)))
+AUTO_ROUTES = (("lean.a.y", LaunchConfig(block_p=32, num_warps=4)),
+               ("stream-list.o.p5.b", LaunchConfig(block_p=64, num_warps=4)))
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
 # bytes there. H200, fp32 state, session 6 call 3 (benchmarks/NOTES-kernels.md), mono vs split:
@@ -93,7 +99,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
-    for small steps, else "lean.c" for one token, "stream-list.o.p5" for several) where their tiles
+    for small steps, else "lean.a.y" for one token, "stream-list.o.p5.b" for several) where their tiles
     fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights": the weights launch alone (benchmark diagnostics only: y is not written).
     """
