@@ -31,7 +31,8 @@ def test_replay_cycle_gpu(state_dtype, q, route):
 
 
 STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.o",
-                 "stream-list.o.p5", "stream-list.c.y", "stream-list.o.p5.b"]
+                 "stream-list.o.p5", "stream-list.c.y", "stream-list.o.p5.b", "stream-list.o.p5.b.t",
+                 "stream-list.c.y.b.t"]
 
 
 @requires_cuda
@@ -174,7 +175,8 @@ def test_auto_route_policy():
 
 
 
-@pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e", "stream-list.a", "lean.f"])
+@pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e", "stream-list.a",
+                                   "lean.f", "lean.t"])
 def test_route_options_are_checked(route):
     """A route option the route does not take, or an unknown route, is refused (no silent default)."""
     from replayssm.ops.triton.replay import launch_replay_forward

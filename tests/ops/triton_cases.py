@@ -392,6 +392,12 @@ def run_interpreter(part: str) -> None:
         # .o: outputs of every row in one launch, flush pieces only fold (column chunks of NS=16).
         check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o",
                            steps=12, act=torch.bfloat16)
+        # .t: B·C as tensor-core products over padded token / history axes (W = 5: history padded
+        # from 8 to 16); the flush pieces fold with one product per column chunk.
+        check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(16, 1), route="stream-list.t", steps=8,
+                           act=torch.bfloat16)
+        check_replay_cycle("cpu", q=4, P=16, N=32, W=5, config=LaunchConfig(16, 1), route="stream-list.c.t",
+                           steps=8, state_dtype=torch.float16, act=torch.bfloat16)
         # .a: the bare output products beside the small launches, then scaled (one token and several).
         check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.a.y", steps=6,

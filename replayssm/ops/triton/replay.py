@@ -124,7 +124,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # high-priority side stream, bf16 hi + lo state products (several tokens, bf16 C and y). lean
         # also takes .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one
         # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program) and .a (the
-        # small launches beside the output launch, `launch_lean` parallel). The benchmarks sweep them.
+        # small launches beside the output launch, `launch_lean` parallel); stream-list .t (the weights
+        # launch's B·C as tensor-core products). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
@@ -132,6 +133,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         if lean:
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
             flags |= {"d", "e", "a"}
+        else:
+            flags.add("t")
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
             raise ValueError(f"route {route!r}: unknown options {bad}")
@@ -143,6 +146,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         if "a" in opts:
             kw["parallel"] = True
         kw.update(priority="y" in opts, bf16_products="b" in opts)
+        if "t" in opts:
+            kw["bc_dot"] = True
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

@@ -88,9 +88,9 @@ def _piece_mma(
     # by chunk so that no warp holds all of C^T. 16-bit C is exact in TF32, so an fp32 tile split
     # into hi + lo TF32 parts gives ~fp32 products (two MMAs, `tf32.dot_split`; one TF32 pass where
     # y is 16-bit measured slower here: 546 vs 485 us at q = 4, 8B, b = 256, NOTES-kernels.md
-    # session 10); the fold stays plain fp32 on the
-    # CUDA cores (no tensor-core rounding reaches a stored state). A 3xTF32 fold per chunk here
-    # measured no better (NOTES-kernels.md, sessions 5 and 6): the lean fold-only launch has it.
+    # session 10). FOLD (the flush launch's pieces): the fold is one fp32-accurate product per
+    # column chunk (`dot_split`, ~2^-22 of each term, as the lean fold-only launch's 3xTF32); it
+    # was rank-one fp32 updates on the CUDA cores until session 11.
     TB: tl.constexpr = 16 if QB < 16 else QB
     JB: tl.constexpr = HB + QB
     NPT: tl.constexpr = P // BLOCK_P
@@ -109,8 +109,16 @@ def _piece_mma(
     xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=jm[None, :],
                  other=0.0).to(tl.float32)  # (BLOCK_P, HB)
     if FOLD:
+        # The fold as one (BLOCK_P, KB) x (KB, NS) product per column chunk onto the decayed chunk:
+        # xf = history x scaled by the fold coefficients, the chunk's history B rows.
+        KB: tl.constexpr = 16 if HB < 16 else HB
         decay = tl.load(sc_ptr + scbase + Q)
         Brow0 = s64 * G * R + g * R
+        jf = tl.arange(0, KB)
+        jfm = jf < hc
+        frows = (o + jf) % R
+        xf = tl.load(rx_ptr + (xrow0 + frows)[None, :] * P + p[:, None], mask=jfm[None, :], other=0.0)
+        xf = xf.to(tl.float32) * tl.load(w_ptr + wbase + Q * JB + jf, mask=jfm, other=0.0)[None, :]
     acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
     for c in tl.static_range(N // NS):
         n = c * NS + tl.arange(0, NS)
@@ -124,14 +132,8 @@ def _piece_mma(
             Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
             acc = dot_split(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32)
         if FOLD:
-            # Rank-one updates on the CUDA cores, as `_piece`.
-            S = S0 * decay
-            for jj in tl.static_range(HB):
-                r = (o + jj) % R
-                f = tl.load(w_ptr + wbase + Q * JB + jj, mask=jj < hc, other=0.0)
-                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
-                Bj = tl.load(rB_ptr + (Brow0 + r) * N + n, mask=(n * 0 + jj) < hc, other=0.0).to(tl.float32)
-                S += (f * xj)[:, None] * Bj[None, :]
+            Bc = tl.load(rB_ptr + (Brow0 + frows)[:, None] * N + n[None, :], mask=jfm[:, None], other=0.0)
+            S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
             tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
     acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
     wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 from replayssm.ops.triton.ssu import softplus_dt
+from replayssm.ops.triton.tf32 import dot_split
 
 
 @triton.jit
@@ -29,8 +30,11 @@ def _weights_kernel(
     w_ptr, sc_ptr,
     sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, HPB: tl.constexpr, N: tl.constexpr,
-    BLOCK_N: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    BLOCK_N: tl.constexpr, DT_SOFTPLUS: tl.constexpr, BC_DOT: tl.constexpr, TT: tl.constexpr,
+    JJ: tl.constexpr,
 ):
+    # Tokens t < TT and history entries j < JJ (QB and HB, or with BC_DOT both padded to >= 16: B·C
+    # is then two tensor-core products instead of a chain of per-token reductions).
     i = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.load(idx_ptr + i)
@@ -39,9 +43,9 @@ def _weights_kernel(
     o = tl.load(ring_start_ptr + s64)
     n = tl.arange(0, BLOCK_N)
     nm = n < N
-    j = tl.arange(0, HB)
+    j = tl.arange(0, JJ)
     jm = j < hc
-    t = tl.arange(0, QB)
+    t = tl.arange(0, TT)
     tm = t < Q
     rows = (o + j) % R
     Brow0 = s64 * G * R + g * R
@@ -52,15 +56,22 @@ def _weights_kernel(
     C = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
     C = C.to(tl.float32)
     Bn = Bn_raw.to(tl.float32)
-    # B·C in fp32 on the CUDA cores: (QB, HB) history and (QB, QB) new (tiny: once per group),
-    # a token's row at a time: the whole (QB, HB, N) product took 163 registers at q = 4 (sm_90
-    # build), against 48 at q = 1.
-    bch = tl.zeros((QB, HB), dtype=tl.float32)
-    bcn = tl.zeros((QB, QB), dtype=tl.float32)
-    for tt in tl.static_range(Q):
-        Crow = tl.sum(tl.where((t == tt)[:, None], C, 0.0), axis=0)
-        bch = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bh, axis=1)[None, :], bch)
-        bcn = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bn, axis=1)[None, :], bcn)
+    # B·C: (TT, JJ) history and (TT, TT) new (tiny: once per group). BC_DOT: two products, exact
+    # for 16-bit B and C (`dot_split`). Else in fp32 on the CUDA cores a token's row at a time: the
+    # whole (QB, HB, N) broadcast product took 163 registers at q = 4 (sm_90 build), against 48 at
+    # q = 1.
+    if BC_DOT:
+        bch = dot_split(C, tl.trans(Bh), tl.zeros((TT, JJ), dtype=tl.float32),
+                        C_ptr.dtype.element_ty != tl.float32, rB_ptr.dtype.element_ty != tl.float32)
+        bcn = dot_split(C, tl.trans(Bn), tl.zeros((TT, TT), dtype=tl.float32),
+                        C_ptr.dtype.element_ty != tl.float32, B_ptr.dtype.element_ty != tl.float32)
+    else:
+        bch = tl.zeros((TT, JJ), dtype=tl.float32)
+        bcn = tl.zeros((TT, TT), dtype=tl.float32)
+        for tt in tl.static_range(Q):
+            Crow = tl.sum(tl.where((t == tt)[:, None], C, 0.0), axis=0)
+            bch = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bh, axis=1)[None, :], bch)
+            bcn = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bn, axis=1)[None, :], bcn)
     # Heads of this group: Λ from the stored history Δ and the new Δ, all exponents <= 0
     # (clamped so masked entries cannot overflow before being zeroed).
     hpg = H // G
@@ -70,25 +81,26 @@ def _weights_kernel(
     A = tl.load(A_ptr + head, mask=hm, other=0.0)
     xrow0 = s64 * H * R + head.to(tl.int64) * R  # ring_dt rows of (s, head)
     dth = tl.load(rdt_ptr + xrow0[:, None] + rows[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
-    cumh = tl.cumsum(dth, axis=1) * A[:, None]  # (HPB, HB)
+    cumh = tl.cumsum(dth, axis=1) * A[:, None]  # (HPB, JJ)
     lam_h = tl.sum(dth, axis=1) * A  # (HPB,)
     ht = hm[:, None] & tm[None, :]
     dtn = tl.load(dt_ptr + i * sdt_b + t[None, :] * sdt_t + head[:, None] * sdt_h, mask=ht, other=0.0)
     dtn = dtn.to(tl.float32)
     bias = tl.load(dt_bias_ptr + head, mask=hm, other=0.0)
     dtn = tl.where(tm[None, :], softplus_dt(dtn, bias[:, None], DT_SOFTPLUS), 0.0)
-    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, QB)
+    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, TT)
     wh = dth[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumh[:, None, :], 0.0)) * bch[None, :, :]
     wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
     wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
-    fh = dth * tl.exp(tl.minimum(lam_h[:, None] - cumh, 0.0))  # fold coefficients (HPB, HB)
+    fh = dth * tl.exp(tl.minimum(lam_h[:, None] - cumh, 0.0))  # fold coefficients (HPB, JJ)
     JB: tl.constexpr = HB + QB
     wbase = (i.to(tl.int64) * H + head) * ((Q + 1) * JB)  # (HPB,)
     hq = hm[:, None, None] & tm[None, :, None]
     wrow = wbase[:, None, None] + t[None, :, None] * JB
-    tl.store(w_ptr + wrow + j[None, None, :], wh, mask=hq)
-    tl.store(w_ptr + wrow + HB + t[None, None, :], wn, mask=hq)
-    tl.store(w_ptr + wbase[:, None] + Q * JB + j[None, :], fh, mask=hm[:, None])
+    # Rows of JB = HB + QB entries: history j < HB, then new k < QB (padded entries stay out).
+    tl.store(w_ptr + wrow + j[None, None, :], wh, mask=hq & (j < HB)[None, None, :])
+    tl.store(w_ptr + wrow + HB + t[None, None, :], wn, mask=hq & (t < QB)[None, None, :])
+    tl.store(w_ptr + wbase[:, None] + Q * JB + j[None, :], fh, mask=hm[:, None] & (j < HB)[None, :])
     sbase = (i.to(tl.int64) * H + head) * (Q + 1)
     tl.store(sc_ptr + sbase[:, None] + t[None, :], tl.exp(cumn), mask=ht)
     tl.store(sc_ptr + sbase + Q, tl.exp(lam_h), mask=hm)
@@ -183,20 +195,25 @@ def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.
 
 
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                   state_indices, window, dt_softplus, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   state_indices, window, dt_softplus, out=None,
+                   bc_dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
-    (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them)."""
+    (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them).
+    bc_dot (several tokens): B·C as two tensor-core products over token and history axes padded
+    to 16, instead of per-token reductions on the CUDA cores."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     w, sc = out if out is not None else weights_scratch(b, q, H, window, x.device)
+    dot = bool(bc_dot and q > 1 and triton.next_power_of_2(N) >= 16)
     _weights_kernel[(b, G)](
         dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
         dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
         C.stride(0), C.stride(1), C.stride(2), H, G, R,
         Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
-        DT_SOFTPLUS=bool(dt_softplus), num_warps=4,
+        DT_SOFTPLUS=bool(dt_softplus), BC_DOT=dot, TT=max(QB, 16) if dot else QB,
+        JJ=max(HB, 16) if dot else HB, num_warps=4,
     )
     return w, sc
 

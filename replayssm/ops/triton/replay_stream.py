@@ -117,14 +117,15 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                   items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
                   flush_programs_per_sm: int = 4, priority: bool = False,
-                  bf16_products: bool = False) -> None:
+                  bf16_products: bool = False, bc_dot: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
     the streaming launch takes every row and the lean route's fold-only launch follows it.
-    flush_programs_per_sm: programs per SM of the fold-only launch (outputs_all). priority: the
-    side stream is high-priority. bf16_products: the streaming pieces' state products take the tile
-    as bf16 hi + lo (bf16 C and 16-bit y only; the flush pieces keep TF32).
+    flush_programs_per_sm: programs per SM of the persistent flush (or, with outputs_all, fold-only)
+    launch. priority: the side stream is high-priority. bf16_products: the pieces' output products
+    take the tile as bf16 hi + lo (bf16 C and 16-bit y only). bc_dot: the weights launch's B·C as
+    tensor-core products (`launch_weights`).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -132,14 +133,14 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus)
+                           state_indices, window, dt_softplus, bc_dot=bc_dot)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
     mma = int(q > 1 and block_p >= 16)  # several tokens: tensor-core pieces (16-row operands)
     bf16 = mma and bf16_products and C.dtype == torch.bfloat16 and y.dtype in (torch.bfloat16, torch.float16)
-    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
+    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=2 if bf16 else mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
         # Flush rows listed on the device, then folded by a persistent launch.
@@ -147,7 +148,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         count = torch.empty(1, device=x.device, dtype=torch.int32)
         _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
                                  BLOCK=LIST_BLOCK, num_warps=4)
-        programs = min(b * H * (P // block_p), flush_programs(x.device))
+        programs = min(b * H * (P // block_p), flush_programs(x.device, flush_programs_per_sm))
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
                                    state_indices, y, w, sc, *common, **meta)
 
@@ -156,8 +157,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     def stream_launch() -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all,
-            **{**meta, "MMA": 2 if bf16 else mma},
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
         )
 
     if outputs_all:
