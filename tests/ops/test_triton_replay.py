@@ -169,8 +169,8 @@ def test_auto_route_policy():
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 2,048 row-heads
     assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t"  # 4,096 row-heads
     assert auto_route(512, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 8,192 row-heads
-    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.o.p5.b"
-    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.o.p5.b"
+    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t"
+    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
 
 

@@ -48,15 +48,17 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.o.p5.b" at 64x4;
+# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.c.y.b.t" at 64x4;
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
 #          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
-#   q = 4: stream-list.o.p5.b 476.0 / 471.8 vs stream-list.o.p5 487.0 / 485.5 (bf16 hi + lo state
-#          products; two calls of session 11), 582 for stream-list.c (session 5).
+#   q = 4 (session 11, call 6, one run): stream-list.c.y.b.t 433.4 us (flush rows' outputs and
+#          product fold in one pass beside the streaming launch, high-priority; B·C as products),
+#          .c.y.b 444.1, .c.y.b.t.p8 443.0, .b.t (flush launch after) 466.6, stream-list.o.p5.b.t
+#          462.3, stream-list.o.p5.b 471.7 (calls 1-3: 470.8-476.0 vs 483.5-487.0 without .b).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.a.y", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list.o.p5.b", LaunchConfig(block_p=64, num_warps=4)))
+               ("stream-list.c.y.b.t", LaunchConfig(block_p=64, num_warps=4)))
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
 # bytes there. H200, fp32 state, session 6 call 3 (benchmarks/NOTES-kernels.md), mono vs split:
@@ -99,7 +101,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
-    for small steps, else "lean.a.y" for one token, "stream-list.o.p5.b" for several) where their tiles
+    for small steps, else "lean.a.y" for one token, "stream-list.c.y.b.t" for several) where their tiles
     fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights": the weights launch alone (benchmark diagnostics only: y is not written).
     """
