@@ -20,8 +20,10 @@ Routes (all read S0 once per row and write it only on flush rows):
   "stream-list.o" streams the outputs of every row and then folds the flush rows in a fold-only
   launch: flush rows read S0 twice, but neither launch holds outputs and fold at once (q = 4, 8B,
   b = 256 on the H200: 500 vs 582 µs, NOTES-kernels.md). The default for several tokens,
-  "stream-list.o.p5.b", adds five fold programs per SM and bf16 hi + lo state products (~2^-17 of
-  each term, far below a 16-bit output's rounding; TF32 hi + lo otherwise).
+  "stream-list.c.y.b.t", streams the non-flush rows while the flush launch (outputs and fold of
+  the flush rows in one pass) runs beside it on a high-priority side stream, with bf16 hi + lo
+  state products for the outputs (~2^-17 of each term, far below a 16-bit output's rounding;
+  TF32 hi + lo otherwise) and the weights launch's B·C as tensor-core products.
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0

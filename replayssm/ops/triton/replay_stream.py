@@ -1,4 +1,5 @@
-"""ReplaySSM forward step, row-streaming launches (route "stream-list", the default).
+"""ReplaySSM forward step, row-streaming launches (route "stream-list"; several tokens default to
+"stream-list.c.y.b.t").
 
 Same weights launch and arithmetic as `replay_step.py`; the output launches differ in shape. A
 grid-per-tile launch gives every program one 16 KiB (P tile, head) piece of the state behind a
@@ -13,6 +14,11 @@ the fold's registers never throttle the common case and few flush rows still spr
 SM (the H200 profile in benchmarks/NOTES-kernels.md showed a flush-only grid launch at a third of
 the step). Measured and dropped (NOTES-kernels.md, session 3): folding in the streaming launch
 (its registers cut every program's occupancy) and a flush-only grid launch (a launch storm).
+The default for several tokens runs the flush launch on a high-priority side stream beside the
+streaming launch (.c.y), with bf16 hi + lo output products (.b) and the weights launch's B·C as
+tensor-core products (.t); a flush piece writes its outputs and folds in one pass, one product
+per column chunk (H200, q = 4, 8B: 433-435 vs 472 us for ".o.p5.b" at b = 256, 228.5 vs 250.3 at
+128, 836.1 vs 919.8 at 512; NOTES-kernels.md, session 11).
 """
 
 from __future__ import annotations
