@@ -97,6 +97,20 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 
 
 @requires_cuda
+@pytest.mark.parametrize("route, block, q", [("lean.a.y", (32, 4), 1), ("lean.c", (32, 4), 1),
+                                             ("stream-list.c.y.b.t", (64, 4), 4),
+                                             ("stream-list.c", (64, 4), 4)])
+def test_side_stream_routes_in_cuda_graph_gpu(route, block, q):
+    """Routes with launches on a side stream give the same bits replayed from a CUDA graph as run
+    eagerly (the decode and verify steps of the engine replay them from graphs)."""
+    from triton_cases import check_graph_replay
+
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    check_graph_replay(route, LaunchConfig(*block), q)
+
+
+@requires_cuda
 @pytest.mark.parametrize("route, block", [("auto", None), ("stream-list.o.p5", (64, 4)), ("mono.t", (32, 4))])
 def test_replay_cycle_fp32_act_gpu(route, block):
     """On the GPU with fp32 activations (fp32-accurate TF32 products, `tf32.dot_split`, at the fp32

@@ -207,6 +207,48 @@ def check_output_passes(device, route: str, config, *, accurate: str | None = No
         assert err <= bound, f"{r}: max error {err:.3e} > 2^-7 max|y| = {bound:.3e}"
 
 
+def check_graph_replay(route: str, config, q: int, *, H=8, P=64, N=128, G=2, b=24, S=40, W=16,
+                       starts=6) -> None:
+    """One forward step captured in a CUDA graph gives the eager step's bits (outputs and the whole
+    cache), from several cursor states: a route that forks a side stream must have its fork and
+    join captured as graph edges (a missed one shows as a race against the eager result)."""
+    from replayssm.ops.triton import replay
+
+    torch.manual_seed(7)
+    R = W + q + 1
+    A, D, dt_bias = _params(H, "cuda")
+    cache = [(torch.randn(S, H, P, N) * 2).cuda(), *_ring(S, H, G, R, P, N, torch.bfloat16, "cuda"),
+             torch.randint(0, R, (S,), dtype=torch.int32).cuda(),
+             torch.randint(0, W + 1, (S,), dtype=torch.int32).cuda()]
+    idx = _slots(b, S, "cuda")
+    args = _tokens(b, q, H, P, G, N, torch.bfloat16, "cuda")
+    x, dt, B, C = args
+    static = [t.clone() for t in cache]
+    y = torch.empty_like(x)
+
+    def step(cur, out):
+        replay.launch_replay_forward(x, dt, A, B, C, D, dt_bias, *cur, idx, W, True, 3, out, config, route)
+
+    step(static, y)  # compiles every kernel (and creates the side stream) before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(static, y)
+    for k in range(starts):
+        start = [t.clone() for t in cache]
+        start[5] = (start[5] + 3 * k) % (W + 1)  # other rows flush at each start
+        eager = [t.clone() for t in start]
+        y_eager = torch.full_like(x, float("nan"))
+        step(eager, y_eager)
+        for dst, src in zip(static, start):
+            dst.copy_(src)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, y_eager), f"start {k}: graph outputs differ from eager"
+        assert all(torch.equal(u, v) for u, v in zip(static, eager)), f"start {k}: graph cache differs"
+
+
 def check_materialize(device, *, H=4, P=12, N=12, G=2, m=4, S=13, W=5, state_dtype=torch.float32,
                       act=torch.float32, seed=0) -> None:
     """Materialize (state of src advanced by n ring entries into dst) vs reference."""
