@@ -27,15 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs, launch_flush
 from replayssm.ops.triton.replay_pieces import _any_piece
 from replayssm.ops.triton.replay_step import launch_weights
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
-
-FLUSH_PROGRAMS_PER_SM = 4
-# Rows per iteration of the one-program flush list kernels: fixed, so every batch size (every CUDA
-# graph bucket) shares one compiled kernel. Sized by batch, each new bucket compiled its own
-# mid-run: several seconds in the first timed run of (b) on the H200 (benchmarks/NOTES-e2e.md).
-LIST_BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -168,8 +163,6 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
 
     if outputs_all:
         # The fold overwrites tiles the streaming launch reads: after it, on the same stream.
-        from replayssm.ops.triton.replay_lean import launch_flush
-
         stream_launch()
         launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w,
                      sc, sc, block_p, num_warps, flush_programs_per_sm, outputs=False)
@@ -209,10 +202,3 @@ def _side_stream(device: torch.device, priority: bool = False) -> torch.cuda.Str
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=index, priority=-1 if priority else 0)
     return _SIDE_STREAMS[key]
-
-
-def flush_programs(device: torch.device, per_sm: int = FLUSH_PROGRAMS_PER_SM) -> int:
-    """Programs of a persistent flush launch: per_sm per SM (the CPU interpreter counts one SM)."""
-    if device.type != "cuda":
-        return per_sm
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count

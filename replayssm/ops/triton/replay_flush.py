@@ -1,0 +1,188 @@
+"""The flush rows of a ReplaySSM forward step: listed on the device, then folded by a persistent
+launch (shared by routes "lean" and "stream-list").
+
+A list kernel (one program) writes a record (row, slot, h_c, ring start) per row that flushes this
+step (h_c + Q > W); the persistent launch walks the (head, P tile) pieces of the listed rows on a
+fixed grid of a few programs per SM, so few flush rows still spread over every SM and the fold's
+registers never throttle the launches that stream the other rows. A piece folds
+    S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ
+from the weights launch's scratch (`replay_step.py`) and, with outputs, writes the row's y from
+the same tile (`replay_lean.py`'s ring term r_t); without, it only folds (the rows' outputs came
+from a launch over every row before it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+
+FLUSH_PROGRAMS_PER_SM = 4
+# Rows per iteration of the one-program flush list kernels: fixed, so every batch size (every CUDA
+# graph bucket) shares one compiled kernel. Sized by batch, each new bucket compiled its own
+# mid-run: several seconds in the first timed run of (b) on the H200 (benchmarks/NOTES-e2e.md).
+LIST_BLOCK = 1024
+
+
+@triton.jit
+def _lean_list_kernel(idx_ptr, committed_ptr, ring_start_ptr, list_ptr, count_ptr, b, window, Q: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    # One program: a record (row, slot, h_c, ring start) per row that flushes this step, in row
+    # order, and their count; a flush piece then waits on one record load, not on a chain.
+    base = 0
+    for start in range(0, b, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        s = tl.load(idx_ptr + r, mask=r < b, other=-1)
+        sm = tl.maximum(s, 0)
+        hc = tl.load(committed_ptr + sm, mask=s >= 0, other=0)
+        o = tl.load(ring_start_ptr + sm, mask=s >= 0, other=0)
+        f = (s >= 0) & (hc + Q > window)
+        at = (base + tl.cumsum(f.to(tl.int32), axis=0) - 1) * 4
+        tl.store(list_ptr + at, r, mask=f)
+        tl.store(list_ptr + at + 1, s, mask=f)
+        tl.store(list_ptr + at + 2, hc, mask=f)
+        tl.store(list_ptr + at + 3, o, mask=f)
+        base += tl.sum(f.to(tl.int32), axis=0)
+    tl.store(count_ptr, base)
+
+
+@triton.jit(do_not_specialize=["seed_mix"])
+def _lean_flush_kernel(
+    list_ptr, count_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, r_ptr, seed_mix,
+    sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, DOT: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr, OUT: tl.constexpr,
+):
+    # Persistent over the (head, P tile) pieces of the listed rows. A piece loads its tile once,
+    # writes y_t = e^{Λ_t} (S0 C_t) + r_t, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32
+    # and writes it: (DOT) one (BLOCK_P, KB) x (KB, N) 3xTF32 tensor-core product onto the decayed
+    # tile (~2^-21 relative error per product against fp32's 2^-24; on the H200 it halved this
+    # launch, 82 -> 47 us, NOTES-kernels.md), or one fp32 rank-one update per history entry.
+    # Without OUT (the output launch took these rows too) a piece only folds, an NS-column chunk
+    # at a time (3xTF32 product), so few registers are live and many pieces stream at once.
+    NPT: tl.constexpr = P // BLOCK_P
+    KB: tl.constexpr = 16 if HB < 16 else HB
+    JB: tl.constexpr = HB + QB
+    NC: tl.constexpr = N // NS
+    per_row = H * NPT
+    for w in range(tl.program_id(0), tl.load(count_ptr) * per_row, tl.num_programs(0)):
+        e = list_ptr + (w // per_row) * 4
+        i = tl.load(e)
+        s64 = tl.load(e + 1).to(tl.int64)
+        hc = tl.load(e + 2)
+        o = tl.load(e + 3)
+        piece = w % per_row
+        h = piece // NPT
+        p = (piece % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
+        g = h // (H // G)
+        sbase = (s64 * H + h) * (P * N)
+        scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+        wf = (i.to(tl.int64) * H + h) * ((Q + 1) * JB) + Q * JB
+        xrow0 = s64 * H * R + h * R
+        Brow0 = s64 * G * R + g * R
+        if not OUT:
+            j = tl.arange(0, KB)
+            jm = j < hc
+            rows = (o + j) % R
+            xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jm[None, :],
+                         other=0.0).to(tl.float32) * tl.load(w_ptr + wf + j, mask=jm, other=0.0)[None, :]
+            decay = tl.load(sc_ptr + scbase + Q)
+            for c in tl.static_range(NC):
+                n = c * NS + tl.arange(0, NS)
+                tile = p[:, None] * N + n[None, :]
+                S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+                Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
+                             other=0.0).to(tl.float32)  # (KB, NS)
+                S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
+                S = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
+                tl.store(state_ptr + sbase + tile, S)
+        elif DOT:
+            n = tl.arange(0, N)
+            tile = p[:, None] * N + n[None, :]
+            S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+            if Q > 1:
+                # Several tokens: S0 C^T on the tensor cores, as `_lean_piece`.
+                TB: tl.constexpr = 16 if QB < 16 else QB
+                t = tl.arange(0, TB)
+                tm = t < Q
+                Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :],
+                             other=0.0).to(tl.float32)  # (N, TB)
+                if C_ptr.dtype.element_ty == tl.float32:
+                    acc = tl.dot(S0, Ct, input_precision="tf32x3")
+                else:
+                    hi = (S0.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+                    acc = tl.dot(hi, Ct, input_precision="tf32")
+                    acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
+                acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
+                acc += tl.load(r_ptr + ((i.to(tl.int64) * Q + t[None, :]) * H + h) * P + p[:, None],
+                               mask=tm[None, :], other=0.0)
+                tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None],
+                         acc.to(y_ptr.dtype.element_ty), mask=tm[None, :])
+            else:
+                Ct = tl.load(C_ptr + i * sC_b + g * sC_g + n).to(tl.float32)
+                yt = tl.load(sc_ptr + scbase) * tl.sum(S0 * Ct[None, :], axis=1)
+                yt += tl.load(r_ptr + (i.to(tl.int64) * H + h) * P + p)
+                tl.store(y_ptr + i * sy_b + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+            j = tl.arange(0, KB)
+            jm = j < hc
+            rows = (o + j) % R
+            f = tl.load(w_ptr + wf + j, mask=jm, other=0.0)
+            xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jm[None, :],
+                         other=0.0).to(tl.float32) * f[None, :]  # (BLOCK_P, KB)
+            Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
+                         other=0.0).to(tl.float32)  # (KB, N)
+            S = tl.dot(xf, Bh, S0 * tl.load(sc_ptr + scbase + Q), input_precision="tf32x3")
+        else:
+            # The tile as (N / NS chunks, BLOCK_P, NS), as `_lean_piece`.
+            ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
+            tile = p[None, :, None] * N + ncol[:, None, :]
+            S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+            for t in tl.static_range(Q):
+                Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
+                yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
+                yt += tl.load(r_ptr + ((i.to(tl.int64) * Q + t) * H + h) * P + p)
+                tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+            S = S0 * tl.load(sc_ptr + scbase + Q)
+            for jj in tl.static_range(HB):
+                r = (o + jj) % R
+                fj = tl.load(w_ptr + wf + jj, mask=jj < hc, other=0.0)
+                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
+                Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0)
+                Bj = Bj.to(tl.float32)
+                S += (fj * xj)[None, :, None] * Bj[:, None, :]
+        if OUT:
+            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+
+
+def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w, sc,
+                 r, block_p: int, num_warps: int, programs_per_sm: int = 4, dot_fold: bool = True,
+                 outputs: bool = True) -> None:
+    """List the rows that flush this step, then fold them with a persistent launch (programs_per_sm
+    programs per SM); outputs: the same launch writes their y from r (else it only folds, and needs
+    block_p >= 16). w, sc: the weights launch's scratch; r: the ring term (unused without outputs)."""
+    S, H, P, N = state.shape
+    b, q = C.shape[:2]
+    G, R = ring_B.shape[1], ring_x.shape[2]
+    sdt = tl_dtype(state.dtype)
+    records = torch.empty(b, 4, device=C.device, dtype=torch.int32)
+    count = torch.empty(1, device=C.device, dtype=torch.int32)
+    _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
+                            BLOCK=LIST_BLOCK, num_warps=4)
+    programs = min(b * H * (P // block_p), flush_programs(C.device, programs_per_sm))
+    _lean_flush_kernel[(programs,)](
+        records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
+        *C.stride()[:3], *y.stride()[:3], H, G, R,
+        Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
+        NS=min(N, 32), DOT=dot_fold and block_p >= 16, STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT=outputs,
+        num_warps=num_warps,
+    )
+
+
+def flush_programs(device: torch.device, per_sm: int = FLUSH_PROGRAMS_PER_SM) -> int:
+    """Programs of a persistent flush launch: per_sm per SM (the CPU interpreter counts one SM)."""
+    if device.type != "cuda":
+        return per_sm
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
