@@ -118,7 +118,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                   items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
                   flush_programs_per_sm: int = 4, priority: bool = False,
-                  bf16_products: bool = False, bc_dot: bool = False) -> None:
+                  bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
+                  flush_maxnreg: int = 0) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -126,7 +127,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     flush_programs_per_sm: programs per SM of the persistent flush (or, with outputs_all, fold-only)
     launch. priority: the side stream is high-priority. bf16_products: the pieces' output products
     take the tile as bf16 hi + lo (bf16 C and 16-bit y only). bc_dot: the weights launch's B·C as
-    tensor-core products (`launch_weights`).
+    tensor-core products (`launch_weights`). stream_maxnreg / flush_maxnreg: a register cap for the
+    streaming / flush launch (0: the compiler's choice; sweep options, more programs per SM).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -151,7 +153,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                                  BLOCK=LIST_BLOCK, num_warps=4)
         programs = min(b * H * (P // block_p), flush_programs(x.device, flush_programs_per_sm))
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
-                                   state_indices, y, w, sc, *common, **meta)
+                                   state_indices, y, w, sc, *common, **meta, **_regs(flush_maxnreg))
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
 
@@ -159,6 +161,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
+            **_regs(stream_maxnreg),
         )
 
     if outputs_all:
@@ -171,6 +174,11 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
     # weights scratch, so the latency-bound flush launch may run beside the bandwidth-bound one.
     run_beside(x.device, flush_launches, stream_launch, concurrent, priority)
+
+
+def _regs(maxnreg: int) -> dict:
+    """Launch options for a register cap (none when 0)."""
+    return dict(maxnreg=maxnreg) if maxnreg else {}
 
 
 def run_beside(device: torch.device, side_work, main_work, concurrent: bool, priority: bool = False) -> None:
