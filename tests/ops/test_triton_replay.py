@@ -32,7 +32,7 @@ def test_replay_cycle_gpu(state_dtype, q, route):
 
 STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.o",
                  "stream-list.o.p5", "stream-list.c.y", "stream-list.o.p5.b", "stream-list.o.p5.b.t",
-                 "stream-list.c.y.b.t"]
+                 "stream-list.c.y.b.t", "stream-list.c.y.b.t.p2.g128.r96"]
 
 
 @requires_cuda
@@ -98,7 +98,7 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 
 @requires_cuda
 @pytest.mark.parametrize("route, block, q", [("lean.a.y", (32, 4), 1), ("lean.c", (32, 4), 1),
-                                             ("stream-list.c.y.b.t", (64, 4), 4),
+                                             ("stream-list.c.y.b.t.p2", (64, 4), 4),
                                              ("stream-list.c", (64, 4), 4)])
 def test_side_stream_routes_in_cuda_graph_gpu(route, block, q):
     """Routes with launches on a side stream give the same bits replayed from a CUDA graph as run
@@ -181,10 +181,10 @@ def test_auto_route_policy():
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
     assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 2,048 row-heads
-    assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t"  # 4,096 row-heads
-    assert auto_route(512, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 8,192 row-heads
-    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t"
-    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t"
+    assert auto_route(32, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2"  # 4,096 row-heads
+    assert auto_route(512, 4, 16, 64, 128)[0] == "stream-list.c.y.b.t.p2"  # TP8 shape, 8,192 row-heads
+    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2"
+    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
 
 

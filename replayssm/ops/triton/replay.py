@@ -20,10 +20,11 @@ Routes (all read S0 once per row and write it only on flush rows):
   "stream-list.o" streams the outputs of every row and then folds the flush rows in a fold-only
   launch: flush rows read S0 twice, but neither launch holds outputs and fold at once (q = 4, 8B,
   b = 256 on the H200: 500 vs 582 µs, NOTES-kernels.md). The default for several tokens,
-  "stream-list.c.y.b.t", streams the non-flush rows while the flush launch (outputs and fold of
-  the flush rows in one pass) runs beside it on a high-priority side stream, with bf16 hi + lo
+  "stream-list.c.y.b.t.p2", streams the non-flush rows while the flush launch (outputs and fold
+  of the flush rows in one pass) runs beside it on a high-priority side stream, with bf16 hi + lo
   state products for the outputs (~2^-17 of each term, far below a 16-bit output's rounding;
-  TF32 hi + lo otherwise) and the weights launch's B·C as tensor-core products.
+  TF32 hi + lo otherwise), the weights launch's B·C as tensor-core products, and two persistent
+  flush programs per SM (as many as its registers let an SM hold at once).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -50,17 +51,19 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.c.y.b.t" at 64x4;
+# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.c.y.b.t.p2" at 64x4;
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
 #          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
 #   q = 4 (session 11, call 6, one run): stream-list.c.y.b.t 433.4 us (flush rows' outputs and
 #          product fold in one pass beside the streaming launch, high-priority; B·C as products),
 #          .c.y.b 444.1, .c.y.b.t.p8 443.0, .b.t (flush launch after) 466.6, stream-list.o.p5.b.t
-#          462.3, stream-list.o.p5.b 471.7 (calls 1-3: 470.8-476.0 vs 483.5-487.0 without .b).
+#          462.3, stream-list.o.p5.b 471.7 (calls 1-3: 470.8-476.0 vs 483.5-487.0 without .b);
+#          session 12, call 2: .p2 408.2 vs 431.8 / 433.0 for .c.y.b.t (4 flush programs per SM, of
+#          which its 173 registers let 2 run at once), .g128.p3 415.5, .g128 421.9.
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.a.y", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list.c.y.b.t", LaunchConfig(block_p=64, num_warps=4)))
+               ("stream-list.c.y.b.t.p2", LaunchConfig(block_p=64, num_warps=4)))
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
 # bytes there. H200, fp32 state, session 6 call 3 (benchmarks/NOTES-kernels.md), mono vs split:
@@ -76,10 +79,14 @@ FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # q = 4, bf16 y): 8B b = 8 22.4 vs 26.6 us, TP8 b = 32 16.6 vs 19.1, b = 128 41.4 vs 50.3. Against the
 # split route (call 2, mono.t 64x4 vs "stream-list.o.p5"): 8B b = 32 (4,096 row-heads) 68.7 vs 78.8 us,
 # TP8 b = 256 71.3 vs 80.0, TP8 b = 512 (8,192) 130.6 vs 139.1; hence up to 8,192 row-heads. Above
-# (8B b = 128, 16,384), mono.t.x took 333 us against 256 for the split route (call 1).
+# (8B b = 128, 16,384), mono.t.x took 333 us against 256 for the split route (call 1). Against
+# "stream-list.c.y.b.t" (session 12 call 1, q = 4, mono.t 64x4 second): fp32 TP8 b = 256 (4,096
+# row-heads) 71.3 vs 71.2 us, b = 512 128.2 vs 130.3, 8B b = 32 70.8 vs 69.3, b = 64 126.8 vs 128.0;
+# fp16 state TP8 b = 256 61.3 vs 80.0, b = 512 123.4 vs 148.2, 8B b = 32 61.7 vs 76.0, b = 64 123.1
+# vs 143.5. Hence mono.t up to 2,048 row-heads only.
 MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 MONO_T_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))  # <= / > 128
-MONO_MAX_ROW_HEADS = (2048, 8192)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
+MONO_MAX_ROW_HEADS = (2048, 2048)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
 
 
 def auto_route(b: int, q: int, H: int, P: int, N: int) -> tuple[str, LaunchConfig] | None:
@@ -103,7 +110,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
-    for small steps, else "lean.a.y" for one token, "stream-list.c.y.b.t" for several) where their tiles
+    for small steps, else "lean.a.y" for one token, "stream-list.c.y.b.t.p2" for several) where their tiles
     fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights": the weights launch alone (benchmark diagnostics only: y is not written).
     """
