@@ -284,6 +284,8 @@ def main() -> None:
                          "extra, left out of the tables)")
     ap.add_argument("--flashinfer", action="store_true",
                     help="also time FlashInfer's kernels on fp32 cases (bench_flashinfer.py)")
+    ap.add_argument("--fi-shapes", default="",
+                    help="FlashInfer beside these shapes only (default: all; modules are built per shape)")
     ap.add_argument("--fi-target", default="/tmp/fi", help="where flashinfer_build.py installed FlashInfer")
     ap.add_argument("--fi-workspace", default="/tmp/fiws")
     args = ap.parse_args()
@@ -359,7 +361,7 @@ def main() -> None:
                         extras.append(f"{tile.name} {r['us_per_step']:.2f}")
                     if extras:
                         print(f"{shape} {sd} q={q} b={b} extra: {', '.join(extras)}", flush=True)
-                    if fi is not None:
+                    if fi is not None and (not args.fi_shapes or shape in args.fi_shapes.split(",")):
                         rows += fi.rows(bench, time_graph)
                     del bench
                     torch.cuda.empty_cache()

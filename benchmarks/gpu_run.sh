@@ -18,11 +18,12 @@ if [ "$2" = fi ]; then
     --restore .fi/fiws.tgz > "$OUT/fi-restore.log" 2>&1
   FI=--flashinfer
 fi
-# The measured defaults (lean.a.y:32x4 for one token, stream-list.c.y.b.t:64x4 for several) and their
-# nearest rivals (NOTES-kernels.md, sessions 4-11): .c = flush launches on a side stream, .a = small
+# The measured defaults (lean.a.y:32x4 for one token, stream-list.c.y.b.t.p2:64x4 for several) and their
+# nearest rivals (NOTES-kernels.md, sessions 4-12): .c = flush launches on a side stream, .a = small
 # launches beside the output launch, .y = high-priority side stream, .b = bf16 hi + lo products,
-# .t = B·C as tensor-core products, .o = every row's outputs then a fold-only launch.
+# .t = B·C as tensor-core products, .o = every row's outputs then a fold-only launch, .pN = persistent
+# flush programs per SM, .gN = the flush launch's register cap.
 CFG="baseline=64x8,replay=lean.a.y:32x4+lean.c:32x4+lean.c.y:32x4+lean:32x4+stream-list:32x4"
-CFG="$CFG+stream-list.c.y.b.t:64x4+stream-list.c.y.b:64x4+stream-list.o.p5.b.t:64x4+stream-list.o.p5.b:64x4"
+CFG="$CFG+stream-list.c.y.b.t.p2:64x4+stream-list.c.y.b.t:64x4+stream-list.c.y.b.t.p1:64x4+stream-list.c.y.b.t.g128.p3:64x4"
 timeout 380 python3 benchmarks/bench_kernels.py $FI --out "$OUT" --batches 256,512,128,32,8,1 --configs "$CFG" \
   2>&1 | tee "$OUT/bench.log" | grep -E "^(copy|read|sweep|diag)|b=256"
