@@ -47,7 +47,6 @@ def _weights_kernel(
     jm = j < hc
     t = tl.arange(0, TT)
     tm = t < Q
-    tb, tbm = t, tm  # the loaded token rows (the coefficients below take QB of them)
     rows = (o + j) % R
     Brow0 = s64 * G * R + g * R
     Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
@@ -66,14 +65,6 @@ def _weights_kernel(
                         C_ptr.dtype.element_ty != tl.float32, rB_ptr.dtype.element_ty != tl.float32)
         bcn = dot_split(C, tl.trans(Bn), tl.zeros((TT, TT), dtype=tl.float32),
                         C_ptr.dtype.element_ty != tl.float32, B_ptr.dtype.element_ty != tl.float32)
-        # Back to QB tokens before the per-head coefficients (their exps would otherwise run over
-        # every padded token row): rows and columns past Q are exact zeros (masked C and B rows),
-        # so summing the TT / QB row blocks keeps the first QB rows exactly.
-        bch = tl.sum(tl.reshape(bch, (TT // QB, QB, JJ)), axis=0)
-        bcn = tl.sum(tl.reshape(bcn, (TT // QB, QB, TT)), axis=0)
-        bcn = tl.sum(tl.reshape(bcn, (QB, TT // QB, QB)), axis=1)
-        t = tl.arange(0, QB)
-        tm = t < Q
     else:
         bch = tl.zeros((TT, JJ), dtype=tl.float32)
         bcn = tl.zeros((TT, TT), dtype=tl.float32)
@@ -97,7 +88,7 @@ def _weights_kernel(
     dtn = dtn.to(tl.float32)
     bias = tl.load(dt_bias_ptr + head, mask=hm, other=0.0)
     dtn = tl.where(tm[None, :], softplus_dt(dtn, bias[:, None], DT_SOFTPLUS), 0.0)
-    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, QB)
+    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, TT)
     wh = dth[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumh[:, None, :], 0.0)) * bch[None, :, :]
     wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
     wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
@@ -117,9 +108,7 @@ def _weights_kernel(
     ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
     arow = (o + hc + t) % R
     tl.store(rdt_ptr + xrow0[:, None] + arow[None, :], dtn, mask=hm[:, None] & ok[None, :])
-    okb = tbm & ((tb * 0 + s) >= 0)  # the B rows as loaded (TT of them)
-    tl.store(rB_ptr + (Brow0 + (o + hc + tb) % R)[:, None] * N + n[None, :], Bn_raw,
-             mask=okb[:, None] & nm[None, :])
+    tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=ok[:, None] & nm[None, :])
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
