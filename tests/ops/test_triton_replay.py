@@ -44,6 +44,19 @@ def test_replay_cycle_stream_gpu(state_dtype, q, route):
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
 
 
+SPLIT_ROUTES = ["stream-list.n2.s3", "stream-list.c.y.b.t.p2.n2.s3", "stream-list.c.y.b.t.p2.n4.s5",
+                "stream-list.o.p5.b.n2"]
+
+
+@requires_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("q", [2, 4])
+@pytest.mark.parametrize("route", SPLIT_ROUTES)
+def test_replay_cycle_split_gpu(state_dtype, q, route):
+    """On the GPU: streaming pieces taken in column parts (several tokens only) match the reference."""
+    _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
+
+
 LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e", "lean.o",
                "lean.a", "lean.a.y", "lean.c.y", "lean.a.b"]
 
@@ -99,6 +112,7 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 @requires_cuda
 @pytest.mark.parametrize("route, block, q", [("lean.a.y", (32, 4), 1), ("lean.c", (32, 4), 1),
                                              ("stream-list.c.y.b.t.p2", (64, 4), 4),
+                                             ("stream-list.c.y.b.t.p2.n2.s3", (64, 4), 4),
                                              ("stream-list.c", (64, 4), 4)])
 def test_side_stream_routes_in_cuda_graph_gpu(route, block, q):
     """Routes with launches on a side stream give the same bits replayed from a CUDA graph as run

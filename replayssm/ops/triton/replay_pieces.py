@@ -151,6 +151,68 @@ def _piece_mma(
 
 
 @triton.jit
+def _piece_mma_part(
+    k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, y_ptr, w_ptr, sc_ptr,
+    sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr,
+):
+    # `_piece_mma` without FOLD, one of SPLIT column parts of piece k2 // SPLIT per call: acc carries
+    # the state product between the parts and the last part adds the ring terms, writes y and
+    # appends x. A loop over parts copies 1 / SPLIT of a tile per iteration, so the streaming
+    # launch's pipeline can keep the next part's copies in flight while this one computes within the
+    # shared memory one whole tile took (`replay_stream.py`, option .nSPLIT).
+    TB: tl.constexpr = 16 if QB < 16 else QB
+    JB: tl.constexpr = HB + QB
+    NPT: tl.constexpr = P // BLOCK_P
+    CPP: tl.constexpr = N // NS // SPLIT  # column chunks per part
+    w = first + k2 // SPLIT
+    part = k2 % SPLIT
+    h = w // NPT
+    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
+    g = h // (H // G)
+    t = tl.arange(0, TB)
+    tm = t < Q
+    sbase = (s64 * H + h) * (P * N)
+    for c in tl.static_range(CPP):
+        n = (part * CPP + c) * NS + tl.arange(0, NS)
+        S0 = tl.load(state_ptr + sbase + p[:, None] * N + n[None, :]).to(tl.float32)  # padding rows: slot 0
+        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
+        if MMA == 2:
+            acc = dot_bf16_split(S0, Ct, acc)
+        else:
+            acc = dot_split(S0, Ct.to(tl.float32), acc, state_ptr.dtype.element_ty != tl.float32,
+                            C_ptr.dtype.element_ty != tl.float32)
+    if part == SPLIT - 1:
+        # The ring term and the writes. Its small loads sit in this branch, outside the pipeline (the
+        # next part's copies are already in flight here): hoisted and masked, the pipeline prefetched
+        # them too but the sm_90 build took 135 registers and 55 KB (69 and 40 KB here).
+        j = tl.arange(0, HB)
+        jm = j < hc
+        wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
+        scbase = (i.to(tl.int64) * H + h) * (Q + 1)
+        xrow0 = s64 * H * R + h * R
+        xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=jm[None, :],
+                     other=0.0).to(tl.float32)  # (BLOCK_P, HB)
+        y = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
+        wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
+        y = dot_split(xh, wh, y, rx_ptr.dtype.element_ty != tl.float32, False)
+        xn_raw = tl.load(x_ptr + i * sx_b + t[None, :] * sx_t + h * sx_h + p[:, None], mask=tm[None, :],
+                         other=0.0)
+        xn = xn_raw.to(tl.float32)  # (BLOCK_P, TB): token k in column k
+        wn = tl.load(w_ptr + wbase + t[None, :] * JB + HB + t[:, None], mask=tm[:, None] & tm[None, :],
+                     other=0.0)
+        y = dot_split(xn, wn, y, x_ptr.dtype.element_ty != tl.float32, False)
+        y = tl.where(valid, y + tl.load(D_ptr + h) * xn, 0.0)
+        tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None], y.to(y_ptr.dtype.element_ty),
+                 mask=tm[None, :])
+        tv = tm & ((t * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
+        tl.store(rx_ptr + (xrow0 + (o + hc + t) % R)[None, :] * P + p[:, None], xn_raw, mask=tv[None, :])
+        acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _any_piece(
     k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs, launch_flush
-from replayssm.ops.triton.replay_pieces import _any_piece
+from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma_part
 from replayssm.ops.triton.replay_step import launch_weights
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
@@ -40,6 +40,7 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -56,10 +57,18 @@ def _stream_kernel(
     o = tl.load(ring_start_ptr + s64)
     flush = valid & (hc + Q > window)
     if ALL or flush == 0:
-        for k in tl.range(0, ITEMS, num_stages=STAGES):
-            _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-                       w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                       Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
+        if SPLIT == 1:
+            for k in tl.range(0, ITEMS, num_stages=STAGES):
+                _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
+                           y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
+                           sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
+        else:
+            # Tensor-core pieces in SPLIT column parts, one per iteration (`_piece_mma_part`).
+            acc = tl.zeros((BLOCK_P, 16 if QB < 16 else QB), dtype=tl.float32)
+            for k2 in tl.range(0, ITEMS * SPLIT, num_stages=STAGES):
+                acc = _piece_mma_part(k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr,
+                                      rx_ptr, y_ptr, w_ptr, sc_ptr, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b,
+                                      sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, MMA, SPLIT)
 
 
 @triton.jit
@@ -119,7 +128,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
-                  flush_maxnreg: int = 0) -> None:
+                  flush_maxnreg: int = 0, column_parts: int = 1) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -129,6 +138,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     take the tile as bf16 hi + lo (bf16 C and 16-bit y only). bc_dot: the weights launch's B·C as
     tensor-core products (`launch_weights`). stream_maxnreg / flush_maxnreg: a register cap for the
     streaming / flush launch (0: the compiler's choice; sweep options, more programs per SM).
+    column_parts (several tokens): the streaming launch takes each piece in that many column parts,
+    one per pipelined iteration (with stages >= 3 the next part's copies are in flight while a part
+    computes; a sweep option, `_piece_mma_part`).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -142,6 +154,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
     mma = int(q > 1 and block_p >= 16)  # several tokens: tensor-core pieces (16-row operands)
+    if column_parts > 1 and not (mma and N % (min(N, 32) * column_parts) == 0):
+        raise ValueError(f"column_parts={column_parts} needs tensor-core pieces (q > 1, block_p >= 16) "
+                         f"and N a multiple of {min(N, 32) * column_parts}")
     bf16 = mma and bf16_products and C.dtype == torch.bfloat16 and y.dtype in (torch.bfloat16, torch.float16)
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=2 if bf16 else mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
@@ -161,7 +176,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
-            **_regs(stream_maxnreg),
+            SPLIT=column_parts, **_regs(stream_maxnreg),
         )
 
     if outputs_all:
