@@ -204,6 +204,7 @@ def build(a):
             w_ptr=f32,
             sc_ptr=f32,
         )
+        meta.update(SPLIT=a.split, STAGES=a.stages)
     if a.kernel != "weights":
         scal = dict(
             sx_b=sx[0],

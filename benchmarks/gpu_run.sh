@@ -22,10 +22,13 @@ fi
 # nearest rivals (NOTES-kernels.md, sessions 4-12): .c = flush launches on a side stream, .a = small
 # launches beside the output launch, .y = high-priority side stream, .b = bf16 hi + lo products,
 # .t = B·C as tensor-core products, .o = every row's outputs then a fold-only launch, .pN = persistent
-# flush programs per SM, .gN = the flush launch's register cap, .nN = pieces in N column parts.
+# flush programs per SM, .gN = the flush launch's register cap, .nN / .fN = streaming / flush pieces in
+# N column parts.
 CFG="baseline=64x8,replay=lean.a.y:32x4+lean.c:32x4+lean.c.y:32x4+lean:32x4+stream-list:32x4"
 CFG="$CFG+stream-list.c.y.b.t.p2:64x4+stream-list.c.y.b.t:64x4+stream-list.c.y.b.t.g128.p2:64x4"
-# .nN.sS: streaming pieces in N column parts, S pipeline stages (session 12; not yet measured)
+# .nN.sS / .fN: streaming / flush pieces in N column parts, S pipeline stages (session 12; not yet
+# measured: sm_90 builds .n2.s3 69 registers and 40 KB vs 104 and 49 KB; .f2.g128 128 and 33 KB vs 172 and 59 KB)
 CFG="$CFG+stream-list.c.y.b.t.p2.n2.s3:64x4+stream-list.c.y.b.t.p2.n2.s2:64x4+stream-list.c.y.b.t.p2.n4.s5:64x4"
+CFG="$CFG+stream-list.c.y.b.t.f2.g128.p4:64x4+stream-list.c.y.b.t.f2.g128.p3:64x4+stream-list.c.y.b.t.n2.s3.f2.g128.p4:64x4"
 timeout 380 python3 benchmarks/bench_kernels.py $FI --out "$OUT" --batches 256,512,128,32,8,1 --configs "$CFG" \
   2>&1 | tee "$OUT/bench.log" | grep -E "^(copy|read|sweep|diag)|b=256"

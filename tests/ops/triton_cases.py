@@ -444,10 +444,11 @@ def run_interpreter(part: str) -> None:
         # interpreter runs one SM, so two persistent flush programs share the listed pieces).
         check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1),
                            route="stream-list.c.t.p2.r96.g128", steps=6, act=torch.bfloat16)
-        # .nN: tensor-core pieces in N column parts, one per pipelined iteration (the state product
-        # carried between parts); fp16 state, history and ring wrap through W = 5.
+        # .nN / .fN: streaming / flush pieces in N column parts, one per pipelined iteration (the
+        # state product carried between parts; flush parts fold their own columns); fp16 state,
+        # history and ring wrap through W = 5.
         check_replay_cycle("cpu", q=3, P=32, N=64, W=5, config=LaunchConfig(16, 1),
-                           route="stream-list.c.t.n2.s3", steps=8, state_dtype=torch.float16,
+                           route="stream-list.c.t.n2.s3.f2", steps=8, state_dtype=torch.float16,
                            act=torch.bfloat16)
         # .a: the bare output products beside the small launches, then scaled (one token and several).
         check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)

@@ -137,12 +137,14 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program) and .a (the
         # small launches beside the output launch, `launch_lean` parallel); stream-list .t (the weights
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
-        # launch), .nN (the streaming pieces in N column parts). The benchmarks sweep them.
+        # launch), .nN / .fN (the streaming / flush pieces in N column parts), .kN (the flush loop's
+        # pipeline stages with .fN). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
         if not route.startswith("lean"):
-            names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts")
+            names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts", f="flush_parts",
+                         k="flush_stages")
         flags = {"c", "o", "y", "b"}
         if lean:
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")

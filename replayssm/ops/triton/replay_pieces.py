@@ -152,16 +152,17 @@ def _piece_mma(
 
 @triton.jit
 def _piece_mma_part(
-    k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, y_ptr, w_ptr, sc_ptr,
-    sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr,
+    sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    MAXV: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # `_piece_mma` without FOLD, one of SPLIT column parts of piece k2 // SPLIT per call: acc carries
-    # the state product between the parts and the last part adds the ring terms, writes y and
-    # appends x. A loop over parts copies 1 / SPLIT of a tile per iteration, so the streaming
-    # launch's pipeline can keep the next part's copies in flight while this one computes within the
-    # shared memory one whole tile took (`replay_stream.py`, option .nSPLIT).
+    # `_piece_mma`, one of SPLIT column parts of piece k2 // SPLIT per call: acc carries the state
+    # product between the parts and the last part adds the ring terms, writes y and appends x (FOLD:
+    # each part folds and writes its own columns). A loop over parts copies 1 / SPLIT of a tile per
+    # iteration, so the pipeline can keep the next part's copies in flight while this one computes,
+    # within the shared memory one whole tile took (`replay_stream.py`, option .nSPLIT).
     TB: tl.constexpr = 16 if QB < 16 else QB
     JB: tl.constexpr = HB + QB
     NPT: tl.constexpr = P // BLOCK_P
@@ -174,15 +175,32 @@ def _piece_mma_part(
     t = tl.arange(0, TB)
     tm = t < Q
     sbase = (s64 * H + h) * (P * N)
+    if FOLD:
+        # As `_piece_mma`: history x scaled by the fold coefficients, and this head's decay.
+        KB: tl.constexpr = 16 if HB < 16 else HB
+        fbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB) + Q * JB
+        decay = tl.load(sc_ptr + (i.to(tl.int64) * H + h) * (Q + 1) + Q)
+        Brow0 = s64 * G * R + g * R
+        jf = tl.arange(0, KB)
+        jfm = jf < hc
+        frows = (o + jf) % R
+        xf = tl.load(rx_ptr + (s64 * H * R + h * R + frows)[None, :] * P + p[:, None], mask=jfm[None, :],
+                     other=0.0)
+        xf = xf.to(tl.float32) * tl.load(w_ptr + fbase + jf, mask=jfm, other=0.0)[None, :]
     for c in tl.static_range(CPP):
         n = (part * CPP + c) * NS + tl.arange(0, NS)
-        S0 = tl.load(state_ptr + sbase + p[:, None] * N + n[None, :]).to(tl.float32)  # padding rows: slot 0
+        tile = p[:, None] * N + n[None, :]
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows: slot 0
         Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
         if MMA == 2:
             acc = dot_bf16_split(S0, Ct, acc)
         else:
-            acc = dot_split(S0, Ct.to(tl.float32), acc, state_ptr.dtype.element_ty != tl.float32,
+            acc = dot_split(S0, Ct.to(tl.float32), acc, STATE_DTYPE != tl.float32,
                             C_ptr.dtype.element_ty != tl.float32)
+        if FOLD:
+            Bc = tl.load(rB_ptr + (Brow0 + frows)[:, None] * N + n[None, :], mask=jfm[:, None], other=0.0)
+            S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
+            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
     if part == SPLIT - 1:
         # The ring term and the writes. Its small loads sit in this branch, outside the pipeline (the
         # next part's copies are already in flight here): hoisted and masked, the pipeline prefetched

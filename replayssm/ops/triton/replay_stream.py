@@ -67,8 +67,9 @@ def _stream_kernel(
             acc = tl.zeros((BLOCK_P, 16 if QB < 16 else QB), dtype=tl.float32)
             for k2 in tl.range(0, ITEMS * SPLIT, num_stages=STAGES):
                 acc = _piece_mma_part(k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr,
-                                      rx_ptr, y_ptr, w_ptr, sc_ptr, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b,
-                                      sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, MMA, SPLIT)
+                                      rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b,
+                                      sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS,
+                                      False, STATE_DTYPE, MAXV, MMA, SPLIT)
 
 
 @triton.jit
@@ -92,12 +93,32 @@ def _flush_kernel(
     idx_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr,
+    MAXV: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent over the pieces of the listed flush rows: a fixed, small grid whatever the batch,
     # so the fold's registers never throttle the launch of programs with nothing to do, and the
     # work of few flush rows still spreads over every SM.
     per_row = H * (P // BLOCK_P)
+    if SPLIT > 1:
+        # This program's pieces (pid, pid + programs, ...) in SPLIT column parts, one per pipelined
+        # iteration (`_piece_mma_part`).
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        mine = tl.maximum(tl.load(count_ptr) * per_row - pid + nprog - 1, 0) // nprog
+        TB: tl.constexpr = 16 if QB < 16 else QB
+        acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
+        for m2 in tl.range(0, mine * SPLIT, num_stages=STAGES):
+            w = pid + (m2 // SPLIT) * nprog
+            i = tl.load(list_ptr + w // per_row)
+            s = tl.load(idx_ptr + i)
+            s64 = s.to(tl.int64)
+            hc = tl.load(committed_ptr + s64)
+            o = tl.load(ring_start_ptr + s64)
+            acc = _piece_mma_part((w % per_row) * SPLIT + m2 % SPLIT, 0, i, s64, s >= 0, hc, o, acc, x_ptr,
+                                  D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix,
+                                  sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P,
+                                  N, BLOCK_P, NS, True, STATE_DTYPE, MAXV, MMA, SPLIT)
+        return
     for w in range(tl.program_id(0), tl.load(count_ptr) * per_row, tl.num_programs(0)):
         i = tl.load(list_ptr + w // per_row)
         s = tl.load(idx_ptr + i)
@@ -128,7 +149,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
-                  flush_maxnreg: int = 0, column_parts: int = 1) -> None:
+                  flush_maxnreg: int = 0, column_parts: int = 1, flush_parts: int = 1,
+                  flush_stages: int = 3) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -140,7 +162,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     streaming / flush launch (0: the compiler's choice; sweep options, more programs per SM).
     column_parts (several tokens): the streaming launch takes each piece in that many column parts,
     one per pipelined iteration (with stages >= 3 the next part's copies are in flight while a part
-    computes; a sweep option, `_piece_mma_part`).
+    computes; a sweep option, `_piece_mma_part`). flush_parts / flush_stages: the same for the
+    flush launch's pieces (its loop pipelined flush_stages deep).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -154,9 +177,10 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
     mma = int(q > 1 and block_p >= 16)  # several tokens: tensor-core pieces (16-row operands)
-    if column_parts > 1 and not (mma and N % (min(N, 32) * column_parts) == 0):
-        raise ValueError(f"column_parts={column_parts} needs tensor-core pieces (q > 1, block_p >= 16) "
-                         f"and N a multiple of {min(N, 32) * column_parts}")
+    for parts in (column_parts, flush_parts):
+        if parts > 1 and not (mma and N % (min(N, 32) * parts) == 0):
+            raise ValueError(f"{parts} column parts need tensor-core pieces (q > 1, block_p >= 16) "
+                             f"and N a multiple of {min(N, 32) * parts}")
     bf16 = mma and bf16_products and C.dtype == torch.bfloat16 and y.dtype in (torch.bfloat16, torch.float16)
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=2 if bf16 else mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
@@ -168,7 +192,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                                  BLOCK=LIST_BLOCK, num_warps=4)
         programs = min(b * H * (P // block_p), flush_programs(x.device, flush_programs_per_sm))
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
-                                   state_indices, y, w, sc, *common, **meta, **_regs(flush_maxnreg))
+                                   state_indices, y, w, sc, *common, **meta, SPLIT=flush_parts,
+                                   STAGES=flush_stages, **_regs(flush_maxnreg))
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
 
