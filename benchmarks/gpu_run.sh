@@ -27,7 +27,7 @@ fi
 CFG="baseline=64x8,replay=lean.a.y:32x4+lean.c:32x4+lean.c.y:32x4+lean:32x4+stream-list:32x4"
 CFG="$CFG+stream-list.c.y.b.t.p2:64x4+stream-list.c.y.b.t:64x4+stream-list.c.y.b.t.g128.p2:64x4"
 # .nN.sS / .fN: streaming / flush pieces in N column parts, S pipeline stages (session 12; not yet
-# measured: sm_90 builds .n2.s3 69 registers and 40 KB vs 104 and 49 KB; .f2.g128 128 and 33 KB vs 172 and 59 KB)
+# measured: sm_90 builds .n2.s3 74 registers and 40 KB vs 104 and 49 KB; .f2.g128 128 and 33 KB vs 172 and 59 KB)
 CFG="$CFG+stream-list.c.y.b.t.p2.n2.s3:64x4+stream-list.c.y.b.t.p2.n2.s2:64x4+stream-list.c.y.b.t.p2.n4.s5:64x4"
 CFG="$CFG+stream-list.c.y.b.t.f2.g128.p4:64x4+stream-list.c.y.b.t.f2.g128.p3:64x4+stream-list.c.y.b.t.n2.s3.f2.g128.p4:64x4"
 timeout 380 python3 benchmarks/bench_kernels.py $FI --out "$OUT" --batches 256,512,128,32,8,1 --configs "$CFG" \

@@ -1,7 +1,8 @@
 """One (head, P tile) piece of a ReplaySSM forward row, as `@triton.jit` helpers of `replay_stream.py`.
 
 `_piece` evaluates one token at a time on the CUDA cores (a reduction over N per token);
-`_piece_mma` takes several tokens as tensor-core products; `_any_piece` picks one. Both compute
+`_piece_mma` takes several tokens as tensor-core products (whole pieces, or a piece in column parts
+carried over loop iterations); `_any_piece` picks one. Both compute
     y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t
 from the weights launch's scratch (`replay_step.py`), append the new x rows to the ring and, with
 FOLD, fold the history into the tile and write it: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32.
@@ -77,11 +78,11 @@ def _piece(
 
 @triton.jit
 def _piece_mma(
-    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
-    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    k, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr,
+    sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, MMA: tl.constexpr,
+    MAXV: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
     # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
@@ -91,23 +92,32 @@ def _piece_mma(
     # session 10). FOLD (the flush launch's pieces): the fold is one fp32-accurate product per
     # column chunk (`dot_split`, ~2^-22 of each term, as the lean fold-only launch's 3xTF32); it
     # was rank-one fp32 updates on the CUDA cores until session 11.
+    # SPLIT > 1 (option .nN / .fN): one of SPLIT column parts of piece k // SPLIT per call, acc
+    # carrying the state product between the parts (returned; SPLIT = 1 ignores the acc passed in):
+    # a loop over parts copies 1 / SPLIT of a tile per iteration, so the pipeline can keep the next
+    # part's copies in flight while this one computes, within the shared memory one tile took. The
+    # last part adds the ring terms and writes; FOLD parts fold and write their own columns.
     TB: tl.constexpr = 16 if QB < 16 else QB
     JB: tl.constexpr = HB + QB
     NPT: tl.constexpr = P // BLOCK_P
-    w = first + k
+    CPP: tl.constexpr = N // NS // SPLIT  # column chunks per part
+    if SPLIT == 1:
+        w = first + k
+        part = 0
+    else:
+        w = first + k // SPLIT
+        part = k % SPLIT
     h = w // NPT
     p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
     g = h // (H // G)
     t = tl.arange(0, TB)
     tm = t < Q
-    j = tl.arange(0, HB)
-    jm = j < hc
     sbase = (s64 * H + h) * (P * N)
     wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
     scbase = (i.to(tl.int64) * H + h) * (Q + 1)
     xrow0 = s64 * H * R + h * R
-    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=jm[None, :],
-                 other=0.0).to(tl.float32)  # (BLOCK_P, HB)
+    if SPLIT == 1:
+        xh = _history_x(rx_ptr, xrow0, o, hc, p, R, P, HB)
     if FOLD:
         # The fold as one (BLOCK_P, KB) x (KB, NS) product per column chunk onto the decayed chunk:
         # xf = history x scaled by the fold coefficients, the chunk's history B rows.
@@ -119,9 +129,10 @@ def _piece_mma(
         frows = (o + jf) % R
         xf = tl.load(rx_ptr + (xrow0 + frows)[None, :] * P + p[:, None], mask=jfm[None, :], other=0.0)
         xf = xf.to(tl.float32) * tl.load(w_ptr + wbase + Q * JB + jf, mask=jfm, other=0.0)[None, :]
-    acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
-    for c in tl.static_range(N // NS):
-        n = c * NS + tl.arange(0, NS)
+    if SPLIT == 1:
+        acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
+    for c in tl.static_range(CPP):
+        n = (part * CPP + c) * NS + tl.arange(0, NS)
         tile = p[:, None] * N + n[None, :]
         S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
         Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
@@ -135,6 +146,40 @@ def _piece_mma(
             Bc = tl.load(rB_ptr + (Brow0 + frows)[:, None] * N + n[None, :], mask=jfm[:, None], other=0.0)
             S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
             tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+    if SPLIT == 1:
+        _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr,
+                       w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)
+    elif part == SPLIT - 1:
+        # Its small loads sit in this branch, outside the pipeline (the next part's copies are in
+        # flight here): hoisted and masked, the pipeline prefetched them too, but the sm_90 build
+        # took 135 registers and 55 KB at q = 4 (74 and 40 KB this way).
+        xh = _history_x(rx_ptr, xrow0, o, hc, p, R, P, HB)
+        _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr,
+                       w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)
+        acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _history_x(rx_ptr, xrow0, o, hc, p, R, P: tl.constexpr, HB: tl.constexpr):
+    """The h_c history x rows of a piece as (BLOCK_P, HB) fp32 (zero past h_c)."""
+    j = tl.arange(0, HB)
+    return tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=(j < hc)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _piece_outputs(
+    acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr, w_ptr, sc_ptr,
+    sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr,
+    P: tl.constexpr,
+):
+    """y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t from the state products acc
+    (BLOCK_P, TB), written as y; the new x rows appended to the ring."""
+    JB: tl.constexpr = HB + QB
+    tm = t < Q
+    j = tl.arange(0, HB)
+    jm = j < hc
     acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
     wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
     acc = dot_split(xh, wh, acc, rx_ptr.dtype.element_ty != tl.float32, False)
@@ -151,86 +196,6 @@ def _piece_mma(
 
 
 @triton.jit
-def _piece_mma_part(
-    k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr,
-    sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr,
-):
-    # `_piece_mma`, one of SPLIT column parts of piece k2 // SPLIT per call: acc carries the state
-    # product between the parts and the last part adds the ring terms, writes y and appends x (FOLD:
-    # each part folds and writes its own columns). A loop over parts copies 1 / SPLIT of a tile per
-    # iteration, so the pipeline can keep the next part's copies in flight while this one computes,
-    # within the shared memory one whole tile took (`replay_stream.py`, option .nSPLIT).
-    TB: tl.constexpr = 16 if QB < 16 else QB
-    JB: tl.constexpr = HB + QB
-    NPT: tl.constexpr = P // BLOCK_P
-    CPP: tl.constexpr = N // NS // SPLIT  # column chunks per part
-    w = first + k2 // SPLIT
-    part = k2 % SPLIT
-    h = w // NPT
-    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
-    g = h // (H // G)
-    t = tl.arange(0, TB)
-    tm = t < Q
-    sbase = (s64 * H + h) * (P * N)
-    if FOLD:
-        # As `_piece_mma`: history x scaled by the fold coefficients, and this head's decay.
-        KB: tl.constexpr = 16 if HB < 16 else HB
-        fbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB) + Q * JB
-        decay = tl.load(sc_ptr + (i.to(tl.int64) * H + h) * (Q + 1) + Q)
-        Brow0 = s64 * G * R + g * R
-        jf = tl.arange(0, KB)
-        jfm = jf < hc
-        frows = (o + jf) % R
-        xf = tl.load(rx_ptr + (s64 * H * R + h * R + frows)[None, :] * P + p[:, None], mask=jfm[None, :],
-                     other=0.0)
-        xf = xf.to(tl.float32) * tl.load(w_ptr + fbase + jf, mask=jfm, other=0.0)[None, :]
-    for c in tl.static_range(CPP):
-        n = (part * CPP + c) * NS + tl.arange(0, NS)
-        tile = p[:, None] * N + n[None, :]
-        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows: slot 0
-        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
-        if MMA == 2:
-            acc = dot_bf16_split(S0, Ct, acc)
-        else:
-            acc = dot_split(S0, Ct.to(tl.float32), acc, STATE_DTYPE != tl.float32,
-                            C_ptr.dtype.element_ty != tl.float32)
-        if FOLD:
-            Bc = tl.load(rB_ptr + (Brow0 + frows)[:, None] * N + n[None, :], mask=jfm[:, None], other=0.0)
-            S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
-            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
-    if part == SPLIT - 1:
-        # The ring term and the writes. Its small loads sit in this branch, outside the pipeline (the
-        # next part's copies are already in flight here): hoisted and masked, the pipeline prefetched
-        # them too but the sm_90 build took 135 registers and 55 KB (69 and 40 KB here).
-        j = tl.arange(0, HB)
-        jm = j < hc
-        wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
-        scbase = (i.to(tl.int64) * H + h) * (Q + 1)
-        xrow0 = s64 * H * R + h * R
-        xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[None, :] * P + p[:, None], mask=jm[None, :],
-                     other=0.0).to(tl.float32)  # (BLOCK_P, HB)
-        y = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
-        wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
-        y = dot_split(xh, wh, y, rx_ptr.dtype.element_ty != tl.float32, False)
-        xn_raw = tl.load(x_ptr + i * sx_b + t[None, :] * sx_t + h * sx_h + p[:, None], mask=tm[None, :],
-                         other=0.0)
-        xn = xn_raw.to(tl.float32)  # (BLOCK_P, TB): token k in column k
-        wn = tl.load(w_ptr + wbase + t[None, :] * JB + HB + t[:, None], mask=tm[:, None] & tm[None, :],
-                     other=0.0)
-        y = dot_split(xn, wn, y, x_ptr.dtype.element_ty != tl.float32, False)
-        y = tl.where(valid, y + tl.load(D_ptr + h) * xn, 0.0)
-        tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None], y.to(y_ptr.dtype.element_ty),
-                 mask=tm[None, :])
-        tv = tm & ((t * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
-        tl.store(rx_ptr + (xrow0 + (o + hc + t) % R)[None, :] * P + p[:, None], xn_raw, mask=tv[None, :])
-        acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
 def _any_piece(
     k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -240,9 +205,9 @@ def _any_piece(
 ):
     # MMA: 0 = CUDA cores, 1 = tensor-core outputs, 2 = the same with bf16 hi + lo state products.
     if MMA:
-        _piece_mma(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+        _piece_mma(k, first, i, s64, valid, hc, o, 0.0, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                    w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA)
+                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA, 1)
     else:
         _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

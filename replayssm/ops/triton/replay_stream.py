@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs, launch_flush
-from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma_part
+from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma
 from replayssm.ops.triton.replay_step import launch_weights
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
@@ -63,10 +63,10 @@ def _stream_kernel(
                            y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
                            sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
         else:
-            # Tensor-core pieces in SPLIT column parts, one per iteration (`_piece_mma_part`).
+            # Tensor-core pieces in SPLIT column parts, one per iteration (`_piece_mma`).
             acc = tl.zeros((BLOCK_P, 16 if QB < 16 else QB), dtype=tl.float32)
             for k2 in tl.range(0, ITEMS * SPLIT, num_stages=STAGES):
-                acc = _piece_mma_part(k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr,
+                acc = _piece_mma(k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr,
                                       rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b,
                                       sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS,
                                       False, STATE_DTYPE, MAXV, MMA, SPLIT)
@@ -101,7 +101,7 @@ def _flush_kernel(
     per_row = H * (P // BLOCK_P)
     if SPLIT > 1:
         # This program's pieces (pid, pid + programs, ...) in SPLIT column parts, one per pipelined
-        # iteration (`_piece_mma_part`).
+        # iteration (`_piece_mma`).
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         mine = tl.maximum(tl.load(count_ptr) * per_row - pid + nprog - 1, 0) // nprog
@@ -114,7 +114,7 @@ def _flush_kernel(
             s64 = s.to(tl.int64)
             hc = tl.load(committed_ptr + s64)
             o = tl.load(ring_start_ptr + s64)
-            acc = _piece_mma_part((w % per_row) * SPLIT + m2 % SPLIT, 0, i, s64, s >= 0, hc, o, acc, x_ptr,
+            acc = _piece_mma((w % per_row) * SPLIT + m2 % SPLIT, 0, i, s64, s >= 0, hc, o, acc, x_ptr,
                                   D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix,
                                   sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P,
                                   N, BLOCK_P, NS, True, STATE_DTYPE, MAXV, MMA, SPLIT)
@@ -162,7 +162,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     streaming / flush launch (0: the compiler's choice; sweep options, more programs per SM).
     column_parts (several tokens): the streaming launch takes each piece in that many column parts,
     one per pipelined iteration (with stages >= 3 the next part's copies are in flight while a part
-    computes; a sweep option, `_piece_mma_part`). flush_parts / flush_stages: the same for the
+    computes; a sweep option, `_piece_mma`). flush_parts / flush_stages: the same for the
     flush launch's pieces (its loop pipelined flush_stages deep).
     """
     S, H, P, N = state.shape
