@@ -63,13 +63,14 @@ def _stream_kernel(
                            y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
                            sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
         else:
-            # Tensor-core pieces in SPLIT column parts, one per iteration (`_piece_mma`).
+            # Tensor-core pieces in SPLIT column parts, one per iteration (`_piece_mma`), the state
+            # product carried in acc.
             acc = tl.zeros((BLOCK_P, 16 if QB < 16 else QB), dtype=tl.float32)
             for k2 in tl.range(0, ITEMS * SPLIT, num_stages=STAGES):
-                acc = _piece_mma(k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr,
-                                      rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b,
-                                      sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS,
-                                      False, STATE_DTYPE, MAXV, MMA, SPLIT)
+                acc = _piece_mma(k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr,
+                                 rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g,
+                                 sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, STATE_DTYPE,
+                                 MAXV, MMA, SPLIT)
 
 
 @triton.jit
@@ -114,10 +115,10 @@ def _flush_kernel(
             s64 = s.to(tl.int64)
             hc = tl.load(committed_ptr + s64)
             o = tl.load(ring_start_ptr + s64)
-            acc = _piece_mma((w % per_row) * SPLIT + m2 % SPLIT, 0, i, s64, s >= 0, hc, o, acc, x_ptr,
-                                  D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix,
-                                  sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P,
-                                  N, BLOCK_P, NS, True, STATE_DTYPE, MAXV, MMA, SPLIT)
+            acc = _piece_mma((w % per_row) * SPLIT + m2 % SPLIT, 0, i, s64, s >= 0, hc, o, acc, x_ptr, D_ptr,
+                             C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t,
+                             sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS,
+                             True, STATE_DTYPE, MAXV, MMA, SPLIT)
         return
     for w in range(tl.program_id(0), tl.load(count_ptr) * per_row, tl.num_programs(0)):
         i = tl.load(list_ptr + w // per_row)
