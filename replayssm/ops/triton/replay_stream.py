@@ -1,12 +1,15 @@
 """ReplaySSM forward step, row-streaming launches (route "stream-list"; several tokens default to
-"stream-list.c.y.b.t").
+"stream-list.c.y.b.t.p2").
 
 Same weights launch and arithmetic as `replay_step.py`; the output launches differ in shape. A
 grid-per-tile launch gives every program one 16 KiB (P tile, head) piece of the state behind a
 chain of dependent loads (slot index, then cursor, then ring rows). Here one program takes ITEMS
 consecutive pieces of ONE row (`replay_pieces.py`): the slot, cursor and flush decision are
 loaded once, the pieces are contiguous in the slot's state, and the loop over them is
-software-pipelined, so the next piece's loads are in flight while this one reduces.
+software-pipelined. With two stages the sm_90 build keeps one shared-memory copy of a piece and
+issues the next piece's copies only after this one's stores (benchmarks/compile_sm90.py), so the
+overlap is between programs; option .nN (pieces in N column parts, one per iteration, three
+stages) keeps the next part in flight while a part computes (prepared, not yet measured).
 
 A row flushes as a whole. "stream-list" streams the non-flush rows, lists the flush rows on the
 device (one small program) and folds them in a persistent launch of a few programs per SM, so
@@ -18,7 +21,9 @@ The default for several tokens runs the flush launch on a high-priority side str
 streaming launch (.c.y), with bf16 hi + lo output products (.b) and the weights launch's B·C as
 tensor-core products (.t); a flush piece writes its outputs and folds in one pass, one product
 per column chunk (H200, q = 4, 8B: 433-435 vs 472 us for ".o.p5.b" at b = 256, 228.5 vs 250.3 at
-128, 836.1 vs 919.8 at 512; NOTES-kernels.md, session 11).
+128, 836.1 vs 919.8 at 512; NOTES-kernels.md, session 11), two flush programs per SM (.p2: its
+173 registers let an SM hold two; four left half waiting for a second wave: 408.2-409.9 vs
+431.8-435.2 us at b = 256, 217.1 vs 229.8 at 128, 794.5 vs 842.2 at 512; session 12).
 """
 
 from __future__ import annotations
