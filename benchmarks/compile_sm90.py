@@ -124,40 +124,12 @@ def build(a):
     tail = dict(seed_mix=seed_mix(a.seed))
     if a.kernel == "stream":
         fn = _stream_kernel
-        ptrs = dict(
-            x_ptr=act,
-            D_ptr=f32,
-            C_ptr=act,
-            state_ptr=sdt_t,
-            rx_ptr=act,
-            rB_ptr=act,
-            ring_start_ptr=i32,
-            committed_ptr=i32,
-            idx_ptr=i32,
-            y_ptr=act,
-            w_ptr=f32,
-            sc_ptr=f32,
-        )
         tail["window"] = W
         items = stream_items(H, P, a.block_p, a.items)
         meta.update(ITEMS=items, STAGES=a.stages, ALL=bool(a.all), SPLIT=a.split)
     elif a.kernel == "weights":
         from replayssm.ops.triton.replay_step import _weights_kernel as fn
 
-        ptrs = dict(
-            dt_ptr=f32,
-            A_ptr=f32,
-            B_ptr=act,
-            C_ptr=act,
-            dt_bias_ptr=f32,
-            rB_ptr=act,
-            rdt_ptr=f32,
-            ring_start_ptr=i32,
-            committed_ptr=i32,
-            idx_ptr=i32,
-            w_ptr=f32,
-            sc_ptr=f32,
-        )
         tail = {}
         sdt = (q * H, H, 1)
         scal = dict(
@@ -188,23 +160,12 @@ def build(a):
         )
     else:
         fn = _flush_kernel
-        ptrs = dict(
-            list_ptr=i32,
-            count_ptr=i32,
-            x_ptr=act,
-            D_ptr=f32,
-            C_ptr=act,
-            state_ptr=sdt_t,
-            rx_ptr=act,
-            rB_ptr=act,
-            ring_start_ptr=i32,
-            committed_ptr=i32,
-            idx_ptr=i32,
-            y_ptr=act,
-            w_ptr=f32,
-            sc_ptr=f32,
-        )
         meta.update(SPLIT=a.split, STAGES=a.stages)
+    # Pointer arguments by name: activations (x, B, C, y, ring rows), the state, fp32 scratch and
+    # parameters, int32 indices.
+    kinds = dict(x=act, B=act, C=act, y=act, rx=act, rB=act, state=sdt_t, list=i32, count=i32, ring_start=i32,
+                 committed=i32, idx=i32)
+    ptrs = {kp.name: kinds.get(kp.name[:-4], f32) for kp in fn.params if kp.name.endswith("_ptr")}
     if a.kernel != "weights":
         scal = dict(
             sx_b=sx[0],
