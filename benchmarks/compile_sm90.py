@@ -121,31 +121,13 @@ def build(a):
         STATE_DTYPE=sdt,
         MAXV=max_finite(sdt),
     )
-    tail = dict(seed_mix=seed_mix(a.seed))
     if a.kernel == "stream":
         fn = _stream_kernel
-        tail["window"] = W
         items = stream_items(H, P, a.block_p, a.items)
         meta.update(ITEMS=items, STAGES=a.stages, ALL=bool(a.all), SPLIT=a.split)
     elif a.kernel == "weights":
         from replayssm.ops.triton.replay_step import _weights_kernel as fn
 
-        tail = {}
-        sdt = (q * H, H, 1)
-        scal = dict(
-            sdt_b=sdt[0],
-            sdt_t=sdt[1],
-            sdt_h=sdt[2],
-            sB_b=sC[0],
-            sB_t=sC[1],
-            sB_g=sC[2],
-            sC_b=sC[0],
-            sC_t=sC[1],
-            sC_g=sC[2],
-            H=H,
-            G=G,
-            R=R,
-        )
         meta = dict(
             Q=q,
             QB=QB,
@@ -166,22 +148,12 @@ def build(a):
     kinds = dict(x=act, B=act, C=act, y=act, rx=act, rB=act, state=sdt_t, list=i32, count=i32, ring_start=i32,
                  committed=i32, idx=i32)
     ptrs = {kp.name: kinds.get(kp.name[:-4], f32) for kp in fn.params if kp.name.endswith("_ptr")}
-    if a.kernel != "weights":
-        scal = dict(
-            sx_b=sx[0],
-            sx_t=sx[1],
-            sx_h=sx[2],
-            sC_b=sC[0],
-            sC_t=sC[1],
-            sC_g=sC[2],
-            sy_b=sx[0],
-            sy_t=sx[1],
-            sy_h=sx[2],
-            H=H,
-            G=G,
-            R=R,
-        )
-    values = {**{k: FakePtr(v) for k, v in ptrs.items()}, **tail, **scal}
+    # Scalars by name: contiguous (b, q, H, P) x / y, (b, q, G, N) B / C and (b, q, H) dt.
+    scalars = dict(sx_b=sx[0], sx_t=sx[1], sx_h=sx[2], sy_b=sx[0], sy_t=sx[1], sy_h=sx[2], sC_b=sC[0],
+                   sC_t=sC[1], sC_g=sC[2], sB_b=sC[0], sB_t=sC[1], sB_g=sC[2], sdt_b=q * H, sdt_t=H, sdt_h=1,
+                   H=H, G=G, R=R, window=W, seed_mix=seed_mix(a.seed))
+    values = {kp.name: FakePtr(ptrs[kp.name]) if kp.name in ptrs else scalars[kp.name]
+              for kp in fn.params if not kp.is_constexpr}
     signature, constexprs, attrs = {}, {}, {}
     for idx, kp in enumerate(fn.params):
         if kp.is_constexpr:
