@@ -142,14 +142,13 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
-        if not route.startswith("lean"):
-            names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts", f="flush_parts",
-                         k="flush_stages")
         flags = {"c", "o", "y", "b"}
         if lean:
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
             flags |= {"d", "e", "a"}
         else:
+            names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts", f="flush_parts",
+                         k="flush_stages")
             flags.add("t")
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
@@ -171,7 +170,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             # Its tensor-core pieces hit an illegal memory access on the H200 with 8 warps (64x8,
             # q = 4, benchmark sweep); not established why, so as the mma route: at most 4.
             raise ValueError(f"config.num_warps must be at most 4 for {route!r} with q > 1")
-        launch = launch_lean if route.startswith("lean") else launch_stream
+        launch = launch_lean if lean else launch_stream
         launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                concurrent="c" in opts, **kw)

@@ -26,7 +26,7 @@ import triton.language as tl
 from replayssm.ops.triton.replay_flush import launch_flush
 from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights, weights_scratch
-from replayssm.ops.triton.replay_stream import run_beside, stream_items
+from replayssm.ops.triton.replay_stream import piece_products, run_beside, stream_items
 from replayssm.ops.triton.tf32 import dot_bf16_split
 
 
@@ -169,9 +169,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     b, q = x.shape[:2]
     G = B.shape[2]
     QB = triton.next_power_of_2(q)
-    mma = int(q > 1 and block_p >= 16)
-    if mma and bf16_products and C.dtype == torch.bfloat16 and y.dtype in (torch.bfloat16, torch.float16):
-        mma = 2
+    mma = piece_products(q, block_p, bf16_products, C, y)
     k = stream_items(H, P, block_p, items)
     # Scratch on the current stream (a side stream only fills it; the join orders its reuse).
     w, sc = weights_scratch(b, q, H, window, x.device)

@@ -145,6 +145,16 @@ def stream_items(H: int, P: int, block_p: int, items: int) -> int:
     return k
 
 
+def piece_products(q: int, block_p: int, bf16_products: bool, C: torch.Tensor, y: torch.Tensor) -> int:
+    """How a piece forms its state products (the pieces' MMA): 0 = CUDA-core reductions (one token,
+    or tiles under the 16 rows a tensor-core operand needs), 1 = tensor-core products with the tile
+    as TF32 hi + lo, 2 = as bf16 hi + lo (asked for, with bf16 C and a 16-bit y only)."""
+    if q == 1 or block_p < 16:
+        return 0
+    bf16 = bf16_products and C.dtype == torch.bfloat16 and y.dtype in (torch.bfloat16, torch.float16)
+    return 2 if bf16 else 1
+
+
 def stream_supported(P: int, N: int, block_p: int) -> bool:
     """The streaming launch has no tail masks: whole tiles over P and N a multiple of 32 (or less)."""
     return P % block_p == 0 and (N <= 32 and N & (N - 1) == 0 or N % 32 == 0)
@@ -181,14 +191,12 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
-    # Several tokens take the tensor-core piece (operands need >= 16 rows: BLOCK_P >= 16).
-    mma = int(q > 1 and block_p >= 16)  # several tokens: tensor-core pieces (16-row operands)
+    mma = piece_products(q, block_p, bf16_products, C, y)
     for parts in (column_parts, flush_parts):
         if parts > 1 and not (mma and N % (min(N, 32) * parts) == 0):
             raise ValueError(f"{parts} column parts need tensor-core pieces (q > 1, block_p >= 16) "
                              f"and N a multiple of {min(N, 32) * parts}")
-    bf16 = mma and bf16_products and C.dtype == torch.bfloat16 and y.dtype in (torch.bfloat16, torch.float16)
-    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=2 if bf16 else mma,
+    meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
         # Flush rows listed on the device, then folded by a persistent launch.

@@ -14,7 +14,7 @@ dot_split or fp32.
 
 `dot_bf16_split` is the same split at bf16 width for an fp32 operand against a bf16 one: hi = bf16(v),
 lo = bf16(v - hi), two bf16 products (~2^-17 of each term: between one TF32 pass and dot_split),
-for products that only reach 16-bit outputs (an option of the streaming routes, for the sweeps).
+for products that only reach 16-bit outputs (the several-token default's state products, option .b).
 """
 
 from __future__ import annotations
