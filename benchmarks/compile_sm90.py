@@ -2,7 +2,8 @@
 """Compile a decode kernel for sm_90 on a CPU-only host and count what it does (no GPU needed).
 
 Kernels: replay_stream.py's `_stream_kernel` (default) and `_flush_kernel`, replay_step.py's
-`_weights_kernel`. Triton ships ptxas and cuobjdump, so registers, shared memory, spills, layout
+`_weights_kernel`, replay_flush.py's fold-only `_lean_flush_kernel` ("fold"), replay_mono.py's
+`_mono_kernel`. Triton ships ptxas and cuobjdump, so registers, shared memory, spills, layout
 conversions, async copies, MMA instructions and barriers can be read off before a device call
 (benchmarks/NOTES-kernels.md, session 12). Private Triton APIs (native_specialize_impl): written
 against Triton 3.9; the device's 3.6 compiles the same kernels with somewhat different counts.
@@ -48,7 +49,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def args_parse():
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("--kernel", choices=["stream", "flush", "weights"], default="stream")
+    a.add_argument("--kernel", choices=["stream", "flush", "weights", "fold", "mono"], default="stream")
     a.add_argument("--H", type=int, default=128)
     a.add_argument("--P", type=int, default=64)
     a.add_argument("--N", type=int, default=128)
@@ -140,6 +141,16 @@ def build(a):
             TT=max(QB, 16) if a.mma else QB,
             JJ=max(HB, 16) if a.mma else HB,
         )
+    elif a.kernel == "fold":  # replay_flush.py's persistent launch, fold-only (lean, stream-list.o)
+        from replayssm.ops.triton.replay_flush import _lean_flush_kernel as fn
+
+        del meta["MMA"]
+        meta.update(DOT=True, OUT=False)
+    elif a.kernel == "mono":
+        from replayssm.ops.triton.replay_mono import _mono_kernel as fn
+
+        del meta["MMA"]
+        meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True)
     else:
         fn = _flush_kernel
         meta.update(SPLIT=a.split, STAGES=a.stages)

@@ -27,6 +27,22 @@ LIST_BLOCK = 1024
 
 
 @triton.jit
+def fold_chunks(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix, N: tl.constexpr,
+                CW: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr):
+    """S0 <- decay S0 + xf B_rowsᵀ over a (BLOCK_P, N) tile, CW columns at a time: one (BLOCK_P, KB) x
+    (KB, CW) 3xTF32 product per chunk onto the decayed chunk, rounded and stored (xf: the history x
+    scaled by the fold coefficients, zero past h_c; jm masks the history B rows)."""
+    for c in tl.static_range(N // CW):
+        n = c * CW + tl.arange(0, CW)
+        tile = p[:, None] * N + n[None, :]
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+        Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
+                     other=0.0).to(tl.float32)  # (KB, CW)
+        S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
+        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+
+
+@triton.jit
 def _lean_list_kernel(idx_ptr, committed_ptr, ring_start_ptr, list_ptr, count_ptr, b, window, Q: tl.constexpr,
                       BLOCK: tl.constexpr):
     # One program: a record (row, slot, h_c, ring start) per row that flushes this step, in row
@@ -90,15 +106,8 @@ def _lean_flush_kernel(
             xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jm[None, :],
                          other=0.0).to(tl.float32) * tl.load(w_ptr + wf + j, mask=jm, other=0.0)[None, :]
             decay = tl.load(sc_ptr + scbase + Q)
-            for c in tl.static_range(NC):
-                n = c * NS + tl.arange(0, NS)
-                tile = p[:, None] * N + n[None, :]
-                S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
-                Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
-                             other=0.0).to(tl.float32)  # (KB, NS)
-                S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
-                S = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
-                tl.store(state_ptr + sbase + tile, S)
+            fold_chunks(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix, N, NS, STATE_DTYPE,
+                        MAXV)
         elif DOT:
             n = tl.arange(0, N)
             tile = p[:, None] * N + n[None, :]

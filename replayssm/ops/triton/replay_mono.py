@@ -27,8 +27,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from replayssm.ops.triton.replay_flush import fold_chunks
 from replayssm.ops.triton.replay_stream import stream_supported
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.ssu import softplus_dt
 
 
@@ -164,17 +165,9 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
     fk = dtk * tl.exp(tl.minimum(lam_h - tl.cumsum(dtk, axis=0) * A, 0.0))  # fold coefficients
     xf = tl.load(rx_ptr + (xrow0 + krows)[None, :] * P + p[:, None], mask=jkm[None, :],
                  other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
-    decay = tl.exp(lam_h)
     FNS: tl.constexpr = 16 if NS > 16 else NS  # narrow chunks: few registers live in the fold
-    for c in tl.static_range(N // FNS):
-        nc = c * FNS + tl.arange(0, FNS)
-        ctile = p[:, None] * N + nc[None, :]
-        S0c = tl.load(state_ptr + sbase + ctile).to(tl.float32)
-        Bc = tl.load(rB_ptr + (Brow0 + krows)[:, None] * N + nc[None, :], mask=jkm[:, None],
-                     other=0.0).to(tl.float32)  # (KB, FNS)
-        S = tl.dot(xf, Bc, S0c * decay, input_precision="tf32x3")
-        S = stochastic_round(S, sbase + ctile, seed_mix, STATE_DTYPE, MAXV)
-        tl.store(state_ptr + sbase + ctile, S)
+    fold_chunks(state_ptr, rB_ptr, xf, tl.exp(lam_h), krows, jkm, p, sbase, Brow0, seed_mix, N, FNS,
+                STATE_DTYPE, MAXV)
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
