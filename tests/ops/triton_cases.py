@@ -440,6 +440,10 @@ def run_interpreter(part: str) -> None:
                            act=torch.bfloat16)
         check_replay_cycle("cpu", q=4, P=16, N=32, W=5, config=LaunchConfig(16, 1), route="stream-list.c.t",
                            steps=8, state_dtype=torch.float16, act=torch.bfloat16)
+        # .hN: a group's heads over N weights programs (6 heads a group over 3 programs of 2, the
+        # group's B rows appended by the first).
+        check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=2, config=LaunchConfig(16, 1),
+                           route="stream-list.c.t.h4", steps=8, act=torch.bfloat16)
         # .p2 / .rN / .gN: flush programs per SM and register caps (launch options only; the
         # interpreter runs one SM, so two persistent flush programs share the listed pieces).
         check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1),

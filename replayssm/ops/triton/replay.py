@@ -112,7 +112,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
     for small steps, else "lean.a.y" for one token, "stream-list.c.y.b.t.p2" for several) where their tiles
     fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
-    "weights": the weights launch alone (benchmark diagnostics only: y is not written).
+    "weights[.t][.hN]": the weights launch alone (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
     assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
@@ -138,7 +138,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # small launches beside the output launch, `launch_lean` parallel); stream-list .t (the weights
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
         # launch), .nN / .fN (the streaming / flush pieces in N column parts), .kN (the flush loop's
-        # pipeline stages with .fN). The benchmarks sweep them.
+        # pipeline stages with .fN), .hN (a group's heads over N weights programs). The benchmarks
+        # sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
@@ -148,7 +149,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             flags |= {"d", "e", "a"}
         else:
             names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts", f="flush_parts",
-                         k="flush_stages")
+                         k="flush_stages", h="weight_programs")
             flags.add("t")
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
@@ -186,11 +187,17 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                         exact=route == "mono.t.x")
         return y
-    if route in ("fused", "split", "weights"):
+    if route in ("fused", "split") or route.startswith("weights"):
+        # "weights[.t][.hN]": the weights launch alone, as stream-list's options .t / .hN shape it.
+        wopts = route.split(".")[1:]
+        if route.startswith("weights") and any(o != "t" and not (o[:1] == "h" and o[1:].isdigit())
+                                               for o in wopts):
+            raise ValueError(f"route {route!r}: unknown options")
         cfg = config or CONFIG
         launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                    fuse_flush=route == "fused", outputs=route != "weights")
+                    fuse_flush=route == "fused", outputs=not route.startswith("weights"),
+                    bc_dot="t" in wopts, head_programs=max([int(o[1:]) for o in wopts if o != "t"] or [1]))
         if route != "split":
             return y
     elif route != "mma":

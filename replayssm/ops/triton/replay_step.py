@@ -34,9 +34,11 @@ def _weights_kernel(
     JJ: tl.constexpr,
 ):
     # Tokens t < TT and history entries j < JJ (QB and HB, or with BC_DOT both padded to >= 16: B·C
-    # is then two tensor-core products instead of a chain of per-token reductions).
+    # is then two tensor-core products instead of a chain of per-token reductions). Program
+    # (i, g, k) takes the group's heads k * HPB ... (k + 1) * HPB - 1.
     i = tl.program_id(0)
     g = tl.program_id(1)
+    kh = tl.program_id(2)
     s = tl.load(idx_ptr + i)
     s64 = tl.maximum(s, 0).to(tl.int64)
     hc = tl.where(s >= 0, tl.load(committed_ptr + s64), 0)  # padding rows: no history
@@ -47,6 +49,7 @@ def _weights_kernel(
     jm = j < hc
     t = tl.arange(0, TT)
     tm = t < Q
+    tb, tbm = t, tm  # the loaded token rows (the coefficients below take QB of them)
     rows = (o + j) % R
     Brow0 = s64 * G * R + g * R
     Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
@@ -65,6 +68,14 @@ def _weights_kernel(
                         C_ptr.dtype.element_ty != tl.float32, rB_ptr.dtype.element_ty != tl.float32)
         bcn = dot_split(C, tl.trans(Bn), tl.zeros((TT, TT), dtype=tl.float32),
                         C_ptr.dtype.element_ty != tl.float32, B_ptr.dtype.element_ty != tl.float32)
+        # Back to QB tokens before the per-head coefficients (their exps would otherwise run over
+        # every padded token row): rows and columns past Q are exact zeros (masked C and B rows),
+        # so summing the TT / QB row blocks keeps the first QB rows exactly.
+        bch = tl.sum(tl.reshape(bch, (TT // QB, QB, JJ)), axis=0)
+        bcn = tl.sum(tl.reshape(bcn, (TT // QB, QB, TT)), axis=0)
+        bcn = tl.sum(tl.reshape(bcn, (QB, TT // QB, QB)), axis=1)
+        t = tl.arange(0, QB)
+        tm = t < Q
     else:
         bch = tl.zeros((TT, JJ), dtype=tl.float32)
         bcn = tl.zeros((TT, TT), dtype=tl.float32)
@@ -75,7 +86,7 @@ def _weights_kernel(
     # Heads of this group: Λ from the stored history Δ and the new Δ, all exponents <= 0
     # (clamped so masked entries cannot overflow before being zeroed).
     hpg = H // G
-    hh = tl.arange(0, HPB)
+    hh = kh * HPB + tl.arange(0, HPB)
     hm = hh < hpg
     head = g * hpg + hh
     A = tl.load(A_ptr + head, mask=hm, other=0.0)
@@ -88,7 +99,7 @@ def _weights_kernel(
     dtn = dtn.to(tl.float32)
     bias = tl.load(dt_bias_ptr + head, mask=hm, other=0.0)
     dtn = tl.where(tm[None, :], softplus_dt(dtn, bias[:, None], DT_SOFTPLUS), 0.0)
-    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, TT)
+    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, QB)
     wh = dth[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumh[:, None, :], 0.0)) * bch[None, :, :]
     wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
     wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
@@ -108,7 +119,9 @@ def _weights_kernel(
     ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
     arow = (o + hc + t) % R
     tl.store(rdt_ptr + xrow0[:, None] + arow[None, :], dtn, mask=hm[:, None] & ok[None, :])
-    tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=ok[:, None] & nm[None, :])
+    okb = tbm & ((tb * 0 + s) >= 0) & ((tb * 0 + kh) == 0)  # the B rows as loaded (TT), once per group
+    tl.store(rB_ptr + (Brow0 + (o + hc + tb) % R)[:, None] * N + n[None, :], Bn_raw,
+             mask=okb[:, None] & nm[None, :])
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -196,22 +209,24 @@ def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.
 
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                    state_indices, window, dt_softplus, out=None,
-                   bc_dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   bc_dot: bool = False, head_programs: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
     (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them).
     bc_dot (several tokens): B·C as two tensor-core products over token and history axes padded
-    to 16, instead of per-token reductions on the CUDA cores."""
+    to 16, instead of per-token reductions on the CUDA cores. head_programs: a group's heads over
+    that many programs, each forming the group's B·C again (more, smaller programs in flight)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     w, sc = out if out is not None else weights_scratch(b, q, H, window, x.device)
     dot = bool(bc_dot and q > 1 and triton.next_power_of_2(N) >= 16)
-    _weights_kernel[(b, G)](
+    hpb = triton.next_power_of_2(triton.cdiv(H // G, max(1, int(head_programs))))
+    _weights_kernel[(b, G, triton.cdiv(H // G, hpb))](
         dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
         dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
         C.stride(0), C.stride(1), C.stride(2), H, G, R,
-        Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
+        Q=q, QB=QB, HB=HB, HPB=hpb, N=N, BLOCK_N=triton.next_power_of_2(N),
         DT_SOFTPLUS=bool(dt_softplus), BC_DOT=dot, TT=max(QB, 16) if dot else QB,
         JJ=max(HB, 16) if dot else HB, num_warps=4,
     )
@@ -220,10 +235,12 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
 
 def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                fuse_flush: bool = True, outputs: bool = True) -> None:
+                fuse_flush: bool = True, outputs: bool = True, bc_dot: bool = False,
+                head_programs: int = 1) -> None:
     """Weights launch, then the output launch (which also folds flush rows when fuse_flush).
 
-    outputs=False stops after the weights launch (the benchmark times it alone).
+    outputs=False stops after the weights launch (the benchmark times it alone, with the
+    `launch_weights` options bc_dot and head_programs of the route it stands for).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -231,7 +248,7 @@ def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     BN = triton.next_power_of_2(N)
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus)
+                           state_indices, window, dt_softplus, bc_dot=bc_dot, head_programs=head_programs)
     if not outputs:
         return
     block_p = min(block_p, triton.next_power_of_2(P))

@@ -166,7 +166,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, column_parts: int = 1, flush_parts: int = 1,
-                  flush_stages: int = 3) -> None:
+                  flush_stages: int = 3, weight_programs: int = 1) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -179,7 +179,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     column_parts (several tokens): the streaming launch takes each piece in that many column parts,
     one per pipelined iteration (with stages >= 3 the next part's copies are in flight while a part
     computes; a sweep option, `_piece_mma`). flush_parts / flush_stages: the same for the
-    flush launch's pieces (its loop pipelined flush_stages deep).
+    flush launch's pieces (its loop pipelined flush_stages deep). weight_programs: the weights
+    launch's `head_programs`.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -187,7 +188,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus, bc_dot=bc_dot)
+                           state_indices, window, dt_softplus, bc_dot=bc_dot, head_programs=weight_programs)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
