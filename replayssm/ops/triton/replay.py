@@ -138,8 +138,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # small launches beside the output launch, `launch_lean` parallel); stream-list .t (the weights
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
         # launch), .nN / .fN (the streaming / flush pieces in N column parts), .kN (the flush loop's
-        # pipeline stages with .fN), .hN (a group's heads over N weights programs). The benchmarks
-        # sweep them.
+        # pipeline stages with .fN), .hN (a group's heads over N weights programs), .l (the streaming
+        # launch programmatically dependent on the weights launch). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
@@ -150,7 +150,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         else:
             names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts", f="flush_parts",
                          k="flush_stages", h="weight_programs")
-            flags.add("t")
+            flags |= {"t", "l"}
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
             raise ValueError(f"route {route!r}: unknown options {bad}")
@@ -164,6 +164,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         kw.update(priority="y" in opts, bf16_products="b" in opts)
         if "t" in opts:
             kw["bc_dot"] = True
+        if "l" in opts:
+            kw["pdl"] = True
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

@@ -23,6 +23,17 @@ from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round
 from replayssm.ops.triton.ssu import softplus_dt
 from replayssm.ops.triton.tf32 import dot_split
 
+try:  # programmatic dependent launch (sm_90+; Triton >= 3.4)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # older Triton: the .l option is refused (`pdl_supported`)
+    gdc_launch_dependents = gdc_wait = None
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: a CUDA device of compute capability >= 9 and a Triton with it."""
+    return (gdc_wait is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
 
 @triton.jit
 def _weights_kernel(
@@ -31,11 +42,15 @@ def _weights_kernel(
     sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, HPB: tl.constexpr, N: tl.constexpr,
     BLOCK_N: tl.constexpr, DT_SOFTPLUS: tl.constexpr, BC_DOT: tl.constexpr, TT: tl.constexpr,
-    JJ: tl.constexpr,
+    JJ: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Tokens t < TT and history entries j < JJ (QB and HB, or with BC_DOT both padded to >= 16: B·C
     # is then two tensor-core products instead of a chain of per-token reductions). Program
     # (i, g, k) takes the group's heads k * HPB ... (k + 1) * HPB - 1.
+    if PDL:
+        # The next launch on this stream (launched programmatically dependent) may start now; it
+        # waits (gdc_wait) before it reads anything this launch writes.
+        gdc_launch_dependents()
     i = tl.program_id(0)
     g = tl.program_id(1)
     kh = tl.program_id(2)
@@ -209,12 +224,16 @@ def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.
 
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                    state_indices, window, dt_softplus, out=None,
-                   bc_dot: bool = False, head_programs: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                   bc_dot: bool = False, head_programs: int = 1,
+                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
     (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them).
     bc_dot (several tokens): B·C as two tensor-core products over token and history axes padded
     to 16, instead of per-token reductions on the CUDA cores. head_programs: a group's heads over
-    that many programs, each forming the group's B·C again (more, smaller programs in flight)."""
+    that many programs, each forming the group's B·C again (more, smaller programs in flight).
+    pdl: every program lets the stream's next launch start at once (`pdl_supported` devices; that
+    launch must be launched with launch_pdl and wait with gdc_wait before reading w, sc or the
+    appended ring rows)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -228,7 +247,7 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
         C.stride(0), C.stride(1), C.stride(2), H, G, R,
         Q=q, QB=QB, HB=HB, HPB=hpb, N=N, BLOCK_N=triton.next_power_of_2(N),
         DT_SOFTPLUS=bool(dt_softplus), BC_DOT=dot, TT=max(QB, 16) if dot else QB,
-        JJ=max(HB, 16) if dot else HB, num_warps=4,
+        JJ=max(HB, 16) if dot else HB, PDL=pdl, num_warps=4,
     )
     return w, sc
 

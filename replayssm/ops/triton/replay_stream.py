@@ -34,7 +34,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs, launch_flush
 from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma
-from replayssm.ops.triton.replay_step import launch_weights
+from replayssm.ops.triton.replay_step import gdc_wait, launch_weights, pdl_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
 
@@ -45,7 +45,7 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -61,6 +61,8 @@ def _stream_kernel(
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
     flush = valid & (hc + Q > window)
+    if PDL:
+        gdc_wait()  # launched programmatically dependent on the weights launch: its writes from here
     if ALL or flush == 0:
         if SPLIT == 1:
             for k in tl.range(0, ITEMS, num_stages=STAGES):
@@ -166,7 +168,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, column_parts: int = 1, flush_parts: int = 1,
-                  flush_stages: int = 3, weight_programs: int = 1) -> None:
+                  flush_stages: int = 3, weight_programs: int = 1, pdl: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -180,15 +182,19 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     one per pipelined iteration (with stages >= 3 the next part's copies are in flight while a part
     computes; a sweep option, `_piece_mma`). flush_parts / flush_stages: the same for the
     flush launch's pieces (its loop pipelined flush_stages deep). weight_programs: the weights
-    launch's `head_programs`.
+    launch's `head_programs`. pdl: the streaming launch starts while the weights launch runs
+    (programmatic dependent launch, where `pdl_supported`; it waits for the weights' writes after
+    loading its rows' slots and cursors).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
+    pdl = bool(pdl and not outputs_all and pdl_supported(x.device))
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus, bc_dot=bc_dot, head_programs=weight_programs)
+                           state_indices, window, dt_softplus, bc_dot=bc_dot, head_programs=weight_programs,
+                           pdl=pdl)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
@@ -216,7 +222,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
-            SPLIT=column_parts, **_regs(stream_maxnreg),
+            SPLIT=column_parts, **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
         )
 
     if outputs_all:
