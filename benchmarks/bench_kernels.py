@@ -282,6 +282,9 @@ def main() -> None:
     ap.add_argument("--extra", default="",
                     help="replay tiles also timed at every case, e.g. mono:64x4+lean.c:32x4 (rows marked "
                          "extra, left out of the tables)")
+    ap.add_argument("--sweep-extra", default="",
+                    help="replay tiles also timed at the headline sweep only, beside the chosen one and not "
+                         "candidates for the table, e.g. the previous default (rows marked sweep and extra)")
     ap.add_argument("--flashinfer", action="store_true",
                     help="also time FlashInfer's kernels on fp32 cases (bench_flashinfer.py)")
     ap.add_argument("--fi-shapes", default="",
@@ -319,6 +322,12 @@ def main() -> None:
                     desc.append(f"{c.name} refused ({e})")
             rows += [r for r, _ in trials]
             best[(impl, q)] = min(trials, key=lambda rc: rc[0]["us_per_step"])[1]
+            for c in map(Tile.parse, filter(None, args.sweep_extra.split("+")) if impl == "replay" else ()):
+                try:
+                    rows.append(dict(measure(bench, impl, c, sweep=True), extra=True))
+                    desc.append(f"(beside: {c.name} {rows[-1]['us_per_step']:.1f})")
+                except ValueError as e:
+                    desc.append(f"(beside: {c.name} refused ({e}))")
             desc = ", ".join(desc)
             print(f"sweep q={q} {impl}: {desc}", flush=True)
         del bench

@@ -199,10 +199,17 @@ def test_auto_route_policy():
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
     assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 2,048 row-heads
-    assert auto_route(32, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2"  # 4,096 row-heads
-    assert auto_route(512, 4, 16, 64, 128)[0] == "stream-list.c.y.b.t.p2"  # TP8 shape, 8,192 row-heads
-    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2"
-    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2"
+    assert auto_route(32, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.f2.g128.p4.l"  # 4,096 row-heads
+    assert auto_route(512, 4, 16, 64, 128)[0] == "stream-list.c.y.b.t.f2.g128.p4.l"  # TP8 shape, 8,192
+    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l"  # 16,384 row-heads
+    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l"
+    # 16-bit states: mono.t up to 1,024 row-heads, then the flush pieces in column parts, no .l.
+    f16 = torch.float16
+    assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t"
+    assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4"
+    assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g128.p4"
+    assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
+    assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
 
 

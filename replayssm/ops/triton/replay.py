@@ -23,8 +23,11 @@ Routes (all read S0 once per row and write it only on flush rows):
   "stream-list.c.y.b.t.p2", streams the non-flush rows while the flush launch (outputs and fold
   of the flush rows in one pass) runs beside it on a high-priority side stream, with bf16 hi + lo
   state products for the outputs (~2^-17 of each term, far below a 16-bit output's rounding;
-  TF32 hi + lo otherwise), the weights launch's B·C as tensor-core products, and two persistent
-  flush programs per SM (as many as its registers let an SM hold at once).
+  TF32 hi + lo otherwise), the weights launch's B·C as tensor-core products, two persistent
+  flush programs per SM (as many as its registers let an SM hold at once), and with fp32 state
+  the streaming launch programmatically dependent on the weights launch (.l). Steps of up to
+  8,192 row-heads (fp32 state) and every step with a 16-bit state take the flush pieces in two
+  column parts, 128 registers, four programs per SM instead ("stream-list.c.y.b.t.f2.g128.p4").
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -51,7 +54,8 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.c.y.b.t.p2" at 64x4;
+# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.c.y.b.t.p2.l" at 64x4
+# (or SMALL_VERIFY_ROUTE, below);
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
 #          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
@@ -61,9 +65,20 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 #          462.3, stream-list.o.p5.b 471.7 (calls 1-3: 470.8-476.0 vs 483.5-487.0 without .b);
 #          session 12, call 2: .p2 408.2 vs 431.8 / 433.0 for .c.y.b.t (4 flush programs per SM, of
 #          which its 173 registers let 2 run at once), .g128.p3 415.5, .g128 421.9.
+# Session 13 (calls 2-3, q = 4, 64x4; NOTES-kernels.md): the flush pieces in two column parts under a
+# 128-register cap with four programs per SM (.f2.g128.p4) win for 16-bit states at every size
+# measured (8B b = 64-512: 110.5-693.1 vs 121.3-725.8 us; TP8 b = 128-512: 39.7-110.7 vs 40.3-120.4)
+# and for fp32 states up to 8,192 row-heads (TP8 b = 256 65.1 vs 69.9, b = 512 120.7 vs 127.2, 8B
+# b = 32 65.1 vs 69.2, b = 64 120.4 vs 125.5), and lose above (8B b = 128 228.3 vs 217.3, b = 256
+# 431.2 vs 409.4, b = 512 846.4 vs 791.7). The streaming launch programmatically dependent on the
+# weights launch (.l) gains 0.2-2% with fp32 state wherever a stream route is taken (8B b = 256
+# 407.8 vs 409.4; TP8 b = 256 with .f2.g128.p4 63.7 vs 65.1), but with fp16 state it lost at TP8
+# b = 128 (44.6 vs 39.7): fp32 only.
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.a.y", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list.c.y.b.t.p2", LaunchConfig(block_p=64, num_warps=4)))
+               ("stream-list.c.y.b.t.p2.l", LaunchConfig(block_p=64, num_warps=4)))
+SMALL_VERIFY_ROUTE = "stream-list.c.y.b.t.f2.g128.p4"  # several tokens, up to SMALL_VERIFY_ROW_HEADS (fp32)
+SMALL_VERIFY_ROW_HEADS = 8192
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
 # bytes there. H200, fp32 state, session 6 call 3 (benchmarks/NOTES-kernels.md), mono vs split:
@@ -83,20 +98,29 @@ FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # "stream-list.c.y.b.t" (session 12 call 1, q = 4, mono.t 64x4 second): fp32 TP8 b = 256 (4,096
 # row-heads) 71.3 vs 71.2 us, b = 512 128.2 vs 130.3, 8B b = 32 70.8 vs 69.3, b = 64 126.8 vs 128.0;
 # fp16 state TP8 b = 256 61.3 vs 80.0, b = 512 123.4 vs 148.2, 8B b = 32 61.7 vs 76.0, b = 64 123.1
-# vs 143.5. Hence mono.t up to 2,048 row-heads only.
+# vs 143.5. Hence mono.t up to 2,048 row-heads only. With 16-bit state, session 13 call 3 (TP8, q = 4):
+# b = 64 (1,024 row-heads) mono.t 27.8 vs 33.2 for .f2.g128.p4, b = 128 (2,048) 44.6 vs 39.7 (fp32
+# state there: 41.8 vs 43.9): 1,024 row-heads for 16-bit states.
 MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 MONO_T_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))  # <= / > 128
 MONO_MAX_ROW_HEADS = (2048, 2048)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
+MONO_T_MAX_ROW_HEADS_16BIT = 1024  # "mono.t" with fp16 / bf16 state
 
 
-def auto_route(b: int, q: int, H: int, P: int, N: int) -> tuple[str, LaunchConfig] | None:
-    """The route and tile "auto" takes for b rows of q tokens; None where no whole-tile route fits."""
-    if b * H <= MONO_MAX_ROW_HEADS[q > 1]:
+def auto_route(b: int, q: int, H: int, P: int, N: int,
+               state_dtype: torch.dtype = torch.float32) -> tuple[str, LaunchConfig] | None:
+    """The route and tile "auto" takes for b rows of q tokens with that state dtype; None where no
+    whole-tile route fits."""
+    wide = state_dtype == torch.float32
+    mono_max = MONO_MAX_ROW_HEADS[q > 1] if q == 1 or wide else MONO_T_MAX_ROW_HEADS_16BIT
+    if b * H <= mono_max:
         route, cfg = ("mono.t", MONO_T_CONFIGS[b * H > 128]) if q > 1 else ("mono", MONO_CONFIG)
         for c in (cfg, MONO_CONFIG):
             if stream_supported(P, N, c.block_p):
                 return route, c
     route, cfg = AUTO_ROUTES[q > 1]
+    if q > 1 and (b * H <= SMALL_VERIFY_ROW_HEADS or not wide):
+        route = SMALL_VERIFY_ROUTE + (".l" if wide else "")
     return (route, cfg) if stream_supported(P, N, cfg.block_p) else None
 
 
@@ -110,8 +134,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
-    for small steps, else "lean.a.y" for one token, "stream-list.c.y.b.t.p2" for several) where their tiles
-    fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
+    for small steps, else "lean.a.y" for one token, a "stream-list.c.y.b.t" route for several) where
+    their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights[.t][.hN]": the weights launch alone (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
@@ -121,7 +145,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     if b == 0:
         return y
     if route == "auto":
-        picked = auto_route(b, q, *state.shape[1:]) if config is None else None
+        picked = auto_route(b, q, *state.shape[1:], state.dtype) if config is None else None
         if picked is not None:
             route, config = picked
         else:
