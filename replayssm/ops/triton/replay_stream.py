@@ -1,5 +1,6 @@
-"""ReplaySSM forward step, row-streaming launches (route "stream-list"; several tokens default to
-"stream-list.c.y.b.t.p2").
+"""ReplaySSM forward step, row-streaming launches (route "stream-list"; several tokens take
+"stream-list.c.y.b.t.p2.l" or "stream-list.c.y.b.t.f2.g128.p4[.l]" by size and state dtype,
+`replay.auto_route`).
 
 Same weights launch and arithmetic as `replay_step.py`; the output launches differ in shape. A
 grid-per-tile launch gives every program one 16 KiB (P tile, head) piece of the state behind a
@@ -9,7 +10,8 @@ loaded once, the pieces are contiguous in the slot's state, and the loop over th
 software-pipelined. With two stages the sm_90 build keeps one shared-memory copy of a piece and
 issues the next piece's copies only after this one's stores (benchmarks/compile_sm90.py), so the
 overlap is between programs; option .nN (pieces in N column parts, one per iteration, three
-stages) keeps the next part in flight while a part computes (prepared, not yet measured).
+stages) keeps the next part in flight while a part computes, and measured slower (H200, q = 4,
+8B, b = 256: 451.7 vs 409.1 us for .n2.s3; NOTES-kernels.md, session 13).
 
 A row flushes as a whole. "stream-list" streams the non-flush rows, lists the flush rows on the
 device (one small program) and folds them in a persistent launch of a few programs per SM, so
@@ -23,7 +25,11 @@ tensor-core products (.t); a flush piece writes its outputs and folds in one pas
 per column chunk (H200, q = 4, 8B: 433-435 vs 472 us for ".o.p5.b" at b = 256, 228.5 vs 250.3 at
 128, 836.1 vs 919.8 at 512; NOTES-kernels.md, session 11), two flush programs per SM (.p2: its
 173 registers let an SM hold two; four left half waiting for a second wave: 408.2-409.9 vs
-431.8-435.2 us at b = 256, 217.1 vs 229.8 at 128, 794.5 vs 842.2 at 512; session 12).
+431.8-435.2 us at b = 256, 217.1 vs 229.8 at 128, 794.5 vs 842.2 at 512; session 12), and with
+fp32 state the streaming launch programmatically dependent on the weights launch (.l: 407.8 vs
+409.4 us at b = 256). Steps of up to 8,192 row-heads with fp32 state and every step with a 16-bit
+state take the flush pieces in two column parts under a 128-register cap, four programs per SM
+(.f2.g128.p4: TP8 b = 256 63.7 vs 68.4 us with .l; 8B fp16 b = 256 354.2 vs 372.4; session 13).
 """
 
 from __future__ import annotations
@@ -180,7 +186,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     streaming / flush launch (0: the compiler's choice; sweep options, more programs per SM).
     column_parts (several tokens): the streaming launch takes each piece in that many column parts,
     one per pipelined iteration (with stages >= 3 the next part's copies are in flight while a part
-    computes; a sweep option, `_piece_mma`). flush_parts / flush_stages: the same for the
+    computes; a sweep option, measured slower, `_piece_mma`). flush_parts / flush_stages: the same for the
     flush launch's pieces (its loop pipelined flush_stages deep). weight_programs: the weights
     launch's `head_programs`. pdl: the streaming launch starts while the weights launch runs
     (programmatic dependent launch, where `pdl_supported`; it waits for the weights' writes after
