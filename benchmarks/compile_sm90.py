@@ -21,6 +21,7 @@ Writes ttir/ttgir/llir/ptx/cubin/sass + ptxas -v log to --out and prints a summa
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -66,6 +67,8 @@ def args_parse():
     a.add_argument("--mma", type=int, choices=[0, 1, 2], default=2)
     a.add_argument("--all", action="store_true", help="ALL constexpr (outputs_all)")
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (column parts per piece)")
+    a.add_argument("--coef", action="store_true",
+                   help="COEF constexpr (stream / flush: pieces form their own coefficients, option .m)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -122,6 +125,8 @@ def build(a):
         STATE_DTYPE=sdt,
         MAXV=max_finite(sdt),
     )
+    if a.coef:
+        meta.update(COEF=True, DT_SOFTPLUS=True)
     if a.kernel == "stream":
         fn = _stream_kernel
         items = stream_items(H, P, a.block_p, a.items)
@@ -163,13 +168,19 @@ def build(a):
     scalars = dict(sx_b=sx[0], sx_t=sx[1], sx_h=sx[2], sy_b=sx[0], sy_t=sx[1], sy_h=sx[2], sC_b=sC[0],
                    sC_t=sC[1], sC_g=sC[2], sB_b=sC[0], sB_t=sC[1], sB_g=sC[2], sdt_b=q * H, sdt_t=H, sdt_h=1,
                    H=H, G=G, R=R, window=W, seed_mix=seed_mix(a.seed))
-    values = {kp.name: FakePtr(ptrs[kp.name]) if kp.name in ptrs else scalars[kp.name]
+    # Arguments with defaults (the .m pieces' extra inputs) keep them, as a launch without .m does.
+    values = {kp.name: kp.default if kp.default is not inspect.Parameter.empty and not a.coef
+              else FakePtr(ptrs[kp.name]) if kp.name in ptrs else scalars[kp.name]
               for kp in fn.params if not kp.is_constexpr}
     signature, constexprs, attrs = {}, {}, {}
     for idx, kp in enumerate(fn.params):
         if kp.is_constexpr:
             signature[kp.name] = "constexpr"
-            constexprs[(idx,)] = meta[kp.name]
+            constexprs[(idx,)] = meta[kp.name] if kp.name in meta else kp.default  # e.g. PDL=False
+            continue
+        if values[kp.name] is None:  # a None argument is a constexpr
+            signature[kp.name] = "constexpr"
+            constexprs[(idx,)] = None
             continue
         ty, attr = spec(values[kp.name], kp)
         signature[kp.name] = ty
@@ -179,7 +190,9 @@ def build(a):
             parsed = CUDABackend.parse_attr(attr)
             if parsed:
                 attrs[(idx,)] = parsed
-    assert set(meta) == {kp.name for kp in fn.params if kp.is_constexpr}, "constexpr mismatch"
+    # Every constexpr without a default is given (the defaulted ones, e.g. PDL, may be left out).
+    required = {kp.name for kp in fn.params if kp.is_constexpr and kp.default is inspect.Parameter.empty}
+    assert required <= set(meta) <= {kp.name for kp in fn.params if kp.is_constexpr}, "constexpr mismatch"
     return fn, signature, constexprs, attrs, meta, values
 
 
