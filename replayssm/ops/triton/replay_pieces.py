@@ -134,15 +134,8 @@ def _piece_mma(
         acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
     for c in tl.static_range(CPP):
         n = (part * CPP + c) * NS + tl.arange(0, NS)
-        tile = p[:, None] * N + n[None, :]
-        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
-        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
-        if MMA == 2:
-            # The tile as bf16 hi + lo against bf16 C (the launch checks the dtypes: 16-bit y).
-            acc = dot_bf16_split(S0, Ct, acc)
-        else:
-            Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
-            acc = dot_split(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32)
+        tile, S0, acc = _chunk_product(state_ptr, sbase, C_ptr, i, g, p, t, tm, n, sC_b, sC_t, sC_g, acc, N,
+                                       MMA, STATE_DTYPE)
         if FOLD:
             Bc = tl.load(rB_ptr + (Brow0 + frows)[:, None] * N + n[None, :], mask=jfm[:, None], other=0.0)
             S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
@@ -236,14 +229,8 @@ def _piece_coef(
     acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
     for c in tl.static_range(N // NS):
         n = c * NS + tl.arange(0, NS)
-        tile = p[:, None] * N + n[None, :]
-        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
-        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
-        if MMA == 2:
-            acc = dot_bf16_split(S0, Ct, acc)
-        else:
-            acc = dot_split(S0, Ct.to(tl.float32), acc, STATE_DTYPE != tl.float32,
-                            C_ptr.dtype.element_ty != tl.float32)
+        tile, S0, acc = _chunk_product(state_ptr, sbase, C_ptr, i, g, p, t, tm, n, sC_b, sC_t, sC_g, acc, N,
+                                       MMA, STATE_DTYPE)
         if FOLD:
             Bc = tl.load(rB_ptr + (Brow0 + (o + jf) % R)[:, None] * N + n[None, :], mask=jfm[:, None],
                          other=0.0)
@@ -258,6 +245,23 @@ def _piece_coef(
     tl.store(rdt_ptr + xrow0 + (o + hc + t) % R, dtn, mask=tm & ((t * 0 + lead.to(tl.int32)) > 0))
     _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, 0, 0, x_ptr, D_ptr, rx_ptr, y_ptr, None, None,
                    sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P, sct, wh, wn, True)
+
+
+@triton.jit
+def _chunk_product(state_ptr, sbase, C_ptr, i, g, p, t, tm, n, sC_b, sC_t, sC_g, acc, N: tl.constexpr,
+                   MMA: tl.constexpr, STATE_DTYPE: tl.constexpr):
+    """One (BLOCK_P, NS) column chunk of a piece: its offsets in the state, the tile chunk in fp32
+    and acc + chunk @ C^T (tokens t as columns), bf16 hi + lo (MMA 2) or fp32-accurate TF32."""
+    tile = p[:, None] * N + n[None, :]
+    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed later
+    Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
+    if MMA == 2:
+        # The tile as bf16 hi + lo against bf16 C (the launch checks the dtypes: 16-bit y).
+        acc = dot_bf16_split(S0, Ct, acc)
+    else:
+        Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
+        acc = dot_split(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32)
+    return tile, S0, acc
 
 
 @triton.jit
