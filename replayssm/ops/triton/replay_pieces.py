@@ -193,12 +193,12 @@ def _piece_coef(
     sB_b, sB_t, sB_g, sdt_b, sdt_t, sdt_h,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, MMA: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    MAXV: tl.constexpr, MMA: tl.constexpr, DT_SOFTPLUS: tl.constexpr, APPEND: tl.constexpr = True,
 ):
     # `_piece_mma` (whole pieces) that forms its own coefficients instead of reading the weights
     # launch's scratch (option .m): Λ of its head from the ring and new Δ, with its group's B·C
-    # (`_group_bc`, bch / bcn) formed by the caller. The piece also appends its head's Δ, as the
-    # weights launch did.
+    # (`_group_bc`, bch / bcn) formed by the caller. With APPEND the piece also appends its head's
+    # Δ, as the weights launch does.
     TB: tl.constexpr = 16 if QB < 16 else QB
     KB: tl.constexpr = 16 if HB < 16 else HB
     NPT: tl.constexpr = P // BLOCK_P
@@ -241,8 +241,9 @@ def _piece_coef(
     wn = tl.where(t[:, None] <= t[None, :], wn, 0.0)  # causal: token k <= t
     sct = tl.where(tm, tl.exp(cumn), 0.0)
     # Each head's Δ appended from its first P tile (the group's B rows: `_group_bc`).
-    lead = valid & (w % NPT == 0)
-    tl.store(rdt_ptr + xrow0 + (o + hc + t) % R, dtn, mask=tm & ((t * 0 + lead.to(tl.int32)) > 0))
+    if APPEND:  # (else a weights launch beside this one appends)
+        lead = valid & (w % NPT == 0)
+        tl.store(rdt_ptr + xrow0 + (o + hc + t) % R, dtn, mask=tm & ((t * 0 + lead.to(tl.int32)) > 0))
     _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, 0, 0, x_ptr, D_ptr, rx_ptr, y_ptr, None, None,
                    sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P, sct, wh, wn, True)
 

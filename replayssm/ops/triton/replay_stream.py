@@ -53,7 +53,7 @@ def _stream_kernel(
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr = False, COEF: tl.constexpr = False,
     DT_SOFTPLUS: tl.constexpr = False, B_ptr=None, dt_ptr=None, A_ptr=None, dt_bias_ptr=None, rdt_ptr=None,
-    sB_b=0, sB_t=0, sB_g=0, sdt_b=0, sdt_t=0, sdt_h=0,
+    sB_b=0, sB_t=0, sB_g=0, sdt_b=0, sdt_t=0, sdt_h=0, APPEND: tl.constexpr = True,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -75,17 +75,21 @@ def _stream_kernel(
         gdc_wait()  # launched programmatically dependent on the weights launch: its writes from here
     if ALL or flush == 0:
         if COEF:
-            # Pieces that form their own coefficients (no weights launch before this one); the
-            # program's pieces share one group (the launch caps ITEMS), so its B·C once.
+            # Pieces that form their own coefficients (no weights launch before this one: none,
+            # or one beside it for the flush rows); the program's pieces share one group (the
+            # launch caps ITEMS), so its B·C once.
             gpieces = (H // G) * (P // BLOCK_P)  # pieces of a group; ITEMS divides it
-            bch, bcn = _group_bc(i, first // gpieces, s64, hc, o, valid & (first % gpieces == 0), C_ptr,
+            lead = valid & (first % gpieces == 0)  # appends the group's B rows
+            if not APPEND:
+                lead = lead & (first < 0)  # never: a weights launch beside this one appends
+            bch, bcn = _group_bc(i, first // gpieces, s64, hc, o, lead, C_ptr,
                                  B_ptr, rB_ptr, sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, G, R, Q, TB, KB, N, NS)
             for k in tl.range(0, ITEMS, num_stages=STAGES):
                 _piece_coef(k, first, i, s64, valid, hc, o, bch, bcn, x_ptr, D_ptr, C_ptr, state_ptr,
                             rx_ptr, rB_ptr, y_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
                             sy_h, H, G, R, B_ptr, dt_ptr, A_ptr, dt_bias_ptr, rdt_ptr, sB_b, sB_t, sB_g,
                             sdt_b, sdt_t, sdt_h, Q, QB, HB, P, N, BLOCK_P, NS, False, STATE_DTYPE, MAXV, MMA,
-                            DT_SOFTPLUS)
+                            DT_SOFTPLUS, APPEND)
         elif SPLIT == 1:
             for k in tl.range(0, ITEMS, num_stages=STAGES):
                 _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
@@ -204,7 +208,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, column_parts: int = 1, flush_parts: int = 1,
                   flush_stages: int = 3, weight_programs: int = 1, pdl: bool = False,
-                  coefficients: bool = False) -> None:
+                  coefficients: bool = False, weights_beside: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -222,6 +226,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     (programmatic dependent launch, where `pdl_supported`; it waits for the weights' writes after
     loading its rows' slots and cursors). coefficients (several tokens, whole pieces): no weights
     launch; every piece forms its head's coefficients and its group's B·C itself (`_piece_coef`).
+    weights_beside: only the streaming launch's pieces form their coefficients; the weights launch
+    runs first among the flush launches (on the side stream beside the streaming launch where
+    concurrent), for the flush rows, and appends every row's B and Δ as without coefficients.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -236,6 +243,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     if coefficients and not (mma and column_parts == 1 and flush_parts == 1 and not outputs_all):
         raise ValueError("in-piece coefficients need whole tensor-core pieces (q > 1, block_p >= 16, no "
                          "column parts, no .o)")
+    weights_beside = bool(weights_beside and coefficients)
     pdl = bool(pdl and not outputs_all and not coefficients and pdl_supported(x.device))
     coef = {}
     if coefficients:
@@ -243,10 +251,14 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         coef = dict(COEF=True, DT_SOFTPLUS=bool(dt_softplus), B_ptr=B, dt_ptr=dt, A_ptr=A,
                     dt_bias_ptr=dt_bias, rdt_ptr=ring_dt, sB_b=B.stride(0), sB_t=B.stride(1),
                     sB_g=B.stride(2), sdt_b=dt.stride(0), sdt_t=dt.stride(1), sdt_h=dt.stride(2))
-    else:
-        w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start,
-                               committed, state_indices, window, dt_softplus, bc_dot=bc_dot,
-                               head_programs=weight_programs, pdl=pdl)
+    if not coefficients or weights_beside:
+        # (beside: on the side stream, in flush_launches)
+        def weights() -> tuple[torch.Tensor, torch.Tensor]:
+            return launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start,
+                                  committed, state_indices, window, dt_softplus, bc_dot=bc_dot,
+                                  head_programs=weight_programs, pdl=pdl)
+    if not coefficients:
+        w, sc = weights()
     k = stream_items(H, P, block_p, items)
     if coefficients:  # a program's pieces within one group (they share its B·C)
         k = stream_items(H // G, P, block_p, items)
@@ -256,14 +268,18 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
         # Flush rows listed on the device, then folded by a persistent launch.
+        fw, fsc, fcoef = w, sc, coef
+        if weights_beside:  # the flush rows read the weights launch's coefficients
+            fw, fsc = weights()
+            fcoef = {}
         rows = torch.empty(b, device=x.device, dtype=torch.int32)
         count = torch.empty(1, device=x.device, dtype=torch.int32)
         _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
                                  BLOCK=LIST_BLOCK, num_warps=4)
         programs = min(b * H * (P // block_p), flush_programs(x.device, flush_programs_per_sm))
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
-                                   state_indices, y, w, sc, *common, **meta, SPLIT=flush_parts,
-                                   STAGES=flush_stages, **_regs(flush_maxnreg), **coef)
+                                   state_indices, y, fw, fsc, *common, **meta, SPLIT=flush_parts,
+                                   STAGES=flush_stages, **_regs(flush_maxnreg), **fcoef)
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
 
@@ -272,7 +288,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
             SPLIT=column_parts, **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
-            **coef,
+            **coef, **(dict(APPEND=False) if weights_beside else {}),
         )
 
     if outputs_all:
