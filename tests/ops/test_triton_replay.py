@@ -48,7 +48,8 @@ SPLIT_ROUTES = ["stream-list.n2.s3", "stream-list.c.y.b.t.p2.n2.s3", "stream-lis
                 "stream-list.o.p5.b.n2", "stream-list.f2", "stream-list.c.y.b.t.n2.s3.f2.g128.p4",
                 "stream-list.c.y.b.t.f4.k2", "stream-list.c.y.b.t.p2.h4", "stream-list.c.y.b.t.p2.h16",
                 "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
-                "stream-list.m", "stream-list.c.y.b.m.p2", "stream-list.c.y.b.m.p2.r128", "stream-list.c.y.b.t.u.p2"]
+                "stream-list.m", "stream-list.c.y.b.m.p2", "stream-list.c.y.b.m.p2.r128",
+                "stream-list.c.y.b.t.u.p2"]
 
 
 @requires_cuda
