@@ -67,8 +67,6 @@ def args_parse():
     a.add_argument("--mma", type=int, choices=[0, 1, 2], default=2)
     a.add_argument("--all", action="store_true", help="ALL constexpr (outputs_all)")
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (column parts per piece)")
-    a.add_argument("--coef", action="store_true",
-                   help="COEF constexpr (stream / flush: pieces form their own coefficients, option .m)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -125,8 +123,6 @@ def build(a):
         STATE_DTYPE=sdt,
         MAXV=max_finite(sdt),
     )
-    if a.coef:
-        meta.update(COEF=True, DT_SOFTPLUS=True)
     if a.kernel == "stream":
         fn = _stream_kernel
         items = stream_items(H, P, a.block_p, a.items)
@@ -168,8 +164,8 @@ def build(a):
     scalars = dict(sx_b=sx[0], sx_t=sx[1], sx_h=sx[2], sy_b=sx[0], sy_t=sx[1], sy_h=sx[2], sC_b=sC[0],
                    sC_t=sC[1], sC_g=sC[2], sB_b=sC[0], sB_t=sC[1], sB_g=sC[2], sdt_b=q * H, sdt_t=H, sdt_h=1,
                    H=H, G=G, R=R, window=W, seed_mix=seed_mix(a.seed))
-    # Arguments with defaults (the .m pieces' extra inputs) keep them, as a launch without .m does.
-    values = {kp.name: kp.default if kp.default is not inspect.Parameter.empty and not a.coef
+    # Arguments with defaults keep them, as a launch that leaves them out does.
+    values = {kp.name: kp.default if kp.default is not inspect.Parameter.empty
               else FakePtr(ptrs[kp.name]) if kp.name in ptrs else scalars[kp.name]
               for kp in fn.params if not kp.is_constexpr}
     signature, constexprs, attrs = {}, {}, {}

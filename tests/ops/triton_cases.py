@@ -454,17 +454,6 @@ def run_interpreter(part: str) -> None:
         check_replay_cycle("cpu", q=3, P=32, N=64, W=5, config=LaunchConfig(16, 1),
                            route="stream-list.c.t.n2.s3.f2", steps=8, state_dtype=torch.float16,
                            act=torch.bfloat16)
-        # .m: no weights launch; the pieces form their coefficients and their group's B·C (6 heads a
-        # group, two P tiles a head: B rows appended by the group's first program, Δ by each head's
-        # first tile; history padded from 8 to 16 at W = 5).
-        check_replay_cycle("cpu", q=3, P=32, N=32, H=12, G=2, W=8, config=LaunchConfig(16, 1),
-                           route="stream-list.m.p2", steps=8, act=torch.bfloat16)
-        check_replay_cycle("cpu", q=4, P=16, N=32, W=5, config=LaunchConfig(16, 1), route="stream-list.c.m",
-                           steps=8, state_dtype=torch.float16, act=torch.bfloat16)
-        # .u: the streaming pieces form their coefficients, a weights launch serves the flush rows
-        # and appends every row's B and Δ (sequential here: after the streaming launch).
-        check_replay_cycle("cpu", q=3, P=32, N=32, H=12, G=2, W=8, config=LaunchConfig(16, 1),
-                           route="stream-list.c.u.p2", steps=8, act=torch.bfloat16)
         # .a: the bare output products beside the small launches, then scaled (one token and several).
         check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.a.y", steps=6,

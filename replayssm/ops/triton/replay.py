@@ -163,9 +163,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
         # launch), .nN / .fN (the streaming / flush pieces in N column parts), .kN (the flush loop's
         # pipeline stages with .fN), .hN (a group's heads over N weights programs), .l (the streaming
-        # launch programmatically dependent on the weights launch), .m (no weights launch: the pieces
-        # form their own coefficients), .u (only the streaming pieces do, the weights launch runs
-        # beside them for the flush launch). The benchmarks sweep them.
+        # launch programmatically dependent on the weights launch). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
@@ -176,7 +174,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         else:
             names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts", f="flush_parts",
                          k="flush_stages", h="weight_programs")
-            flags |= {"t", "l", "m", "u"}
+            flags |= {"t", "l"}
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
             raise ValueError(f"route {route!r}: unknown options {bad}")
@@ -192,10 +190,6 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             kw["bc_dot"] = True
         if "l" in opts:
             kw["pdl"] = True
-        if "m" in opts:
-            kw["coefficients"] = True
-        if "u" in opts:
-            kw.update(coefficients=True, weights_beside=True)
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")

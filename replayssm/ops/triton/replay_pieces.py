@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.rounding import stochastic_round
-from replayssm.ops.triton.ssu import softplus_dt
 from replayssm.ops.triton.tf32 import dot_bf16_split, dot_split
 
 
@@ -134,8 +133,15 @@ def _piece_mma(
         acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
     for c in tl.static_range(CPP):
         n = (part * CPP + c) * NS + tl.arange(0, NS)
-        tile, S0, acc = _chunk_product(state_ptr, sbase, C_ptr, i, g, p, t, tm, n, sC_b, sC_t, sC_g, acc, N,
-                                       MMA, STATE_DTYPE)
+        tile = p[:, None] * N + n[None, :]
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
+        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
+        if MMA == 2:
+            # The tile as bf16 hi + lo against bf16 C (the launch checks the dtypes: 16-bit y).
+            acc = dot_bf16_split(S0, Ct, acc)
+        else:
+            Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
+            acc = dot_split(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32)
         if FOLD:
             Bc = tl.load(rB_ptr + (Brow0 + frows)[:, None] * N + n[None, :], mask=jfm[:, None], other=0.0)
             S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
@@ -155,117 +161,6 @@ def _piece_mma(
 
 
 @triton.jit
-def _group_bc(
-    i, g, s64, hc, o, append, C_ptr, B_ptr, rB_ptr, sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, G, R,
-    Q: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr, N: tl.constexpr, NS: tl.constexpr,
-):
-    """B·C of row i's group g for `_piece_coef`: (KB, TB) history B_j·C_t and (TB, TB) new B_k·C_t
-    (row j or k, token column t), one column chunk at a time, exact for 16-bit B and C; with
-    append (one caller per row and group) the new B rows also go to the ring, as the weights
-    launch appended them."""
-    t = tl.arange(0, TB)
-    tm = t < Q
-    app = (tm & ((t * 0 + append.to(tl.int32)) > 0))[:, None]  # masks as tensors (interpreter)
-    arow = (o + hc + t) % R
-    jf = tl.arange(0, KB)
-    Brow0 = s64 * G * R + g * R
-    bch = tl.zeros((KB, TB), dtype=tl.float32)
-    bcn = tl.zeros((TB, TB), dtype=tl.float32)
-    for c in tl.static_range(N // NS):
-        n = c * NS + tl.arange(0, NS)
-        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
-        Ct = Ct.to(tl.float32)  # (NS, TB)
-        Bc = tl.load(rB_ptr + (Brow0 + (o + jf) % R)[:, None] * N + n[None, :], mask=(jf < hc)[:, None],
-                     other=0.0)
-        Bn = tl.load(B_ptr + i * sB_b + g * sB_g + t[:, None] * sB_t + n[None, :], mask=tm[:, None], other=0.)
-        bch = dot_split(Bc.to(tl.float32), Ct, bch, rB_ptr.dtype.element_ty != tl.float32,
-                        C_ptr.dtype.element_ty != tl.float32)
-        bcn = dot_split(Bn.to(tl.float32), Ct, bcn, B_ptr.dtype.element_ty != tl.float32,
-                        C_ptr.dtype.element_ty != tl.float32)
-        tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn, mask=app)
-    return bch, bcn
-
-
-@triton.jit
-def _piece_coef(
-    k, first, i, s64, valid, hc, o, bch, bcn, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, seed_mix,
-    sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, B_ptr, dt_ptr, A_ptr, dt_bias_ptr, rdt_ptr,
-    sB_b, sB_t, sB_g, sdt_b, sdt_t, sdt_h,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, MMA: tl.constexpr, DT_SOFTPLUS: tl.constexpr, APPEND: tl.constexpr = True,
-):
-    # `_piece_mma` (whole pieces) that forms its own coefficients instead of reading the weights
-    # launch's scratch (option .m): Λ of its head from the ring and new Δ, with its group's B·C
-    # (`_group_bc`, bch / bcn) formed by the caller. With APPEND the piece also appends its head's
-    # Δ, as the weights launch does.
-    TB: tl.constexpr = 16 if QB < 16 else QB
-    KB: tl.constexpr = 16 if HB < 16 else HB
-    NPT: tl.constexpr = P // BLOCK_P
-    w = first + k
-    h = w // NPT
-    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
-    hpg = H // G
-    g = h // hpg
-    t = tl.arange(0, TB)
-    tm = t < Q
-    jf = tl.arange(0, KB)
-    jfm = jf < hc
-    sbase = (s64 * H + h) * (P * N)
-    xrow0 = s64 * H * R + h * R
-    # Λ of this head, as the weights launch (`replay_step.py`); all exponents <= 0.
-    A = tl.load(A_ptr + h)
-    dth = tl.load(rdt_ptr + xrow0 + (o + jf) % R, mask=jfm, other=0.0)  # (KB,) history Δ
-    cumh = tl.cumsum(dth, axis=0) * A
-    lam_h = tl.sum(dth, axis=0) * A
-    dtn = tl.load(dt_ptr + i * sdt_b + t * sdt_t + h * sdt_h, mask=tm, other=0.0).to(tl.float32)
-    dtn = tl.where(tm, softplus_dt(dtn, tl.load(dt_bias_ptr + h), DT_SOFTPLUS), 0.0)
-    cumn = lam_h + tl.cumsum(dtn, axis=0) * A  # (TB,)
-    xh = _history_x(rx_ptr, xrow0, o, hc, p, R, P, KB)  # (BLOCK_P, KB)
-    if FOLD:
-        decay = tl.exp(lam_h)
-        xf = xh * (dth * tl.exp(tl.minimum(lam_h - cumh, 0.0)))[None, :]  # history x times fold coefficients
-        Brow0 = s64 * G * R + g * R
-    acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
-    for c in tl.static_range(N // NS):
-        n = c * NS + tl.arange(0, NS)
-        tile, S0, acc = _chunk_product(state_ptr, sbase, C_ptr, i, g, p, t, tm, n, sC_b, sC_t, sC_g, acc, N,
-                                       MMA, STATE_DTYPE)
-        if FOLD:
-            Bc = tl.load(rB_ptr + (Brow0 + (o + jf) % R)[:, None] * N + n[None, :], mask=jfm[:, None],
-                         other=0.0)
-            S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
-            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
-    wh = dth[:, None] * tl.exp(tl.minimum(cumn[None, :] - cumh[:, None], 0.0)) * bch  # (KB, TB)
-    wn = dtn[:, None] * tl.exp(tl.minimum(cumn[None, :] - cumn[:, None], 0.0)) * bcn  # (TB k, TB t)
-    wn = tl.where(t[:, None] <= t[None, :], wn, 0.0)  # causal: token k <= t
-    sct = tl.where(tm, tl.exp(cumn), 0.0)
-    # Each head's Δ appended from its first P tile (the group's B rows: `_group_bc`).
-    if APPEND:  # (else a weights launch beside this one appends)
-        lead = valid & (w % NPT == 0)
-        tl.store(rdt_ptr + xrow0 + (o + hc + t) % R, dtn, mask=tm & ((t * 0 + lead.to(tl.int32)) > 0))
-    _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, 0, 0, x_ptr, D_ptr, rx_ptr, y_ptr, None, None,
-                   sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P, sct, wh, wn, True)
-
-
-@triton.jit
-def _chunk_product(state_ptr, sbase, C_ptr, i, g, p, t, tm, n, sC_b, sC_t, sC_g, acc, N: tl.constexpr,
-                   MMA: tl.constexpr, STATE_DTYPE: tl.constexpr):
-    """One (BLOCK_P, NS) column chunk of a piece: its offsets in the state, the tile chunk in fp32
-    and acc + chunk @ C^T (tokens t as columns), bf16 hi + lo (MMA 2) or fp32-accurate TF32."""
-    tile = p[:, None] * N + n[None, :]
-    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed later
-    Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
-    if MMA == 2:
-        # The tile as bf16 hi + lo against bf16 C (the launch checks the dtypes: 16-bit y).
-        acc = dot_bf16_split(S0, Ct, acc)
-    else:
-        Ct = Ct.to(tl.float32)  # (NS, TB): C^T of this chunk
-        acc = dot_split(S0, Ct, acc, STATE_DTYPE != tl.float32, C_ptr.dtype.element_ty != tl.float32)
-    return tile, S0, acc
-
-
-@triton.jit
 def _history_x(rx_ptr, xrow0, o, hc, p, R, P: tl.constexpr, HB: tl.constexpr):
     """The h_c history x rows of a piece as (BLOCK_P, HB) fp32 (zero past h_c)."""
     j = tl.arange(0, HB)
@@ -277,28 +172,21 @@ def _history_x(rx_ptr, xrow0, o, hc, p, R, P: tl.constexpr, HB: tl.constexpr):
 def _piece_outputs(
     acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr, w_ptr, sc_ptr,
     sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr,
-    P: tl.constexpr, sct=0.0, wh=0.0, wn=0.0, COEF: tl.constexpr = False,
+    P: tl.constexpr,
 ):
     """y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t from the state products acc
-    (BLOCK_P, TB), written as y; the new x rows appended to the ring. The coefficients come from
-    the weights launch's scratch, or with COEF from registers: sct = e^{Λ_t} (TB,), wh (J, TB) =
-    w_tj for the J history columns of xh, wn (TB, TB) = w_tk (row k, column t)."""
+    (BLOCK_P, TB), written as y; the new x rows appended to the ring."""
     JB: tl.constexpr = HB + QB
     tm = t < Q
     j = tl.arange(0, HB)
     jm = j < hc
-    if not COEF:
-        sct = tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)
-    acc = acc * sct[None, :]
-    if not COEF:
-        wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
+    acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
+    wh = tl.load(w_ptr + wbase + t[None, :] * JB + j[:, None], mask=jm[:, None] & tm[None, :], other=0.0)
     acc = dot_split(xh, wh, acc, rx_ptr.dtype.element_ty != tl.float32, False)
     xrows = x_ptr + i * sx_b + t[None, :] * sx_t + h * sx_h + p[:, None]
     xn_raw = tl.load(xrows, mask=tm[None, :], other=0.0)
     xn = xn_raw.to(tl.float32)  # (BLOCK_P, TB): token k in column k
-    if not COEF:
-        wn = tl.load(w_ptr + wbase + t[None, :] * JB + HB + t[:, None], mask=tm[:, None] & tm[None, :],
-                     other=0.0)
+    wn = tl.load(w_ptr + wbase + t[None, :] * JB + HB + t[:, None], mask=tm[:, None] & tm[None, :], other=0.0)
     acc = dot_split(xn, wn, acc, x_ptr.dtype.element_ty != tl.float32, False)
     acc = tl.where(valid, acc + tl.load(D_ptr + h) * xn, 0.0)
     tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None], acc.to(y_ptr.dtype.element_ty),

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs, launch_flush
-from replayssm.ops.triton.replay_pieces import _any_piece, _group_bc, _piece_coef, _piece_mma
+from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma
 from replayssm.ops.triton.replay_step import gdc_wait, launch_weights, pdl_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
@@ -51,16 +51,12 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr = False, COEF: tl.constexpr = False,
-    DT_SOFTPLUS: tl.constexpr = False, B_ptr=None, dt_ptr=None, A_ptr=None, dt_bias_ptr=None, rdt_ptr=None,
-    sB_b=0, sB_t=0, sB_g=0, sdt_b=0, sdt_t=0, sdt_h=0, APPEND: tl.constexpr = True,
+    SPLIT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
     # program stays inside one row. (Folding flush rows in this launch too, 3xTF32 per column
     # chunk, measured 646 vs 330 us for it at q = 4 on the H200: NOTES-kernels.md, session 6.)
-    TB: tl.constexpr = 16 if QB < 16 else QB  # tensor-core token / history widths (`_piece_coef`)
-    KB: tl.constexpr = 16 if HB < 16 else HB
     w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
     i = w0 // per_row
@@ -74,23 +70,7 @@ def _stream_kernel(
     if PDL:
         gdc_wait()  # launched programmatically dependent on the weights launch: its writes from here
     if ALL or flush == 0:
-        if COEF:
-            # Pieces that form their own coefficients (no weights launch before this one: none,
-            # or one beside it for the flush rows); the program's pieces share one group (the
-            # launch caps ITEMS), so its B·C once.
-            gpieces = (H // G) * (P // BLOCK_P)  # pieces of a group; ITEMS divides it
-            lead = valid & (first % gpieces == 0)  # appends the group's B rows
-            if not APPEND:
-                lead = lead & (first < 0)  # never: a weights launch beside this one appends
-            bch, bcn = _group_bc(i, first // gpieces, s64, hc, o, lead, C_ptr,
-                                 B_ptr, rB_ptr, sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, G, R, Q, TB, KB, N, NS)
-            for k in tl.range(0, ITEMS, num_stages=STAGES):
-                _piece_coef(k, first, i, s64, valid, hc, o, bch, bcn, x_ptr, D_ptr, C_ptr, state_ptr,
-                            rx_ptr, rB_ptr, y_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
-                            sy_h, H, G, R, B_ptr, dt_ptr, A_ptr, dt_bias_ptr, rdt_ptr, sB_b, sB_t, sB_g,
-                            sdt_b, sdt_t, sdt_h, Q, QB, HB, P, N, BLOCK_P, NS, False, STATE_DTYPE, MAXV, MMA,
-                            DT_SOFTPLUS, APPEND)
-        elif SPLIT == 1:
+        if SPLIT == 1:
             for k in tl.range(0, ITEMS, num_stages=STAGES):
                 _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
                            y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
@@ -127,15 +107,11 @@ def _flush_kernel(
     idx_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, COEF: tl.constexpr = False,
-    DT_SOFTPLUS: tl.constexpr = False, B_ptr=None, dt_ptr=None, A_ptr=None, dt_bias_ptr=None, rdt_ptr=None,
-    sB_b=0, sB_t=0, sB_g=0, sdt_b=0, sdt_t=0, sdt_h=0,
+    MAXV: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent over the pieces of the listed flush rows: a fixed, small grid whatever the batch,
     # so the fold's registers never throttle the launch of programs with nothing to do, and the
     # work of few flush rows still spreads over every SM.
-    TB: tl.constexpr = 16 if QB < 16 else QB
-    KB: tl.constexpr = 16 if HB < 16 else HB
     per_row = H * (P // BLOCK_P)
     if SPLIT > 1:
         # This program's pieces (pid, pid + programs, ...) in SPLIT column parts, one per pipelined
@@ -143,6 +119,7 @@ def _flush_kernel(
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         mine = tl.maximum(tl.load(count_ptr) * per_row - pid + nprog - 1, 0) // nprog
+        TB: tl.constexpr = 16 if QB < 16 else QB
         acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
         for m2 in tl.range(0, mine * SPLIT, num_stages=STAGES):
             w = pid + (m2 // SPLIT) * nprog
@@ -162,19 +139,9 @@ def _flush_kernel(
         s64 = s.to(tl.int64)
         hc = tl.load(committed_ptr + s64)
         o = tl.load(ring_start_ptr + s64)
-        if COEF:
-            gpieces = (H // G) * (P // BLOCK_P)
-            lead = (s >= 0) & (w % gpieces == 0)  # appends the group's B rows
-            bch, bcn = _group_bc(i, w % per_row // gpieces, s64, hc, o, lead, C_ptr, B_ptr, rB_ptr, sC_b,
-                                 sC_t, sC_g, sB_b, sB_t, sB_g, G, R, Q, TB, KB, N, NS)
-            _piece_coef(w % per_row, 0, i, s64, s >= 0, hc, o, bch, bcn, x_ptr, D_ptr, C_ptr, state_ptr,
-                        rx_ptr, rB_ptr, y_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
-                        sy_h, H, G, R, B_ptr, dt_ptr, A_ptr, dt_bias_ptr, rdt_ptr, sB_b, sB_t, sB_g, sdt_b,
-                        sdt_t, sdt_h, Q, QB, HB, P, N, BLOCK_P, NS, True, STATE_DTYPE, MAXV, MMA, DT_SOFTPLUS)
-        else:
-            _any_piece(w % per_row, 0, i, s64, s >= 0, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
-                       y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
-                       H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV)
+        _any_piece(w % per_row, 0, i, s64, s >= 0, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
+                   y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
+                   H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, True, MMA, STATE_DTYPE, MAXV)
 
 
 def stream_items(H: int, P: int, block_p: int, items: int) -> int:
@@ -207,8 +174,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, column_parts: int = 1, flush_parts: int = 1,
-                  flush_stages: int = 3, weight_programs: int = 1, pdl: bool = False,
-                  coefficients: bool = False, weights_beside: bool = False) -> None:
+                  flush_stages: int = 3, weight_programs: int = 1, pdl: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -224,62 +190,37 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     flush launch's pieces (its loop pipelined flush_stages deep). weight_programs: the weights
     launch's `head_programs`. pdl: the streaming launch starts while the weights launch runs
     (programmatic dependent launch, where `pdl_supported`; it waits for the weights' writes after
-    loading its rows' slots and cursors). coefficients (several tokens, whole pieces): no weights
-    launch; every piece forms its head's coefficients and its group's B·C itself (`_piece_coef`).
-    weights_beside: only the streaming launch's pieces form their coefficients; the weights launch
-    runs first among the flush launches (on the side stream beside the streaming launch where
-    concurrent), for the flush rows, and appends every row's B and Δ as without coefficients.
+    loading its rows' slots and cursors).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
+    pdl = bool(pdl and not outputs_all and pdl_supported(x.device))
+    w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                           state_indices, window, dt_softplus, bc_dot=bc_dot, head_programs=weight_programs,
+                           pdl=pdl)
+    k = stream_items(H, P, block_p, items)
+    sdt = tl_dtype(state.dtype)
+    common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     mma = piece_products(q, block_p, bf16_products, C, y)
     for parts in (column_parts, flush_parts):
         if parts > 1 and not (mma and N % (min(N, 32) * parts) == 0):
             raise ValueError(f"{parts} column parts need tensor-core pieces (q > 1, block_p >= 16) "
                              f"and N a multiple of {min(N, 32) * parts}")
-    if coefficients and not (mma and column_parts == 1 and flush_parts == 1 and not outputs_all):
-        raise ValueError("in-piece coefficients need whole tensor-core pieces (q > 1, block_p >= 16, no "
-                         "column parts, no .o)")
-    weights_beside = bool(weights_beside and coefficients)
-    pdl = bool(pdl and not outputs_all and not coefficients and pdl_supported(x.device))
-    coef = {}
-    if coefficients:
-        w = sc = x  # never read: the pieces form their coefficients
-        coef = dict(COEF=True, DT_SOFTPLUS=bool(dt_softplus), B_ptr=B, dt_ptr=dt, A_ptr=A,
-                    dt_bias_ptr=dt_bias, rdt_ptr=ring_dt, sB_b=B.stride(0), sB_t=B.stride(1),
-                    sB_g=B.stride(2), sdt_b=dt.stride(0), sdt_t=dt.stride(1), sdt_h=dt.stride(2))
-    if not coefficients or weights_beside:
-        # (beside: on the side stream, in flush_launches)
-        def weights() -> tuple[torch.Tensor, torch.Tensor]:
-            return launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start,
-                                  committed, state_indices, window, dt_softplus, bc_dot=bc_dot,
-                                  head_programs=weight_programs, pdl=pdl)
-    if not coefficients:
-        w, sc = weights()
-    k = stream_items(H, P, block_p, items)
-    if coefficients:  # a program's pieces within one group (they share its B·C)
-        k = stream_items(H // G, P, block_p, items)
-    sdt = tl_dtype(state.dtype)
-    common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
         # Flush rows listed on the device, then folded by a persistent launch.
-        fw, fsc, fcoef = w, sc, coef
-        if weights_beside:  # the flush rows read the weights launch's coefficients
-            fw, fsc = weights()
-            fcoef = {}
         rows = torch.empty(b, device=x.device, dtype=torch.int32)
         count = torch.empty(1, device=x.device, dtype=torch.int32)
         _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
                                  BLOCK=LIST_BLOCK, num_warps=4)
         programs = min(b * H * (P // block_p), flush_programs(x.device, flush_programs_per_sm))
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
-                                   state_indices, y, fw, fsc, *common, **meta, SPLIT=flush_parts,
-                                   STAGES=flush_stages, **_regs(flush_maxnreg), **fcoef)
+                                   state_indices, y, w, sc, *common, **meta, SPLIT=flush_parts,
+                                   STAGES=flush_stages, **_regs(flush_maxnreg))
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
 
@@ -288,7 +229,6 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
             SPLIT=column_parts, **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
-            **coef, **(dict(APPEND=False) if weights_beside else {}),
         )
 
     if outputs_all:
