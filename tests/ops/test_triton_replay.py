@@ -47,7 +47,8 @@ def test_replay_cycle_stream_gpu(state_dtype, q, route):
 SPLIT_ROUTES = ["stream-list.n2.s3", "stream-list.c.y.b.t.p2.n2.s3", "stream-list.c.y.b.t.p2.n4.s5",
                 "stream-list.o.p5.b.n2", "stream-list.f2", "stream-list.c.y.b.t.n2.s3.f2.g128.p4",
                 "stream-list.c.y.b.t.f4.k2", "stream-list.c.y.b.t.p2.h4", "stream-list.c.y.b.t.p2.h16",
-                "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l"]
+                "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
+                "stream-list.c.y.b.t.p2.l.w2", "stream-list.c.y.b.p2.w8"]
 
 
 @requires_cuda

@@ -444,6 +444,9 @@ def run_interpreter(part: str) -> None:
         # group's B rows appended by the first).
         check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=2, config=LaunchConfig(16, 1),
                            route="stream-list.c.t.h4", steps=8, act=torch.bfloat16)
+        # .wN: N groups of a row per weights program (4 groups of 3 heads in one program).
+        check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=4, config=LaunchConfig(16, 1),
+                           route="stream-list.c.t.w4", steps=8, act=torch.bfloat16)
         # .p2 / .rN / .gN: flush programs per SM and register caps (launch options only; the
         # interpreter runs one SM, so two persistent flush programs share the listed pieces).
         check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1),

@@ -162,7 +162,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # small launches beside the output launch, `launch_lean` parallel); stream-list .t (the weights
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
         # launch), .nN / .fN (the streaming / flush pieces in N column parts), .kN (the flush loop's
-        # pipeline stages with .fN), .hN (a group's heads over N weights programs), .l (the streaming
+        # pipeline stages with .fN), .hN (a group's heads over N weights programs), .wN (N groups of
+        # a row per weights program), .l (the streaming
         # launch programmatically dependent on the weights launch). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
@@ -173,7 +174,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             flags |= {"d", "e", "a"}
         else:
             names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts", f="flush_parts",
-                         k="flush_stages", h="weight_programs")
+                         k="flush_stages", h="weight_programs", w="weight_groups")
             flags |= {"t", "l"}
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:

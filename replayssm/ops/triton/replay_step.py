@@ -42,17 +42,17 @@ def _weights_kernel(
     sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, HPB: tl.constexpr, N: tl.constexpr,
     BLOCK_N: tl.constexpr, DT_SOFTPLUS: tl.constexpr, BC_DOT: tl.constexpr, TT: tl.constexpr,
-    JJ: tl.constexpr, PDL: tl.constexpr = False,
+    JJ: tl.constexpr, PDL: tl.constexpr = False, GPP: tl.constexpr = 1,
 ):
     # Tokens t < TT and history entries j < JJ (QB and HB, or with BC_DOT both padded to >= 16: B·C
     # is then two tensor-core products instead of a chain of per-token reductions). Program
-    # (i, g, k) takes the group's heads k * HPB ... (k + 1) * HPB - 1.
+    # (i, gp, k) takes heads k * HPB ... (k + 1) * HPB - 1 of groups gp * GPP ... (gp + 1) * GPP - 1
+    # (GPP groups of one row: its slot and cursor loaded once).
     if PDL:
         # The next launch on this stream (launched programmatically dependent) may start now; it
         # waits (gdc_wait) before it reads anything this launch writes.
         gdc_launch_dependents()
     i = tl.program_id(0)
-    g = tl.program_id(1)
     kh = tl.program_id(2)
     s = tl.load(idx_ptr + i)
     s64 = tl.maximum(s, 0).to(tl.int64)
@@ -62,81 +62,83 @@ def _weights_kernel(
     nm = n < N
     j = tl.arange(0, JJ)
     jm = j < hc
-    t = tl.arange(0, TT)
-    tm = t < Q
-    tb, tbm = t, tm  # the loaded token rows (the coefficients below take QB of them)
-    rows = (o + j) % R
-    Brow0 = s64 * G * R + g * R
-    Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
-                 other=0.0).to(tl.float32)
-    tn = tm[:, None] & nm[None, :]
-    Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
-    C = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
-    C = C.to(tl.float32)
-    Bn = Bn_raw.to(tl.float32)
-    # B·C: (TT, JJ) history and (TT, TT) new (tiny: once per group). BC_DOT: two products, exact
-    # for 16-bit B and C (`dot_split`). Else in fp32 on the CUDA cores a token's row at a time: the
-    # whole (QB, HB, N) broadcast product took 163 registers at q = 4 (sm_90 build), against 48 at
-    # q = 1.
-    if BC_DOT:
-        bch = dot_split(C, tl.trans(Bh), tl.zeros((TT, JJ), dtype=tl.float32),
-                        C_ptr.dtype.element_ty != tl.float32, rB_ptr.dtype.element_ty != tl.float32)
-        bcn = dot_split(C, tl.trans(Bn), tl.zeros((TT, TT), dtype=tl.float32),
-                        C_ptr.dtype.element_ty != tl.float32, B_ptr.dtype.element_ty != tl.float32)
-        # Back to QB tokens before the per-head coefficients (their exps would otherwise run over
-        # every padded token row): rows and columns past Q are exact zeros (masked C and B rows),
-        # so summing the TT / QB row blocks keeps the first QB rows exactly.
-        bch = tl.sum(tl.reshape(bch, (TT // QB, QB, JJ)), axis=0)
-        bcn = tl.sum(tl.reshape(bcn, (TT // QB, QB, TT)), axis=0)
-        bcn = tl.sum(tl.reshape(bcn, (QB, TT // QB, QB)), axis=1)
-        t = tl.arange(0, QB)
+    for gi in tl.static_range(GPP):
+        g = tl.program_id(1) * GPP + gi
+        t = tl.arange(0, TT)
         tm = t < Q
-    else:
-        bch = tl.zeros((TT, JJ), dtype=tl.float32)
-        bcn = tl.zeros((TT, TT), dtype=tl.float32)
-        for tt in tl.static_range(Q):
-            Crow = tl.sum(tl.where((t == tt)[:, None], C, 0.0), axis=0)
-            bch = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bh, axis=1)[None, :], bch)
-            bcn = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bn, axis=1)[None, :], bcn)
-    # Heads of this group: Λ from the stored history Δ and the new Δ, all exponents <= 0
-    # (clamped so masked entries cannot overflow before being zeroed).
-    hpg = H // G
-    hh = kh * HPB + tl.arange(0, HPB)
-    hm = hh < hpg
-    head = g * hpg + hh
-    A = tl.load(A_ptr + head, mask=hm, other=0.0)
-    xrow0 = s64 * H * R + head.to(tl.int64) * R  # ring_dt rows of (s, head)
-    dth = tl.load(rdt_ptr + xrow0[:, None] + rows[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
-    cumh = tl.cumsum(dth, axis=1) * A[:, None]  # (HPB, JJ)
-    lam_h = tl.sum(dth, axis=1) * A  # (HPB,)
-    ht = hm[:, None] & tm[None, :]
-    dtn = tl.load(dt_ptr + i * sdt_b + t[None, :] * sdt_t + head[:, None] * sdt_h, mask=ht, other=0.0)
-    dtn = dtn.to(tl.float32)
-    bias = tl.load(dt_bias_ptr + head, mask=hm, other=0.0)
-    dtn = tl.where(tm[None, :], softplus_dt(dtn, bias[:, None], DT_SOFTPLUS), 0.0)
-    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, QB)
-    wh = dth[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumh[:, None, :], 0.0)) * bch[None, :, :]
-    wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
-    wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
-    fh = dth * tl.exp(tl.minimum(lam_h[:, None] - cumh, 0.0))  # fold coefficients (HPB, JJ)
-    JB: tl.constexpr = HB + QB
-    wbase = (i.to(tl.int64) * H + head) * ((Q + 1) * JB)  # (HPB,)
-    hq = hm[:, None, None] & tm[None, :, None]
-    wrow = wbase[:, None, None] + t[None, :, None] * JB
-    # Rows of JB = HB + QB entries: history j < HB, then new k < QB (padded entries stay out).
-    tl.store(w_ptr + wrow + j[None, None, :], wh, mask=hq & (j < HB)[None, None, :])
-    tl.store(w_ptr + wrow + HB + t[None, None, :], wn, mask=hq & (t < QB)[None, None, :])
-    tl.store(w_ptr + wbase[:, None] + Q * JB + j[None, :], fh, mask=hm[:, None] & (j < HB)[None, :])
-    sbase = (i.to(tl.int64) * H + head) * (Q + 1)
-    tl.store(sc_ptr + sbase[:, None] + t[None, :], tl.exp(cumn), mask=ht)
-    tl.store(sc_ptr + sbase + Q, tl.exp(lam_h), mask=hm)
-    # Appends after the history (never a history row): Δ of each head, B of the group.
-    ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
-    arow = (o + hc + t) % R
-    tl.store(rdt_ptr + xrow0[:, None] + arow[None, :], dtn, mask=hm[:, None] & ok[None, :])
-    okb = tbm & ((tb * 0 + s) >= 0) & ((tb * 0 + kh) == 0)  # the B rows as loaded (TT), once per group
-    tl.store(rB_ptr + (Brow0 + (o + hc + tb) % R)[:, None] * N + n[None, :], Bn_raw,
-             mask=okb[:, None] & nm[None, :])
+        tb, tbm = t, tm  # the loaded token rows (the coefficients below take QB of them)
+        rows = (o + j) % R
+        Brow0 = s64 * G * R + g * R
+        Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
+                     other=0.0).to(tl.float32)
+        tn = tm[:, None] & nm[None, :]
+        Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
+        C = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
+        C = C.to(tl.float32)
+        Bn = Bn_raw.to(tl.float32)
+        # B·C: (TT, JJ) history and (TT, TT) new (tiny: once per group). BC_DOT: two products, exact
+        # for 16-bit B and C (`dot_split`). Else in fp32 on the CUDA cores a token's row at a time: the
+        # whole (QB, HB, N) broadcast product took 163 registers at q = 4 (sm_90 build), against 48 at
+        # q = 1.
+        if BC_DOT:
+            bch = dot_split(C, tl.trans(Bh), tl.zeros((TT, JJ), dtype=tl.float32),
+                            C_ptr.dtype.element_ty != tl.float32, rB_ptr.dtype.element_ty != tl.float32)
+            bcn = dot_split(C, tl.trans(Bn), tl.zeros((TT, TT), dtype=tl.float32),
+                            C_ptr.dtype.element_ty != tl.float32, B_ptr.dtype.element_ty != tl.float32)
+            # Back to QB tokens before the per-head coefficients (their exps would otherwise run over
+            # every padded token row): rows and columns past Q are exact zeros (masked C and B rows),
+            # so summing the TT / QB row blocks keeps the first QB rows exactly.
+            bch = tl.sum(tl.reshape(bch, (TT // QB, QB, JJ)), axis=0)
+            bcn = tl.sum(tl.reshape(bcn, (TT // QB, QB, TT)), axis=0)
+            bcn = tl.sum(tl.reshape(bcn, (QB, TT // QB, QB)), axis=1)
+            t = tl.arange(0, QB)
+            tm = t < Q
+        else:
+            bch = tl.zeros((TT, JJ), dtype=tl.float32)
+            bcn = tl.zeros((TT, TT), dtype=tl.float32)
+            for tt in tl.static_range(Q):
+                Crow = tl.sum(tl.where((t == tt)[:, None], C, 0.0), axis=0)
+                bch = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bh, axis=1)[None, :], bch)
+                bcn = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bn, axis=1)[None, :], bcn)
+        # Heads of this group: Λ from the stored history Δ and the new Δ, all exponents <= 0
+        # (clamped so masked entries cannot overflow before being zeroed).
+        hpg = H // G
+        hh = kh * HPB + tl.arange(0, HPB)
+        hm = hh < hpg
+        head = g * hpg + hh
+        A = tl.load(A_ptr + head, mask=hm, other=0.0)
+        xrow0 = s64 * H * R + head.to(tl.int64) * R  # ring_dt rows of (s, head)
+        dth = tl.load(rdt_ptr + xrow0[:, None] + rows[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
+        cumh = tl.cumsum(dth, axis=1) * A[:, None]  # (HPB, JJ)
+        lam_h = tl.sum(dth, axis=1) * A  # (HPB,)
+        ht = hm[:, None] & tm[None, :]
+        dtn = tl.load(dt_ptr + i * sdt_b + t[None, :] * sdt_t + head[:, None] * sdt_h, mask=ht, other=0.0)
+        dtn = dtn.to(tl.float32)
+        bias = tl.load(dt_bias_ptr + head, mask=hm, other=0.0)
+        dtn = tl.where(tm[None, :], softplus_dt(dtn, bias[:, None], DT_SOFTPLUS), 0.0)
+        cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, QB)
+        wh = dth[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumh[:, None, :], 0.0)) * bch[None, :, :]
+        wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
+        wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
+        fh = dth * tl.exp(tl.minimum(lam_h[:, None] - cumh, 0.0))  # fold coefficients (HPB, JJ)
+        JB: tl.constexpr = HB + QB
+        wbase = (i.to(tl.int64) * H + head) * ((Q + 1) * JB)  # (HPB,)
+        hq = hm[:, None, None] & tm[None, :, None]
+        wrow = wbase[:, None, None] + t[None, :, None] * JB
+        # Rows of JB = HB + QB entries: history j < HB, then new k < QB (padded entries stay out).
+        tl.store(w_ptr + wrow + j[None, None, :], wh, mask=hq & (j < HB)[None, None, :])
+        tl.store(w_ptr + wrow + HB + t[None, None, :], wn, mask=hq & (t < QB)[None, None, :])
+        tl.store(w_ptr + wbase[:, None] + Q * JB + j[None, :], fh, mask=hm[:, None] & (j < HB)[None, :])
+        sbase = (i.to(tl.int64) * H + head) * (Q + 1)
+        tl.store(sc_ptr + sbase[:, None] + t[None, :], tl.exp(cumn), mask=ht)
+        tl.store(sc_ptr + sbase + Q, tl.exp(lam_h), mask=hm)
+        # Appends after the history (never a history row): Δ of each head, B of the group.
+        ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
+        arow = (o + hc + t) % R
+        tl.store(rdt_ptr + xrow0[:, None] + arow[None, :], dtn, mask=hm[:, None] & ok[None, :])
+        okb = tbm & ((tb * 0 + s) >= 0) & ((tb * 0 + kh) == 0)  # the B rows as loaded (TT), once per group
+        tl.store(rB_ptr + (Brow0 + (o + hc + tb) % R)[:, None] * N + n[None, :], Bn_raw,
+                 mask=okb[:, None] & nm[None, :])
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -224,8 +226,8 @@ def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.
 
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                    state_indices, window, dt_softplus, out=None,
-                   bc_dot: bool = False, head_programs: int = 1,
-                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   bc_dot: bool = False, head_programs: int = 1, pdl: bool = False,
+                   groups_per_program: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
     (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them).
     bc_dot (several tokens): B·C as two tensor-core products over token and history axes padded
@@ -234,7 +236,8 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
     sweep option, measured slower: 33.8 / 62.1 us for 2 / 4 against 23.1 at 8B q = 4 b = 256).
     pdl: every program lets the stream's next launch start at once (`pdl_supported` devices; that
     launch must be launched with launch_pdl and wait with gdc_wait before reading w, sc or the
-    appended ring rows)."""
+    appended ring rows). groups_per_program: that many groups of a row per program (the largest
+    power of two at most that which divides G), the row's slot and cursor loaded once."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -242,13 +245,16 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
     w, sc = out if out is not None else weights_scratch(b, q, H, window, x.device)
     dot = bool(bc_dot and q > 1 and triton.next_power_of_2(N) >= 16)
     hpb = triton.next_power_of_2(triton.cdiv(H // G, max(1, int(head_programs))))
-    _weights_kernel[(b, G, triton.cdiv(H // G, hpb))](
+    gpp = 1
+    while gpp * 2 <= groups_per_program and G % (gpp * 2) == 0:
+        gpp *= 2
+    _weights_kernel[(b, G // gpp, triton.cdiv(H // G, hpb))](
         dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
         dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
         C.stride(0), C.stride(1), C.stride(2), H, G, R,
         Q=q, QB=QB, HB=HB, HPB=hpb, N=N, BLOCK_N=triton.next_power_of_2(N),
         DT_SOFTPLUS=bool(dt_softplus), BC_DOT=dot, TT=max(QB, 16) if dot else QB,
-        JJ=max(HB, 16) if dot else HB, PDL=pdl, num_warps=4,
+        JJ=max(HB, 16) if dot else HB, PDL=pdl, GPP=gpp, num_warps=4,
     )
     return w, sc
 

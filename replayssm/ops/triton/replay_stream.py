@@ -174,7 +174,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, column_parts: int = 1, flush_parts: int = 1,
-                  flush_stages: int = 3, weight_programs: int = 1, pdl: bool = False) -> None:
+                  flush_stages: int = 3, weight_programs: int = 1, pdl: bool = False,
+                  weight_groups: int = 1) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -186,11 +187,11 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     streaming / flush launch (0: the compiler's choice; sweep options, more programs per SM).
     column_parts (several tokens): the streaming launch takes each piece in that many column parts,
     one per pipelined iteration (with stages >= 3 the next part's copies are in flight while a part
-    computes; a sweep option, measured slower, `_piece_mma`). flush_parts / flush_stages: the same for the
-    flush launch's pieces (its loop pipelined flush_stages deep). weight_programs: the weights
-    launch's `head_programs`. pdl: the streaming launch starts while the weights launch runs
-    (programmatic dependent launch, where `pdl_supported`; it waits for the weights' writes after
-    loading its rows' slots and cursors).
+    computes; a sweep option, measured slower, `_piece_mma`). flush_parts / flush_stages: the same
+    for the flush launch's pieces (its loop pipelined flush_stages deep). weight_programs /
+    weight_groups: the weights launch's `head_programs` / `groups_per_program`. pdl: the streaming
+    launch starts while the weights launch runs (programmatic dependent launch, where
+    `pdl_supported`; it waits for the weights' writes after loading its rows' slots and cursors).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -200,7 +201,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     pdl = bool(pdl and not outputs_all and pdl_supported(x.device))
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                            state_indices, window, dt_softplus, bc_dot=bc_dot, head_programs=weight_programs,
-                           pdl=pdl)
+                           pdl=pdl, groups_per_program=weight_groups)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
