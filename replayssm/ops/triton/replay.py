@@ -163,8 +163,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
         # launch), .nN / .fN (the streaming / flush pieces in N column parts), .kN (the flush loop's
         # pipeline stages with .fN), .hN (a group's heads over N weights programs), .wN (N groups of
-        # a row per weights program), .l (the streaming
-        # launch programmatically dependent on the weights launch). The benchmarks sweep them.
+        # a row per weights program), .l (the streaming launch programmatically dependent on the
+        # weights launch). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
