@@ -66,7 +66,7 @@ def args_parse():
     )
     a.add_argument("--mma", type=int, choices=[0, 1, 2], default=2)
     a.add_argument("--all", action="store_true", help="ALL constexpr (outputs_all)")
-    a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (column parts per piece)")
+    a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (flush launch)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -126,7 +126,7 @@ def build(a):
     if a.kernel == "stream":
         fn = _stream_kernel
         items = stream_items(H, P, a.block_p, a.items)
-        meta.update(ITEMS=items, STAGES=a.stages, ALL=bool(a.all), SPLIT=a.split)
+        meta.update(ITEMS=items, STAGES=a.stages, ALL=bool(a.all))
     elif a.kernel == "weights":
         from replayssm.ops.triton.replay_step import _weights_kernel as fn
 
@@ -236,7 +236,7 @@ def main():
     a = args_parse()
     fn, signature, constexprs, attrs, meta, values = build(a)
     tag = f"mma{meta.get('MMA', a.mma)}_{a.kernel}_bp{a.block_p}_w{a.num_warps}_q{a.q}" + (
-        f"_s{a.stages}_i{meta['ITEMS']}_n{a.split}" if a.kernel == "stream" else ""
+        f"_s{a.stages}_i{meta['ITEMS']}" if a.kernel == "stream" else ""
     )
     out = Path(a.out or Path(tempfile.gettempdir()) / "replayssm-sm90" / tag)
     out.mkdir(parents=True, exist_ok=True)

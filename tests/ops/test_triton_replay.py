@@ -33,31 +33,21 @@ def test_replay_cycle_gpu(state_dtype, q, route):
 STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-list.c", "stream-list.o",
                  "stream-list.o.p5", "stream-list.c.y", "stream-list.o.p5.b", "stream-list.o.p5.b.t",
                  "stream-list.c.y.b.t", "stream-list.c.y.b.t.p2.g128.r96"]
+# Options for several tokens only: flush pieces in column parts (.fN, .kN), the streaming launch
+# programmatically dependent on the weights launch (.l), groups per weights program (.wN).
+SEVERAL_TOKEN_ROUTES = ["stream-list.f2", "stream-list.c.y.b.t.f2.g128.p4", "stream-list.c.y.b.t.f4.k2",
+                        "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
+                        "stream-list.c.y.b.t.p2.l.w2", "stream-list.c.y.b.p2.w8"]
+STREAM_CASES = ([(r, q) for r in STREAM_ROUTES for q in (1, 4)]
+                + [(r, q) for r in SEVERAL_TOKEN_ROUTES for q in (2, 4)])
 
 
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("route", STREAM_ROUTES)
-def test_replay_cycle_stream_gpu(state_dtype, q, route):
-    """On the GPU: the row-streaming route (pipelining depths, side-stream flush) matches the reference."""
-    _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
-
-
-SPLIT_ROUTES = ["stream-list.n2.s3", "stream-list.c.y.b.t.p2.n2.s3", "stream-list.c.y.b.t.p2.n4.s5",
-                "stream-list.o.p5.b.n2", "stream-list.f2", "stream-list.c.y.b.t.n2.s3.f2.g128.p4",
-                "stream-list.c.y.b.t.f4.k2", "stream-list.c.y.b.t.p2.h4", "stream-list.c.y.b.t.p2.h16",
-                "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
-                "stream-list.c.y.b.t.p2.l.w2", "stream-list.c.y.b.p2.w8"]
-
-
-@requires_cuda
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("q", [2, 4])
-@pytest.mark.parametrize("route", SPLIT_ROUTES)
-def test_replay_cycle_split_gpu(state_dtype, q, route):
-    """On the GPU: streaming and flush pieces taken in column parts (several tokens only) match the
-    reference."""
+@pytest.mark.parametrize("route, q", STREAM_CASES)
+def test_replay_cycle_stream_gpu(state_dtype, route, q):
+    """On the GPU: the row-streaming routes (pipelining depths, side-stream flush, flush pieces in
+    column parts, PDL) match the reference."""
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route)
 
 
@@ -116,7 +106,7 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 @requires_cuda
 @pytest.mark.parametrize("route, block, q", [("lean.a.y", (32, 4), 1), ("lean.c", (32, 4), 1),
                                              ("stream-list.c.y.b.t.p2", (64, 4), 4),
-                                             ("stream-list.c.y.b.t.p2.n2.s3.f2", (64, 4), 4),
+                                             ("stream-list.c.y.b.t.p2.f2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.f2.g128.p4.l", (64, 4), 4),
                                              ("stream-list.c", (64, 4), 4)])
 def test_side_stream_routes_in_cuda_graph_gpu(route, block, q):

@@ -440,10 +440,6 @@ def run_interpreter(part: str) -> None:
                            act=torch.bfloat16)
         check_replay_cycle("cpu", q=4, P=16, N=32, W=5, config=LaunchConfig(16, 1), route="stream-list.c.t",
                            steps=8, state_dtype=torch.float16, act=torch.bfloat16)
-        # .hN: a group's heads over N weights programs (6 heads a group over 3 programs of 2, the
-        # group's B rows appended by the first).
-        check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=2, config=LaunchConfig(16, 1),
-                           route="stream-list.c.t.h4", steps=8, act=torch.bfloat16)
         # .wN: N groups of a row per weights program (4 groups of 3 heads in one program).
         check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=4, config=LaunchConfig(16, 1),
                            route="stream-list.c.t.w4", steps=8, act=torch.bfloat16)
@@ -451,11 +447,11 @@ def run_interpreter(part: str) -> None:
         # interpreter runs one SM, so two persistent flush programs share the listed pieces).
         check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1),
                            route="stream-list.c.t.p2.r96.g128", steps=6, act=torch.bfloat16)
-        # .nN / .fN: streaming / flush pieces in N column parts, one per pipelined iteration (the
-        # state product carried between parts; flush parts fold their own columns); fp16 state,
-        # history and ring wrap through W = 5.
+        # .fN: flush pieces in N column parts, one per pipelined iteration (the state product
+        # carried between parts, each part folding its own columns); fp16 state, history and ring
+        # wrap through W = 5.
         check_replay_cycle("cpu", q=3, P=32, N=64, W=5, config=LaunchConfig(16, 1),
-                           route="stream-list.c.t.n2.s3.f2", steps=8, state_dtype=torch.float16,
+                           route="stream-list.c.t.f2", steps=8, state_dtype=torch.float16,
                            act=torch.bfloat16)
         # .a: the bare output products beside the small launches, then scaled (one token and several).
         check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)

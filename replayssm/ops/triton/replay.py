@@ -136,7 +136,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
     for small steps, else "lean.a.y" for one token, a "stream-list.c.y.b.t" route for several) where
     their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
-    "weights[.t][.hN]": the weights launch alone (benchmark diagnostics only: y is not written).
+    "weights[.t]": the weights launch alone (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
     assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
@@ -161,10 +161,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program) and .a (the
         # small launches beside the output launch, `launch_lean` parallel); stream-list .t (the weights
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
-        # launch), .nN / .fN (the streaming / flush pieces in N column parts), .kN (the flush loop's
-        # pipeline stages with .fN), .hN (a group's heads over N weights programs), .wN (N groups of
-        # a row per weights program), .l (the streaming launch programmatically dependent on the
-        # weights launch). The benchmarks sweep them.
+        # launch), .fN (the flush pieces in N column parts), .kN (the flush loop's pipeline stages
+        # with .fN), .wN (N groups of a row per weights program), .l (the streaming launch
+        # programmatically dependent on the weights launch). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
@@ -173,8 +172,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
             flags |= {"d", "e", "a"}
         else:
-            names.update(r="stream_maxnreg", g="flush_maxnreg", n="column_parts", f="flush_parts",
-                         k="flush_stages", h="weight_programs", w="weight_groups")
+            names.update(r="stream_maxnreg", g="flush_maxnreg", f="flush_parts",
+                         k="flush_stages", w="weight_groups")
             flags |= {"t", "l"}
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
@@ -214,17 +213,13 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                         exact=route == "mono.t.x")
         return y
-    if route in ("fused", "split") or route.startswith("weights"):
-        # "weights[.t][.hN]": the weights launch alone, as stream-list's options .t / .hN shape it.
-        wopts = route.split(".")[1:]
-        if route.startswith("weights") and any(o != "t" and not (o[:1] == "h" and o[1:].isdigit())
-                                               for o in wopts):
-            raise ValueError(f"route {route!r}: unknown options")
+    if route in ("fused", "split", "weights", "weights.t"):
+        # "weights.t": the weights launch alone as stream-list's .t shapes it (B·C on tensor cores).
         cfg = config or CONFIG
         launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                     fuse_flush=route == "fused", outputs=not route.startswith("weights"),
-                    bc_dot="t" in wopts, head_programs=max([int(o[1:]) for o in wopts if o != "t"] or [1]))
+                    bc_dot=route == "weights.t")
         if route != "split":
             return y
     elif route != "mma":

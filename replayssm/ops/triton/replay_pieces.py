@@ -92,8 +92,8 @@ def _piece_mma(
     # session 10). FOLD (the flush launch's pieces): the fold is one fp32-accurate product per
     # column chunk (`dot_split`, ~2^-22 of each term, as the lean fold-only launch's 3xTF32); it
     # was rank-one fp32 updates on the CUDA cores until session 11.
-    # SPLIT > 1 (option .nN / .fN): one of SPLIT column parts of piece k // SPLIT per call, acc
-    # carrying the state product between the parts (returned; SPLIT = 1 ignores the acc passed in):
+    # SPLIT > 1 (the flush launch's option .fN): one of SPLIT column parts of piece k // SPLIT per
+    # call, acc carrying the state product between the parts (returned; SPLIT = 1 ignores it):
     # a loop over parts copies 1 / SPLIT of a tile per iteration, so the pipeline can keep the next
     # part's copies in flight while this one computes, within the shared memory one tile took. The
     # last part adds the ring terms and writes; FOLD parts fold and write their own columns.
@@ -152,7 +152,8 @@ def _piece_mma(
     elif part == SPLIT - 1:
         # Its small loads sit in this branch, outside the pipeline (the next part's copies are in
         # flight here): hoisted and masked, the pipeline prefetched them too, but the sm_90 build
-        # took 135 registers and 55 KB at q = 4 (74 and 40 KB this way).
+        # of the streaming launch in parts (session 12) took 135 registers and 55 KB at q = 4 (74
+        # and 40 KB this way).
         xh = _history_x(rx_ptr, xrow0, o, hc, p, R, P, HB)
         _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr,
                        w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)

@@ -46,14 +46,12 @@ def _weights_kernel(
 ):
     # Tokens t < TT and history entries j < JJ (QB and HB, or with BC_DOT both padded to >= 16: B·C
     # is then two tensor-core products instead of a chain of per-token reductions). Program
-    # (i, gp, k) takes heads k * HPB ... (k + 1) * HPB - 1 of groups gp * GPP ... (gp + 1) * GPP - 1
-    # (GPP groups of one row: its slot and cursor loaded once).
+    # (i, gp) takes groups gp * GPP ... (gp + 1) * GPP - 1 of row i (its slot and cursor loaded once).
     if PDL:
         # The next launch on this stream (launched programmatically dependent) may start now; it
         # waits (gdc_wait) before it reads anything this launch writes.
         gdc_launch_dependents()
     i = tl.program_id(0)
-    kh = tl.program_id(2)
     s = tl.load(idx_ptr + i)
     s64 = tl.maximum(s, 0).to(tl.int64)
     hc = tl.where(s >= 0, tl.load(committed_ptr + s64), 0)  # padding rows: no history
@@ -103,7 +101,7 @@ def _weights_kernel(
         # Heads of this group: Λ from the stored history Δ and the new Δ, all exponents <= 0
         # (clamped so masked entries cannot overflow before being zeroed).
         hpg = H // G
-        hh = kh * HPB + tl.arange(0, HPB)
+        hh = tl.arange(0, HPB)
         hm = hh < hpg
         head = g * hpg + hh
         A = tl.load(A_ptr + head, mask=hm, other=0.0)
@@ -136,7 +134,7 @@ def _weights_kernel(
         ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
         arow = (o + hc + t) % R
         tl.store(rdt_ptr + xrow0[:, None] + arow[None, :], dtn, mask=hm[:, None] & ok[None, :])
-        okb = tbm & ((tb * 0 + s) >= 0) & ((tb * 0 + kh) == 0)  # the B rows as loaded (TT), once per group
+        okb = tbm & ((tb * 0 + s) >= 0)  # the B rows as loaded (TT of them)
         tl.store(rB_ptr + (Brow0 + (o + hc + tb) % R)[:, None] * N + n[None, :], Bn_raw,
                  mask=okb[:, None] & nm[None, :])
 
@@ -226,33 +224,30 @@ def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.
 
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                    state_indices, window, dt_softplus, out=None,
-                   bc_dot: bool = False, head_programs: int = 1, pdl: bool = False,
+                   bc_dot: bool = False, pdl: bool = False,
                    groups_per_program: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
     (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them).
     bc_dot (several tokens): B·C as two tensor-core products over token and history axes padded
-    to 16, instead of per-token reductions on the CUDA cores. head_programs: a group's heads over
-    that many programs, each forming the group's B·C again (more, smaller programs in flight; a
-    sweep option, measured slower: 33.8 / 62.1 us for 2 / 4 against 23.1 at 8B q = 4 b = 256).
-    pdl: every program lets the stream's next launch start at once (`pdl_supported` devices; that
-    launch must be launched with launch_pdl and wait with gdc_wait before reading w, sc or the
-    appended ring rows). groups_per_program: that many groups of a row per program (the largest
-    power of two at most that which divides G), the row's slot and cursor loaded once."""
+    to 16, instead of per-token reductions on the CUDA cores. pdl: every program lets the
+    stream's next launch start at once (`pdl_supported` devices; that launch must be launched
+    with launch_pdl and wait with gdc_wait before reading w, sc or the appended ring rows).
+    groups_per_program: that many groups of a row per program (the largest power of two at most
+    that which divides G), the row's slot and cursor loaded once."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     w, sc = out if out is not None else weights_scratch(b, q, H, window, x.device)
     dot = bool(bc_dot and q > 1 and triton.next_power_of_2(N) >= 16)
-    hpb = triton.next_power_of_2(triton.cdiv(H // G, max(1, int(head_programs))))
     gpp = 1
     while gpp * 2 <= groups_per_program and G % (gpp * 2) == 0:
         gpp *= 2
-    _weights_kernel[(b, G // gpp, triton.cdiv(H // G, hpb))](
+    _weights_kernel[(b, G // gpp)](
         dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
         dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
         C.stride(0), C.stride(1), C.stride(2), H, G, R,
-        Q=q, QB=QB, HB=HB, HPB=hpb, N=N, BLOCK_N=triton.next_power_of_2(N),
+        Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
         DT_SOFTPLUS=bool(dt_softplus), BC_DOT=dot, TT=max(QB, 16) if dot else QB,
         JJ=max(HB, 16) if dot else HB, PDL=pdl, GPP=gpp, num_warps=4,
     )
@@ -261,12 +256,11 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
 
 def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                fuse_flush: bool = True, outputs: bool = True, bc_dot: bool = False,
-                head_programs: int = 1) -> None:
+                fuse_flush: bool = True, outputs: bool = True, bc_dot: bool = False) -> None:
     """Weights launch, then the output launch (which also folds flush rows when fuse_flush).
 
     outputs=False stops after the weights launch (the benchmark times it alone, with the
-    `launch_weights` options bc_dot and head_programs of the route it stands for).
+    `launch_weights` option bc_dot of the route it stands for).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -274,7 +268,7 @@ def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     BN = triton.next_power_of_2(N)
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus, bc_dot=bc_dot, head_programs=head_programs)
+                           state_indices, window, dt_softplus, bc_dot=bc_dot)
     if not outputs:
         return
     block_p = min(block_p, triton.next_power_of_2(P))

@@ -9,9 +9,9 @@ consecutive pieces of ONE row (`replay_pieces.py`): the slot, cursor and flush d
 loaded once, the pieces are contiguous in the slot's state, and the loop over them is
 software-pipelined. With two stages the sm_90 build keeps one shared-memory copy of a piece and
 issues the next piece's copies only after this one's stores (benchmarks/compile_sm90.py), so the
-overlap is between programs; option .nN (pieces in N column parts, one per iteration, three
-stages) keeps the next part in flight while a part computes, and measured slower (H200, q = 4,
-8B, b = 256: 451.7 vs 409.1 us for .n2.s3; NOTES-kernels.md, session 13).
+overlap is between programs. (Pieces in two column parts, one per iteration with three stages,
+kept the next part in flight while a part computed, and measured slower: H200, q = 4, 8B,
+b = 256, 451.7 vs 409.1 us; NOTES-kernels.md, session 13. The flush launch keeps that form, .fN.)
 
 A row flushes as a whole. "stream-list" streams the non-flush rows, lists the flush rows on the
 device (one small program) and folds them in a persistent launch of a few programs per SM, so
@@ -51,7 +51,7 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -70,20 +70,10 @@ def _stream_kernel(
     if PDL:
         gdc_wait()  # launched programmatically dependent on the weights launch: its writes from here
     if ALL or flush == 0:
-        if SPLIT == 1:
-            for k in tl.range(0, ITEMS, num_stages=STAGES):
-                _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr,
-                           y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t,
-                           sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
-        else:
-            # Tensor-core pieces in SPLIT column parts, one per iteration (`_piece_mma`), the state
-            # product carried in acc.
-            acc = tl.zeros((BLOCK_P, 16 if QB < 16 else QB), dtype=tl.float32)
-            for k2 in tl.range(0, ITEMS * SPLIT, num_stages=STAGES):
-                acc = _piece_mma(k2, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr,
-                                 rB_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g,
-                                 sy_b, sy_t, sy_h, H, G, R, Q, QB, HB, P, N, BLOCK_P, NS, False, STATE_DTYPE,
-                                 MAXV, MMA, SPLIT)
+        for k in tl.range(0, ITEMS, num_stages=STAGES):
+            _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
+                       w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+                       Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
 
 
 @triton.jit
@@ -173,9 +163,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   items: int = 8, stages: int = 2, concurrent: bool = False, outputs_all: bool = False,
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
-                  flush_maxnreg: int = 0, column_parts: int = 1, flush_parts: int = 1,
-                  flush_stages: int = 3, weight_programs: int = 1, pdl: bool = False,
-                  weight_groups: int = 1) -> None:
+                  flush_maxnreg: int = 0, flush_parts: int = 1,
+                  flush_stages: int = 3, pdl: bool = False, weight_groups: int = 1) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -185,13 +174,11 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     take the tile as bf16 hi + lo (bf16 C and 16-bit y only). bc_dot: the weights launch's B·C as
     tensor-core products (`launch_weights`). stream_maxnreg / flush_maxnreg: a register cap for the
     streaming / flush launch (0: the compiler's choice; sweep options, more programs per SM).
-    column_parts (several tokens): the streaming launch takes each piece in that many column parts,
-    one per pipelined iteration (with stages >= 3 the next part's copies are in flight while a part
-    computes; a sweep option, measured slower, `_piece_mma`). flush_parts / flush_stages: the same
-    for the flush launch's pieces (its loop pipelined flush_stages deep). weight_programs /
-    weight_groups: the weights launch's `head_programs` / `groups_per_program`. pdl: the streaming
-    launch starts while the weights launch runs (programmatic dependent launch, where
-    `pdl_supported`; it waits for the weights' writes after loading its rows' slots and cursors).
+    flush_parts (several tokens): the flush launch takes each piece in that many column parts,
+    one per iteration of its loop, pipelined flush_stages deep (`_piece_mma`). weight_groups: the
+    weights launch's `groups_per_program`. pdl: the streaming launch starts while the weights
+    launch runs (programmatic dependent launch, where `pdl_supported`; it waits for the weights'
+    writes after loading its rows' slots and cursors).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -200,16 +187,15 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     pdl = bool(pdl and not outputs_all and pdl_supported(x.device))
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus, bc_dot=bc_dot, head_programs=weight_programs,
-                           pdl=pdl, groups_per_program=weight_groups)
+                           state_indices, window, dt_softplus, bc_dot=bc_dot, pdl=pdl,
+                           groups_per_program=weight_groups)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     mma = piece_products(q, block_p, bf16_products, C, y)
-    for parts in (column_parts, flush_parts):
-        if parts > 1 and not (mma and N % (min(N, 32) * parts) == 0):
-            raise ValueError(f"{parts} column parts need tensor-core pieces (q > 1, block_p >= 16) "
-                             f"and N a multiple of {min(N, 32) * parts}")
+    if flush_parts > 1 and not (mma and N % (min(N, 32) * flush_parts) == 0):
+        raise ValueError(f"{flush_parts} column parts need tensor-core pieces (q > 1, block_p >= 16) "
+                         f"and N a multiple of {min(N, 32) * flush_parts}")
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
@@ -229,7 +215,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
-            SPLIT=column_parts, **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
+            **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
         )
 
     if outputs_all:
