@@ -34,10 +34,12 @@ STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-
                  "stream-list.o.p5", "stream-list.c.y", "stream-list.o.p5.b", "stream-list.o.p5.b.t",
                  "stream-list.c.y.b.t", "stream-list.c.y.b.t.p2.g128.r96"]
 # Options for several tokens only: flush pieces in column parts (.fN, .kN), the streaming launch
-# programmatically dependent on the weights launch (.l), groups per weights program (.wN).
+# programmatically dependent on the weights launch (.l), groups per weights program (.wN), state
+# prefetched into L2 before the wait (.eN).
 SEVERAL_TOKEN_ROUTES = ["stream-list.f2", "stream-list.c.y.b.t.f2.g128.p4", "stream-list.c.y.b.t.f4.k2",
                         "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
-                        "stream-list.c.y.b.t.p2.l.w2", "stream-list.c.y.b.p2.w8"]
+                        "stream-list.c.y.b.t.p2.l.w2", "stream-list.c.y.b.p2.w8",
+                        "stream-list.c.y.b.t.p2.l.e2", "stream-list.c.y.b.t.p2.l.w4.e8"]
 STREAM_CASES = ([(r, q) for r in STREAM_ROUTES for q in (1, 4)]
                 + [(r, q) for r in SEVERAL_TOKEN_ROUTES for q in (2, 4)])
 
@@ -68,7 +70,7 @@ def test_replay_cycle_lean_gpu(state_dtype, q, route):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
 @pytest.mark.parametrize("block", [(64, 4), (32, 4), (16, 2)])
-@pytest.mark.parametrize("route", ["mono", "mono.t", "mono.t.x"])
+@pytest.mark.parametrize("route", ["mono", "mono.t", "mono.t.x", "mono.e", "mono.t.e"])
 def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
     """On the GPU: the one-launch routes (small batches) match the reference at each tile."""
     from replayssm.ops.triton.ssu import LaunchConfig
@@ -108,6 +110,7 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
                                              ("stream-list.c.y.b.t.p2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.p2.f2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.f2.g128.p4.l", (64, 4), 4),
+                                             ("stream-list.c.y.b.t.p2.l.w4.e2", (64, 4), 4),
                                              ("stream-list.c", (64, 4), 4)])
 def test_side_stream_routes_in_cuda_graph_gpu(route, block, q):
     """Routes with launches on a side stream give the same bits replayed from a CUDA graph as run
@@ -205,7 +208,7 @@ def test_auto_route_policy():
 
 
 
-@pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e", "stream-list.a",
+@pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.x", "stream-list.a",
                                    "lean.f", "lean.t"])
 def test_route_options_are_checked(route):
     """A route option the route does not take, or an unknown route, is refused (no silent default)."""

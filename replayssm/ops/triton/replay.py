@@ -133,7 +133,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
-    products there too, for the benchmarks); "auto": `auto_route` ("mono"
+    products there too, for the benchmarks; ".e" after either mono route: each program prefetches its
+    state tile into L2 first); "auto": `auto_route` ("mono"
     for small steps, else "lean.a.y" for one token, a "stream-list.c.y.b.t" route for several) where
     their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights[.t]": the weights launch alone (benchmark diagnostics only: y is not written).
@@ -163,7 +164,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
         # launch), .fN (the flush pieces in N column parts), .kN (the flush loop's pipeline stages
         # with .fN), .wN (N groups of a row per weights program), .l (the streaming launch
-        # programmatically dependent on the weights launch). The benchmarks sweep them.
+        # programmatically dependent on the weights launch), .eN (with .l: each streaming program
+        # prefetches its first N pieces of state into L2 before it waits). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
@@ -173,7 +175,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             flags |= {"d", "e", "a"}
         else:
             names.update(r="stream_maxnreg", g="flush_maxnreg", f="flush_parts",
-                         k="flush_stages", w="weight_groups")
+                         k="flush_stages", w="weight_groups", e="prefetch_pieces")
             flags |= {"t", "l"}
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
@@ -202,16 +204,18 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                concurrent="c" in opts, **kw)
         return y
-    if route == "mono":
+    if route in ("mono", "mono.e"):
+        # .e: each program starts its state tile towards L2 before the coefficients' loads.
         cfg = config or CONFIG
         launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
+                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
+                    prefetch=route == "mono.e")
         return y
-    if route in ("mono.t", "mono.t.x"):
+    if route in ("mono.t", "mono.t.x", "mono.t.e", "mono.t.x.e"):
         cfg = config or CONFIG
         launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        exact=route == "mono.t.x")
+                        exact=route.startswith("mono.t.x"), prefetch=route.endswith(".e"))
         return y
     if route in ("fused", "split", "weights", "weights.t"):
         # "weights.t": the weights launch alone as stream-list's .t shapes it (B·C on tensor cores).

@@ -36,6 +36,16 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 @triton.jit
+def prefetch_l2(ptr, COUNT: tl.constexpr):
+    """Start the 128-byte lines of ptr[0:COUNT] towards L2 (PTX prefetch: nothing waits for it; CUDA
+    only, not under the interpreter). COUNT: a power of two, at least one line's elements."""
+    PER_LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth
+    lines = ptr + tl.arange(0, COUNT // PER_LINE) * PER_LINE
+    tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [lines], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _weights_kernel(
     dt_ptr, A_ptr, B_ptr, C_ptr, dt_bias_ptr, rB_ptr, rdt_ptr, ring_start_ptr, committed_ptr, idx_ptr,
     w_ptr, sc_ptr,

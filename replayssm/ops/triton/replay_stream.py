@@ -40,7 +40,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs, launch_flush
 from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma
-from replayssm.ops.triton.replay_step import gdc_wait, launch_weights, pdl_supported
+from replayssm.ops.triton.replay_step import gdc_wait, launch_weights, pdl_supported, prefetch_l2
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
 
@@ -51,7 +51,7 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -68,6 +68,11 @@ def _stream_kernel(
     o = tl.load(ring_start_ptr + s64)
     flush = valid & (hc + Q > window)
     if PDL:
+        if PREFETCH > 0:
+            if (ALL or flush == 0) and valid:
+                # The state is not the weights launch's: its first PREFETCH pieces (contiguous in the
+                # slot) start towards L2 while the weights launch runs.
+                prefetch_l2(state_ptr + (s64 * H * P + first * BLOCK_P) * N, PREFETCH * BLOCK_P * N)
         gdc_wait()  # launched programmatically dependent on the weights launch: its writes from here
     if ALL or flush == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
@@ -164,7 +169,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, flush_parts: int = 1,
-                  flush_stages: int = 3, pdl: bool = False, weight_groups: int = 1) -> None:
+                  flush_stages: int = 3, pdl: bool = False, weight_groups: int = 1,
+                  prefetch_pieces: int = 0) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -178,7 +184,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     one per iteration of its loop, pipelined flush_stages deep (`_piece_mma`). weight_groups: the
     weights launch's `groups_per_program`. pdl: the streaming launch starts while the weights
     launch runs (programmatic dependent launch, where `pdl_supported`; it waits for the weights'
-    writes after loading its rows' slots and cursors).
+    writes after loading its rows' slots and cursors). prefetch_pieces (with pdl): before that wait,
+    each streaming program starts its first that many pieces of state towards L2 (a power of two).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -186,6 +193,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     pdl = bool(pdl and not outputs_all and pdl_supported(x.device))
+    if prefetch_pieces & (prefetch_pieces - 1):
+        raise ValueError(f"prefetch_pieces must be a power of two (or 0), not {prefetch_pieces}")
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                            state_indices, window, dt_softplus, bc_dot=bc_dot, pdl=pdl,
                            groups_per_program=weight_groups)
@@ -215,7 +224,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
-            **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
+            **_regs(stream_maxnreg),
+            **(dict(PDL=True, launch_pdl=True, PREFETCH=min(prefetch_pieces, k)) if pdl else {}),
         )
 
     if outputs_all:
