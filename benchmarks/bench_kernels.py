@@ -368,6 +368,9 @@ def main() -> None:
                         except ValueError as e:  # a tile the route refuses at this case
                             extras.append(f"{tile.name} refused ({e})")
                             continue
+                        except Exception as e:  # e.g. a kernel that fails to compile: the rest still run
+                            extras.append(f"{tile.name} failed ({type(e).__name__}: {str(e)[:200]})")
+                            continue
                         rows.append(r)
                         extras.append(f"{tile.name} {r['us_per_step']:.2f}")
                     if extras:

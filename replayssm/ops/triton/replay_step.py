@@ -70,6 +70,7 @@ def _weights_kernel(
     nm = n < N
     j = tl.arange(0, JJ)
     jm = j < hc
+    JB: tl.constexpr = HB + QB  # a w row: history j < HB, then new k < QB
     for gi in tl.static_range(GPP):
         g = tl.program_id(1) * GPP + gi
         t = tl.arange(0, TT)
@@ -129,7 +130,6 @@ def _weights_kernel(
         wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
         wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
         fh = dth * tl.exp(tl.minimum(lam_h[:, None] - cumh, 0.0))  # fold coefficients (HPB, JJ)
-        JB: tl.constexpr = HB + QB
         wbase = (i.to(tl.int64) * H + head) * ((Q + 1) * JB)  # (HPB,)
         hq = hm[:, None, None] & tm[None, :, None]
         wrow = wbase[:, None, None] + t[None, :, None] * JB
