@@ -35,11 +35,12 @@ STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-
                  "stream-list.c.y.b.t", "stream-list.c.y.b.t.p2.g128.r96"]
 # Options for several tokens only: flush pieces in column parts (.fN, .kN), the streaming launch
 # programmatically dependent on the weights launch (.l), groups per weights program (.wN), state
-# prefetched into L2 before the wait (.eN).
+# prefetched into L2 before the wait (.eN), the weights launch's warps / register cap (.vN / .uN).
 SEVERAL_TOKEN_ROUTES = ["stream-list.f2", "stream-list.c.y.b.t.f2.g128.p4", "stream-list.c.y.b.t.f4.k2",
                         "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
                         "stream-list.c.y.b.t.p2.l.w2", "stream-list.c.y.b.p2.w8",
-                        "stream-list.c.y.b.t.p2.l.e2", "stream-list.c.y.b.t.p2.l.w4.e8"]
+                        "stream-list.c.y.b.t.p2.l.e2", "stream-list.c.y.b.t.p2.l.w4.e8",
+                        "stream-list.c.y.b.t.p2.l.v2", "stream-list.c.y.b.t.p2.l.u80"]
 STREAM_CASES = ([(r, q) for r in STREAM_ROUTES for q in (1, 4)]
                 + [(r, q) for r in SEVERAL_TOKEN_ROUTES for q in (2, 4)])
 

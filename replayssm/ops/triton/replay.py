@@ -165,7 +165,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # launch), .fN (the flush pieces in N column parts), .kN (the flush loop's pipeline stages
         # with .fN), .wN (N groups of a row per weights program), .l (the streaming launch
         # programmatically dependent on the weights launch), .eN (with .l: each streaming program
-        # prefetches its first N pieces of state into L2 before it waits). The benchmarks sweep them.
+        # prefetches its first N pieces of state into L2 before it waits), .vN / .uN (the weights
+        # launch's warps / register cap). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm")
@@ -175,7 +176,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             flags |= {"d", "e", "a"}
         else:
             names.update(r="stream_maxnreg", g="flush_maxnreg", f="flush_parts",
-                         k="flush_stages", w="weight_groups", e="prefetch_pieces")
+                         k="flush_stages", w="weight_groups", e="prefetch_pieces",
+                         v="weights_warps", u="weights_maxnreg")
             flags |= {"t", "l"}
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:

@@ -235,7 +235,8 @@ def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                    state_indices, window, dt_softplus, out=None,
                    bc_dot: bool = False, pdl: bool = False,
-                   groups_per_program: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                   groups_per_program: int = 1, num_warps: int = 4,
+                   maxnreg: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
     (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them).
     bc_dot (several tokens): B·C as two tensor-core products over token and history axes padded
@@ -243,7 +244,8 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
     stream's next launch start at once (`pdl_supported` devices; that launch must be launched
     with launch_pdl and wait with gdc_wait before reading w, sc or the appended ring rows).
     groups_per_program: that many groups of a row per program (the largest power of two at most
-    that which divides G), the row's slot and cursor loaded once."""
+    that which divides G), the row's slot and cursor loaded once. num_warps / maxnreg: the launch's
+    warps and register cap (0: the compiler's choice)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -259,7 +261,8 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
         C.stride(0), C.stride(1), C.stride(2), H, G, R,
         Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
         DT_SOFTPLUS=bool(dt_softplus), BC_DOT=dot, TT=max(QB, 16) if dot else QB,
-        JJ=max(HB, 16) if dot else HB, PDL=pdl, GPP=gpp, num_warps=4,
+        JJ=max(HB, 16) if dot else HB, PDL=pdl, GPP=gpp, num_warps=num_warps,
+        **(dict(maxnreg=maxnreg) if maxnreg else {}),
     )
     return w, sc
 

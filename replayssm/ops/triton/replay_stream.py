@@ -170,7 +170,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, flush_parts: int = 1,
                   flush_stages: int = 3, pdl: bool = False, weight_groups: int = 1,
-                  prefetch_pieces: int = 0) -> None:
+                  prefetch_pieces: int = 0, weights_warps: int = 4, weights_maxnreg: int = 0) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -186,6 +186,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     launch runs (programmatic dependent launch, where `pdl_supported`; it waits for the weights'
     writes after loading its rows' slots and cursors). prefetch_pieces (with pdl): before that wait,
     each streaming program starts its first that many pieces of state towards L2 (a power of two).
+    weights_warps / weights_maxnreg: the weights launch's warps and register cap.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -197,7 +198,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         raise ValueError(f"prefetch_pieces must be a power of two (or 0), not {prefetch_pieces}")
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                            state_indices, window, dt_softplus, bc_dot=bc_dot, pdl=pdl,
-                           groups_per_program=weight_groups)
+                           groups_per_program=weight_groups, num_warps=weights_warps,
+                           maxnreg=weights_maxnreg)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
