@@ -68,8 +68,6 @@ def args_parse():
     a.add_argument("--all", action="store_true", help="ALL constexpr (outputs_all)")
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (flush launch)")
     a.add_argument("--pdl", action="store_true", help="PDL constexpr (streaming / weights launch)")
-    a.add_argument("--prefetch", type=int, default=0,
-                   help="PREFETCH constexpr: pieces (streaming launch, with --pdl) or on / off (mono)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -131,7 +129,7 @@ def build(a):
         items = stream_items(H, P, a.block_p, a.items)
         meta.update(ITEMS=items, STAGES=a.stages, ALL=bool(a.all))
         if a.pdl:
-            meta.update(PDL=True, PREFETCH=min(a.prefetch, items))
+            meta.update(PDL=True)
     elif a.kernel == "weights":
         from replayssm.ops.triton.replay_step import _weights_kernel as fn
 
@@ -156,7 +154,7 @@ def build(a):
         from replayssm.ops.triton.replay_mono import _mono_kernel as fn
 
         del meta["MMA"]
-        meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True, PREFETCH=bool(a.prefetch))
+        meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True)
     else:
         fn = _flush_kernel
         meta.update(SPLIT=a.split, STAGES=a.stages)

@@ -19,10 +19,10 @@ if [ "$2" = fi ]; then
   FI="--flashinfer --fi-shapes nemotron-h-8b"  # .fi/fiws.tgz holds the 8B modules
 fi
 # The table takes route "auto" (what the public op runs: mono / mono.t for small steps, lean.a.y for
-# one token, stream-list.c.y.b.t.f2.g128.p4[.l] or .p2.l for several by size and state dtype;
+# one token, stream-list.c.y.b.t.f2.g128.p4.v1[.l] or .p2.l.v1 for several by size and state dtype;
 # replay.auto_route); the sweep at the headline case times it beside the previous defaults
-# (NOTES-kernels.md, sessions 4-13).
+# (NOTES-kernels.md, sessions 4-14) and lean.a.y with the weights launch in one warp (.v1).
 CFG="baseline=64x8,replay=auto"
-EXTRA="stream-list.c.y.b.t.p2:64x4+stream-list.c.y.b.t.f2.g128.p4:64x4"
+EXTRA="stream-list.c.y.b.t.p2.l:64x4+stream-list.c.y.b.t.p2.l.v2:64x4+lean.a.y.v1:32x4"
 timeout 345 python3 benchmarks/bench_kernels.py $FI --out "$OUT" --batches 256,512,128,32,8,1 --configs "$CFG" \
   --sweep-extra "$EXTRA" 2>&1 | tee "$OUT/bench.log" | grep -E "^(copy|read|sweep|diag)|b=256"

@@ -440,9 +440,10 @@ def run_interpreter(part: str) -> None:
                            act=torch.bfloat16)
         check_replay_cycle("cpu", q=4, P=16, N=32, W=5, config=LaunchConfig(16, 1), route="stream-list.c.t",
                            steps=8, state_dtype=torch.float16, act=torch.bfloat16)
-        # .wN: N groups of a row per weights program (4 groups of 3 heads in one program).
+        # .v1: the weights launch in one warp (the interpreter runs a program as one; a launch
+        # option, but the route must parse and run): 4 groups of 3 heads.
         check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=4, config=LaunchConfig(16, 1),
-                           route="stream-list.c.t.w4", steps=8, act=torch.bfloat16)
+                           route="stream-list.c.t.v1", steps=8, act=torch.bfloat16)
         # .p2 / .rN / .gN: flush programs per SM and register caps (launch options only; the
         # interpreter runs one SM, so two persistent flush programs share the listed pieces).
         check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1),

@@ -25,9 +25,10 @@ Routes (all read S0 once per row and write it only on flush rows):
   state products for the outputs (~2^-17 of each term, far below a 16-bit output's rounding;
   TF32 hi + lo otherwise), the weights launch's B·C as tensor-core products, two persistent
   flush programs per SM (as many as its registers let an SM hold at once), and with fp32 state
-  the streaming launch programmatically dependent on the weights launch (.l). Steps of up to
-  8,192 row-heads (fp32 state) and every step with a 16-bit state take the flush pieces in two
-  column parts, 128 registers, four programs per SM instead ("stream-list.c.y.b.t.f2.g128.p4").
+  the streaming launch programmatically dependent on the weights launch (.l); the weights launch
+  runs one warp per program (.v1). Steps of up to 8,192 row-heads (fp32 state) and every step with
+  a 16-bit state take the flush pieces in two column parts, 128 registers, four programs per SM
+  instead ("stream-list.c.y.b.t.f2.g128.p4.v1").
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -54,8 +55,8 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.c.y.b.t.p2.l" at 64x4
-# (or SMALL_VERIFY_ROUTE, below);
+# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.c.y.b.t.p2.l.v1" at
+# 64x4 (or SMALL_VERIFY_ROUTE, below);
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
 #          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
@@ -74,10 +75,18 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 # weights launch (.l) gains 0.2-2% with fp32 state wherever a stream route is taken (8B b = 256
 # 407.8 vs 409.4; TP8 b = 256 with .f2.g128.p4 63.7 vs 65.1), but with fp16 state it lost at TP8
 # b = 128 (44.6 vs 39.7): fp32 only.
+# Session 14 (calls 3-4, q = 4): the weights launch is bound by its chains of dependent loads, not
+# its arithmetic; in one warp per program (.v1; ~120 registers, so an SM holds up to sixteen instead
+# of four) the step gains 1-4% at every size a stream route takes: 8B fp32 b = 256 397.3 vs 409.7 us,
+# b = 512 769.9 vs 794.5, b = 64 / 32 (.f2.g128.p4.l) 118.4 / 63.6 vs 119.7 / 64.4; 8B fp16 b = 256
+# 343.7 vs 357.0; TP8 fp16 b = 256 59.5 vs 60.3. Two warps gain a little less (399.9 at 8B b = 256),
+# eight lose (426.1). Measured and dropped: several groups per weights program (.wN, 417-443 vs
+# 411), state prefetched into L2 before the wait (.eN, 428-458; mono.t / mono with their tile
+# prefetched: 44.0 vs 41.7 at TP8 b = 128), a weights register cap (.uN, 410-411).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.a.y", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list.c.y.b.t.p2.l", LaunchConfig(block_p=64, num_warps=4)))
-SMALL_VERIFY_ROUTE = "stream-list.c.y.b.t.f2.g128.p4"  # several tokens, up to SMALL_VERIFY_ROW_HEADS (fp32)
+               ("stream-list.c.y.b.t.p2.l.v1", LaunchConfig(block_p=64, num_warps=4)))
+SMALL_VERIFY_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1"  # several tokens, <= SMALL_VERIFY_ROW_HEADS (fp32)
 SMALL_VERIFY_ROW_HEADS = 8192
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
@@ -133,8 +142,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
-    products there too, for the benchmarks; ".e" after either mono route: each program prefetches its
-    state tile into L2 first); "auto": `auto_route` ("mono"
+    products there too, for the benchmarks); "auto": `auto_route` ("mono"
     for small steps, else "lean.a.y" for one token, a "stream-list.c.y.b.t" route for several) where
     their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights[.t]": the weights launch alone (benchmark diagnostics only: y is not written).
@@ -163,21 +171,18 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # small launches beside the output launch, `launch_lean` parallel); stream-list .t (the weights
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
         # launch), .fN (the flush pieces in N column parts), .kN (the flush loop's pipeline stages
-        # with .fN), .wN (N groups of a row per weights program), .l (the streaming launch
-        # programmatically dependent on the weights launch), .eN (with .l: each streaming program
-        # prefetches its first N pieces of state into L2 before it waits), .vN / .uN (the weights
-        # launch's warps / register cap). The benchmarks sweep them.
+        # with .fN), .l (the streaming launch programmatically dependent on the weights launch), .vN
+        # (the weights launch's warps; lean takes it too). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
-        names = dict(s="stages", i="items", p="flush_programs_per_sm")
+        names = dict(s="stages", i="items", p="flush_programs_per_sm", v="weights_warps")
         flags = {"c", "o", "y", "b"}
         if lean:
             names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
             flags |= {"d", "e", "a"}
         else:
             names.update(r="stream_maxnreg", g="flush_maxnreg", f="flush_parts",
-                         k="flush_stages", w="weight_groups", e="prefetch_pieces",
-                         v="weights_warps", u="weights_maxnreg")
+                         k="flush_stages")
             flags |= {"t", "l"}
         bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
         if bad:
@@ -206,18 +211,16 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                concurrent="c" in opts, **kw)
         return y
-    if route in ("mono", "mono.e"):
-        # .e: each program starts its state tile towards L2 before the coefficients' loads.
+    if route == "mono":
         cfg = config or CONFIG
         launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                    prefetch=route == "mono.e")
+                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
         return y
-    if route in ("mono.t", "mono.t.x", "mono.t.e", "mono.t.x.e"):
+    if route in ("mono.t", "mono.t.x"):
         cfg = config or CONFIG
         launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        exact=route.startswith("mono.t.x"), prefetch=route.endswith(".e"))
+                        exact=route == "mono.t.x")
         return y
     if route in ("fused", "split", "weights", "weights.t"):
         # "weights.t": the weights launch alone as stream-list's .t shapes it (B·C on tensor cores).

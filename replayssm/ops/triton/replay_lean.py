@@ -146,7 +146,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                 heads_per_program: int | None = None, dot_fold: bool = True,
                 flush_block_p: int | None = None, flush_warps: int | None = None,
                 flush_programs_per_sm: int = 4, outputs_all: bool = False, parallel: bool = False,
-                priority: bool = False, bf16_products: bool = False) -> None:
+                priority: bool = False, bf16_products: bool = False, weights_warps: int = 4) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
@@ -161,6 +161,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     side stream, and a last elementwise launch scales them and adds r_t (the small launches leave
     the step's critical path; not with outputs_all). priority: that side stream is high-priority.
     bf16_products: several tokens' products take the tile as bf16 hi + lo (bf16 C, 16-bit y).
+    weights_warps: the weights launch's warps.
     """
     flush_block_p = flush_block_p or block_p
     outputs_all = outputs_all and flush_block_p >= 16 and not parallel  # fold-only pieces are products
@@ -179,7 +180,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
 
     def small() -> None:
         launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                       state_indices, window, dt_softplus, out=(w, sc))
+                       state_indices, window, dt_softplus, out=(w, sc), num_warps=weights_warps)
         launch_ring_term(x, D, ring_x, ring_start, committed, state_indices, w, window, heads_per_program,
                          out=(r, flags))
 

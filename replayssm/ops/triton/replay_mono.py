@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import fold_chunks
-from replayssm.ops.triton.replay_step import prefetch_l2
 from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.ssu import softplus_dt
@@ -68,14 +67,12 @@ def _mono_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, PREFETCH: tl.constexpr = False,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
     s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
-    if PREFETCH:  # the tile towards L2 while the coefficients' chain of loads runs
-        prefetch_l2(state_ptr + (s64 * H + h) * (P * N) + pid_p * BLOCK_P * N, BLOCK_P * N)
     NC: tl.constexpr = N // NS
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
@@ -174,11 +171,9 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                prefetch: bool = False) -> None:
+                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int) -> None:
     """One launch, grid (P / block_p, H, b); needs whole tiles (`replay_stream.stream_supported`) of
-    >= 16 rows (the fold's tensor-core product). prefetch (on CUDA): each program starts its tile
-    towards L2 first, before the coefficients' loads."""
+    >= 16 rows (the fold's tensor-core product)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -191,5 +186,5 @@ def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         *y.stride()[:3], H, G, R,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
-        MAXV=max_finite(sdt), PREFETCH=prefetch and x.device.type == "cuda", num_warps=num_warps,
+        MAXV=max_finite(sdt), num_warps=num_warps,
     )

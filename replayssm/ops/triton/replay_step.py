@@ -36,27 +36,17 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 @triton.jit
-def prefetch_l2(ptr, COUNT: tl.constexpr):
-    """Start the 128-byte lines of ptr[0:COUNT] towards L2 (PTX prefetch: nothing waits for it; CUDA
-    only, not under the interpreter). COUNT: a power of two, at least one line's elements."""
-    PER_LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth
-    lines = ptr + tl.arange(0, COUNT // PER_LINE) * PER_LINE
-    tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [lines], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _weights_kernel(
     dt_ptr, A_ptr, B_ptr, C_ptr, dt_bias_ptr, rB_ptr, rdt_ptr, ring_start_ptr, committed_ptr, idx_ptr,
     w_ptr, sc_ptr,
     sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, HPB: tl.constexpr, N: tl.constexpr,
     BLOCK_N: tl.constexpr, DT_SOFTPLUS: tl.constexpr, BC_DOT: tl.constexpr, TT: tl.constexpr,
-    JJ: tl.constexpr, PDL: tl.constexpr = False, GPP: tl.constexpr = 1,
+    JJ: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Tokens t < TT and history entries j < JJ (QB and HB, or with BC_DOT both padded to >= 16: B·C
     # is then two tensor-core products instead of a chain of per-token reductions). Program
-    # (i, gp) takes groups gp * GPP ... (gp + 1) * GPP - 1 of row i (its slot and cursor loaded once).
+    # (i, g): group g of row i.
     if PDL:
         # The next launch on this stream (launched programmatically dependent) may start now; it
         # waits (gdc_wait) before it reads anything this launch writes.
@@ -71,82 +61,81 @@ def _weights_kernel(
     j = tl.arange(0, JJ)
     jm = j < hc
     JB: tl.constexpr = HB + QB  # a w row: history j < HB, then new k < QB
-    for gi in tl.static_range(GPP):
-        g = tl.program_id(1) * GPP + gi
-        t = tl.arange(0, TT)
+    g = tl.program_id(1)
+    t = tl.arange(0, TT)
+    tm = t < Q
+    tb, tbm = t, tm  # the loaded token rows (the coefficients below take QB of them)
+    rows = (o + j) % R
+    Brow0 = s64 * G * R + g * R
+    Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
+                 other=0.0).to(tl.float32)
+    tn = tm[:, None] & nm[None, :]
+    Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
+    C = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
+    C = C.to(tl.float32)
+    Bn = Bn_raw.to(tl.float32)
+    # B·C: (TT, JJ) history and (TT, TT) new (tiny: once per group). BC_DOT: two products, exact
+    # for 16-bit B and C (`dot_split`). Else in fp32 on the CUDA cores a token's row at a time: the
+    # whole (QB, HB, N) broadcast product took 163 registers at q = 4 (sm_90 build), against 48 at
+    # q = 1.
+    if BC_DOT:
+        bch = dot_split(C, tl.trans(Bh), tl.zeros((TT, JJ), dtype=tl.float32),
+                        C_ptr.dtype.element_ty != tl.float32, rB_ptr.dtype.element_ty != tl.float32)
+        bcn = dot_split(C, tl.trans(Bn), tl.zeros((TT, TT), dtype=tl.float32),
+                        C_ptr.dtype.element_ty != tl.float32, B_ptr.dtype.element_ty != tl.float32)
+        # Back to QB tokens before the per-head coefficients (their exps would otherwise run over
+        # every padded token row): rows and columns past Q are exact zeros (masked C and B rows),
+        # so summing the TT / QB row blocks keeps the first QB rows exactly.
+        bch = tl.sum(tl.reshape(bch, (TT // QB, QB, JJ)), axis=0)
+        bcn = tl.sum(tl.reshape(bcn, (TT // QB, QB, TT)), axis=0)
+        bcn = tl.sum(tl.reshape(bcn, (QB, TT // QB, QB)), axis=1)
+        t = tl.arange(0, QB)
         tm = t < Q
-        tb, tbm = t, tm  # the loaded token rows (the coefficients below take QB of them)
-        rows = (o + j) % R
-        Brow0 = s64 * G * R + g * R
-        Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
-                     other=0.0).to(tl.float32)
-        tn = tm[:, None] & nm[None, :]
-        Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
-        C = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :], mask=tn, other=0.0)
-        C = C.to(tl.float32)
-        Bn = Bn_raw.to(tl.float32)
-        # B·C: (TT, JJ) history and (TT, TT) new (tiny: once per group). BC_DOT: two products, exact
-        # for 16-bit B and C (`dot_split`). Else in fp32 on the CUDA cores a token's row at a time: the
-        # whole (QB, HB, N) broadcast product took 163 registers at q = 4 (sm_90 build), against 48 at
-        # q = 1.
-        if BC_DOT:
-            bch = dot_split(C, tl.trans(Bh), tl.zeros((TT, JJ), dtype=tl.float32),
-                            C_ptr.dtype.element_ty != tl.float32, rB_ptr.dtype.element_ty != tl.float32)
-            bcn = dot_split(C, tl.trans(Bn), tl.zeros((TT, TT), dtype=tl.float32),
-                            C_ptr.dtype.element_ty != tl.float32, B_ptr.dtype.element_ty != tl.float32)
-            # Back to QB tokens before the per-head coefficients (their exps would otherwise run over
-            # every padded token row): rows and columns past Q are exact zeros (masked C and B rows),
-            # so summing the TT / QB row blocks keeps the first QB rows exactly.
-            bch = tl.sum(tl.reshape(bch, (TT // QB, QB, JJ)), axis=0)
-            bcn = tl.sum(tl.reshape(bcn, (TT // QB, QB, TT)), axis=0)
-            bcn = tl.sum(tl.reshape(bcn, (QB, TT // QB, QB)), axis=1)
-            t = tl.arange(0, QB)
-            tm = t < Q
-        else:
-            bch = tl.zeros((TT, JJ), dtype=tl.float32)
-            bcn = tl.zeros((TT, TT), dtype=tl.float32)
-            for tt in tl.static_range(Q):
-                Crow = tl.sum(tl.where((t == tt)[:, None], C, 0.0), axis=0)
-                bch = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bh, axis=1)[None, :], bch)
-                bcn = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bn, axis=1)[None, :], bcn)
-        # Heads of this group: Λ from the stored history Δ and the new Δ, all exponents <= 0
-        # (clamped so masked entries cannot overflow before being zeroed).
-        hpg = H // G
-        hh = tl.arange(0, HPB)
-        hm = hh < hpg
-        head = g * hpg + hh
-        A = tl.load(A_ptr + head, mask=hm, other=0.0)
-        xrow0 = s64 * H * R + head.to(tl.int64) * R  # ring_dt rows of (s, head)
-        dth = tl.load(rdt_ptr + xrow0[:, None] + rows[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
-        cumh = tl.cumsum(dth, axis=1) * A[:, None]  # (HPB, JJ)
-        lam_h = tl.sum(dth, axis=1) * A  # (HPB,)
-        ht = hm[:, None] & tm[None, :]
-        dtn = tl.load(dt_ptr + i * sdt_b + t[None, :] * sdt_t + head[:, None] * sdt_h, mask=ht, other=0.0)
-        dtn = dtn.to(tl.float32)
-        bias = tl.load(dt_bias_ptr + head, mask=hm, other=0.0)
-        dtn = tl.where(tm[None, :], softplus_dt(dtn, bias[:, None], DT_SOFTPLUS), 0.0)
-        cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, QB)
-        wh = dth[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumh[:, None, :], 0.0)) * bch[None, :, :]
-        wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
-        wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
-        fh = dth * tl.exp(tl.minimum(lam_h[:, None] - cumh, 0.0))  # fold coefficients (HPB, JJ)
-        wbase = (i.to(tl.int64) * H + head) * ((Q + 1) * JB)  # (HPB,)
-        hq = hm[:, None, None] & tm[None, :, None]
-        wrow = wbase[:, None, None] + t[None, :, None] * JB
-        # Rows of JB = HB + QB entries: history j < HB, then new k < QB (padded entries stay out).
-        tl.store(w_ptr + wrow + j[None, None, :], wh, mask=hq & (j < HB)[None, None, :])
-        tl.store(w_ptr + wrow + HB + t[None, None, :], wn, mask=hq & (t < QB)[None, None, :])
-        tl.store(w_ptr + wbase[:, None] + Q * JB + j[None, :], fh, mask=hm[:, None] & (j < HB)[None, :])
-        sbase = (i.to(tl.int64) * H + head) * (Q + 1)
-        tl.store(sc_ptr + sbase[:, None] + t[None, :], tl.exp(cumn), mask=ht)
-        tl.store(sc_ptr + sbase + Q, tl.exp(lam_h), mask=hm)
-        # Appends after the history (never a history row): Δ of each head, B of the group.
-        ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
-        arow = (o + hc + t) % R
-        tl.store(rdt_ptr + xrow0[:, None] + arow[None, :], dtn, mask=hm[:, None] & ok[None, :])
-        okb = tbm & ((tb * 0 + s) >= 0)  # the B rows as loaded (TT of them)
-        tl.store(rB_ptr + (Brow0 + (o + hc + tb) % R)[:, None] * N + n[None, :], Bn_raw,
-                 mask=okb[:, None] & nm[None, :])
+    else:
+        bch = tl.zeros((TT, JJ), dtype=tl.float32)
+        bcn = tl.zeros((TT, TT), dtype=tl.float32)
+        for tt in tl.static_range(Q):
+            Crow = tl.sum(tl.where((t == tt)[:, None], C, 0.0), axis=0)
+            bch = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bh, axis=1)[None, :], bch)
+            bcn = tl.where((t == tt)[:, None], tl.sum(Crow[None, :] * Bn, axis=1)[None, :], bcn)
+    # Heads of this group: Λ from the stored history Δ and the new Δ, all exponents <= 0
+    # (clamped so masked entries cannot overflow before being zeroed).
+    hpg = H // G
+    hh = tl.arange(0, HPB)
+    hm = hh < hpg
+    head = g * hpg + hh
+    A = tl.load(A_ptr + head, mask=hm, other=0.0)
+    xrow0 = s64 * H * R + head.to(tl.int64) * R  # ring_dt rows of (s, head)
+    dth = tl.load(rdt_ptr + xrow0[:, None] + rows[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
+    cumh = tl.cumsum(dth, axis=1) * A[:, None]  # (HPB, JJ)
+    lam_h = tl.sum(dth, axis=1) * A  # (HPB,)
+    ht = hm[:, None] & tm[None, :]
+    dtn = tl.load(dt_ptr + i * sdt_b + t[None, :] * sdt_t + head[:, None] * sdt_h, mask=ht, other=0.0)
+    dtn = dtn.to(tl.float32)
+    bias = tl.load(dt_bias_ptr + head, mask=hm, other=0.0)
+    dtn = tl.where(tm[None, :], softplus_dt(dtn, bias[:, None], DT_SOFTPLUS), 0.0)
+    cumn = lam_h[:, None] + tl.cumsum(dtn, axis=1) * A[:, None]  # (HPB, QB)
+    wh = dth[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumh[:, None, :], 0.0)) * bch[None, :, :]
+    wn = dtn[:, None, :] * tl.exp(tl.minimum(cumn[:, :, None] - cumn[:, None, :], 0.0)) * bcn[None, :, :]
+    wn = tl.where(t[None, None, :] <= t[None, :, None], wn, 0.0)  # causal: token k <= t
+    fh = dth * tl.exp(tl.minimum(lam_h[:, None] - cumh, 0.0))  # fold coefficients (HPB, JJ)
+    wbase = (i.to(tl.int64) * H + head) * ((Q + 1) * JB)  # (HPB,)
+    hq = hm[:, None, None] & tm[None, :, None]
+    wrow = wbase[:, None, None] + t[None, :, None] * JB
+    # Rows of JB = HB + QB entries: history j < HB, then new k < QB (padded entries stay out).
+    tl.store(w_ptr + wrow + j[None, None, :], wh, mask=hq & (j < HB)[None, None, :])
+    tl.store(w_ptr + wrow + HB + t[None, None, :], wn, mask=hq & (t < QB)[None, None, :])
+    tl.store(w_ptr + wbase[:, None] + Q * JB + j[None, :], fh, mask=hm[:, None] & (j < HB)[None, :])
+    sbase = (i.to(tl.int64) * H + head) * (Q + 1)
+    tl.store(sc_ptr + sbase[:, None] + t[None, :], tl.exp(cumn), mask=ht)
+    tl.store(sc_ptr + sbase + Q, tl.exp(lam_h), mask=hm)
+    # Appends after the history (never a history row): Δ of each head, B of the group.
+    ok = tm & ((t * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
+    arow = (o + hc + t) % R
+    tl.store(rdt_ptr + xrow0[:, None] + arow[None, :], dtn, mask=hm[:, None] & ok[None, :])
+    okb = tbm & ((tb * 0 + s) >= 0)  # the B rows as loaded (TT of them)
+    tl.store(rB_ptr + (Brow0 + (o + hc + tb) % R)[:, None] * N + n[None, :], Bn_raw,
+             mask=okb[:, None] & nm[None, :])
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -235,34 +224,28 @@ def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.
 def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                    state_indices, window, dt_softplus, out=None,
                    bc_dot: bool = False, pdl: bool = False,
-                   groups_per_program: int = 1, num_warps: int = 4,
-                   maxnreg: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights launch (step 1 above) that every output launch reads; returns (w, sc) scratch
     (out: `weights_scratch` tensors to fill, e.g. allocated on the stream that later reads them).
     bc_dot (several tokens): B·C as two tensor-core products over token and history axes padded
     to 16, instead of per-token reductions on the CUDA cores. pdl: every program lets the
     stream's next launch start at once (`pdl_supported` devices; that launch must be launched
     with launch_pdl and wait with gdc_wait before reading w, sc or the appended ring rows).
-    groups_per_program: that many groups of a row per program (the largest power of two at most
-    that which divides G), the row's slot and cursor loaded once. num_warps / maxnreg: the launch's
-    warps and register cap (0: the compiler's choice)."""
+    num_warps: the launch's warps (one: it is bound by its chains of dependent loads, and one-warp
+    programs let an SM hold four times as many; benchmarks/NOTES-kernels.md, session 14)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     w, sc = out if out is not None else weights_scratch(b, q, H, window, x.device)
     dot = bool(bc_dot and q > 1 and triton.next_power_of_2(N) >= 16)
-    gpp = 1
-    while gpp * 2 <= groups_per_program and G % (gpp * 2) == 0:
-        gpp *= 2
-    _weights_kernel[(b, G // gpp)](
+    _weights_kernel[(b, G)](
         dt, A, B, C, dt_bias, ring_B, ring_dt, ring_start, committed, state_indices, w, sc,
         dt.stride(0), dt.stride(1), dt.stride(2), B.stride(0), B.stride(1), B.stride(2),
         C.stride(0), C.stride(1), C.stride(2), H, G, R,
         Q=q, QB=QB, HB=HB, HPB=triton.next_power_of_2(H // G), N=N, BLOCK_N=triton.next_power_of_2(N),
         DT_SOFTPLUS=bool(dt_softplus), BC_DOT=dot, TT=max(QB, 16) if dot else QB,
-        JJ=max(HB, 16) if dot else HB, PDL=pdl, GPP=gpp, num_warps=num_warps,
-        **(dict(maxnreg=maxnreg) if maxnreg else {}),
+        JJ=max(HB, 16) if dot else HB, PDL=pdl, num_warps=num_warps,
     )
     return w, sc
 

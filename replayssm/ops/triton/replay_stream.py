@@ -1,5 +1,5 @@
 """ReplaySSM forward step, row-streaming launches (route "stream-list"; several tokens take
-"stream-list.c.y.b.t.p2.l" or "stream-list.c.y.b.t.f2.g128.p4[.l]" by size and state dtype,
+"stream-list.c.y.b.t.p2.l.v1" or "stream-list.c.y.b.t.f2.g128.p4.v1[.l]" by size and state dtype,
 `replay.auto_route`).
 
 Same weights launch and arithmetic as `replay_step.py`; the output launches differ in shape. A
@@ -30,6 +30,7 @@ fp32 state the streaming launch programmatically dependent on the weights launch
 409.4 us at b = 256). Steps of up to 8,192 row-heads with fp32 state and every step with a 16-bit
 state take the flush pieces in two column parts under a 128-register cap, four programs per SM
 (.f2.g128.p4: TP8 b = 256 63.7 vs 68.4 us with .l; 8B fp16 b = 256 354.2 vs 372.4; session 13).
+The weights launch takes one warp per program (.v1: 8B fp32 b = 256 397.3 vs 409.7 us; session 14).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs, launch_flush
 from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma
-from replayssm.ops.triton.replay_step import gdc_wait, launch_weights, pdl_supported, prefetch_l2
+from replayssm.ops.triton.replay_step import gdc_wait, launch_weights, pdl_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
 
@@ -51,7 +52,7 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -68,11 +69,6 @@ def _stream_kernel(
     o = tl.load(ring_start_ptr + s64)
     flush = valid & (hc + Q > window)
     if PDL:
-        if PREFETCH > 0:
-            if (ALL or flush == 0) and valid:
-                # The state is not the weights launch's: its first PREFETCH pieces (contiguous in the
-                # slot) start towards L2 while the weights launch runs.
-                prefetch_l2(state_ptr + (s64 * H * P + first * BLOCK_P) * N, PREFETCH * BLOCK_P * N)
         gdc_wait()  # launched programmatically dependent on the weights launch: its writes from here
     if ALL or flush == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
@@ -169,8 +165,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, flush_parts: int = 1,
-                  flush_stages: int = 3, pdl: bool = False, weight_groups: int = 1,
-                  prefetch_pieces: int = 0, weights_warps: int = 4, weights_maxnreg: int = 0) -> None:
+                  flush_stages: int = 3, pdl: bool = False, weights_warps: int = 4) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -181,12 +176,10 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     tensor-core products (`launch_weights`). stream_maxnreg / flush_maxnreg: a register cap for the
     streaming / flush launch (0: the compiler's choice; sweep options, more programs per SM).
     flush_parts (several tokens): the flush launch takes each piece in that many column parts,
-    one per iteration of its loop, pipelined flush_stages deep (`_piece_mma`). weight_groups: the
-    weights launch's `groups_per_program`. pdl: the streaming launch starts while the weights
-    launch runs (programmatic dependent launch, where `pdl_supported`; it waits for the weights'
-    writes after loading its rows' slots and cursors). prefetch_pieces (with pdl): before that wait,
-    each streaming program starts its first that many pieces of state towards L2 (a power of two).
-    weights_warps / weights_maxnreg: the weights launch's warps and register cap.
+    one per iteration of its loop, pipelined flush_stages deep (`_piece_mma`). pdl: the streaming
+    launch starts while the weights launch runs (programmatic dependent launch, where
+    `pdl_supported`; it waits for the weights' writes after loading its rows' slots and cursors).
+    weights_warps: the weights launch's warps.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -194,12 +187,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     pdl = bool(pdl and not outputs_all and pdl_supported(x.device))
-    if prefetch_pieces & (prefetch_pieces - 1):
-        raise ValueError(f"prefetch_pieces must be a power of two (or 0), not {prefetch_pieces}")
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                            state_indices, window, dt_softplus, bc_dot=bc_dot, pdl=pdl,
-                           groups_per_program=weight_groups, num_warps=weights_warps,
-                           maxnreg=weights_maxnreg)
+                           num_warps=weights_warps)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
@@ -226,8 +216,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
-            **_regs(stream_maxnreg),
-            **(dict(PDL=True, launch_pdl=True, PREFETCH=min(prefetch_pieces, k)) if pdl else {}),
+            **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
         )
 
     if outputs_all:
