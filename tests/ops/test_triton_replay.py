@@ -105,7 +105,7 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 
 
 @requires_cuda
-@pytest.mark.parametrize("route, block, q", [("lean.a.y", (32, 4), 1), ("lean.c", (32, 4), 1),
+@pytest.mark.parametrize("route, block, q", [("lean.a.y.v1", (32, 4), 1), ("lean.c", (32, 4), 1),
                                              ("stream-list.c.y.b.t.p2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.p2.f2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.f2.g128.p4.l", (64, 4), 4),
@@ -187,7 +187,7 @@ def test_auto_route_policy():
 
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
     assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128
-    assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y"
+    assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
     assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"
@@ -202,7 +202,7 @@ def test_auto_route_policy():
     assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1"
     assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1"
     assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
-    assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y"
+    assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
 
 

@@ -55,8 +55,8 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y" at 32x4, several "stream-list.c.y.b.t.p2.l.v1" at
-# 64x4 (or SMALL_VERIFY_ROUTE, below);
+# their whole tiles fit: one token takes "lean.a.y.v1" at 32x4, several "stream-list.c.y.b.t.p2.l.v1"
+# at 64x4 (or SMALL_VERIFY_ROUTE, below);
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
 #          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
@@ -82,9 +82,12 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 # 343.7 vs 357.0; TP8 fp16 b = 256 59.5 vs 60.3. Two warps gain a little less (399.9 at 8B b = 256),
 # eight lose (426.1). Measured and dropped: several groups per weights program (.wN, 417-443 vs
 # 411), state prefetched into L2 before the wait (.eN, 428-458; mono.t / mono with their tile
-# prefetched: 44.0 vs 41.7 at TP8 b = 128), a weights register cap (.uN, 410-411).
+# prefetched: 44.0 vs 41.7 at TP8 b = 128), a weights register cap (.uN, 410-411). One token
+# (call 6, lean.a.y.v1 vs lean.a.y, whose weights launch runs beside the output launch): 8B fp32
+# b = 512 602.1 vs 628.4 us, b = 256 306.6 vs 311.9, b = 128 158.9 vs 160.9, b = 32 47.4 vs 48.2;
+# 8B fp16 b = 256 217.0 vs 222.8; TP8 fp32 b = 256 46.5 vs 47.9 (b = 512 84.3 vs 83.8).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
-AUTO_ROUTES = (("lean.a.y", LaunchConfig(block_p=32, num_warps=4)),
+AUTO_ROUTES = (("lean.a.y.v1", LaunchConfig(block_p=32, num_warps=4)),
                ("stream-list.c.y.b.t.p2.l.v1", LaunchConfig(block_p=64, num_warps=4)))
 SMALL_VERIFY_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1"  # several tokens, <= SMALL_VERIFY_ROW_HEADS (fp32)
 SMALL_VERIFY_ROW_HEADS = 8192
