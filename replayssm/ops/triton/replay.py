@@ -148,7 +148,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
     for small steps, else "lean.a.y" for one token, a "stream-list.c.y.b.t" route for several) where
     their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
-    "weights[.t]": the weights launch alone (benchmark diagnostics only: y is not written).
+    "weights[.t][.v1]": the weights launch alone (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
     assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
@@ -225,13 +225,14 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                         exact=route == "mono.t.x")
         return y
-    if route in ("fused", "split", "weights", "weights.t"):
-        # "weights.t": the weights launch alone as stream-list's .t shapes it (B·C on tensor cores).
+    if route in ("fused", "split", "weights", "weights.t", "weights.v1", "weights.t.v1"):
+        # "weights.t": the weights launch alone as stream-list's .t shapes it (B·C on tensor cores);
+        # ".v1": in one warp per program, as the auto routes run it.
         cfg = config or CONFIG
         launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                     fuse_flush=route == "fused", outputs=not route.startswith("weights"),
-                    bc_dot=route == "weights.t")
+                    bc_dot=route.startswith("weights.t"), weights_warps=1 if route.endswith(".v1") else 4)
         if route != "split":
             return y
     elif route != "mma":

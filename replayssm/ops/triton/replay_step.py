@@ -252,11 +252,12 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
 
 def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                fuse_flush: bool = True, outputs: bool = True, bc_dot: bool = False) -> None:
+                fuse_flush: bool = True, outputs: bool = True, bc_dot: bool = False,
+                weights_warps: int = 4) -> None:
     """Weights launch, then the output launch (which also folds flush rows when fuse_flush).
 
     outputs=False stops after the weights launch (the benchmark times it alone, with the
-    `launch_weights` option bc_dot of the route it stands for).
+    `launch_weights` options bc_dot and num_warps = weights_warps of the route it stands for).
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -264,7 +265,7 @@ def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     BN = triton.next_power_of_2(N)
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus, bc_dot=bc_dot)
+                           state_indices, window, dt_softplus, bc_dot=bc_dot, num_warps=weights_warps)
     if not outputs:
         return
     block_p = min(block_p, triton.next_power_of_2(P))
