@@ -76,8 +76,9 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 # 407.8 vs 409.4; TP8 b = 256 with .f2.g128.p4 63.7 vs 65.1), but with fp16 state it lost at TP8
 # b = 128 (44.6 vs 39.7): fp32 only.
 # Session 14 (calls 3-4, q = 4): the weights launch is bound by its chains of dependent loads, not
-# its arithmetic; in one warp per program (.v1; ~120 registers, so an SM holds up to sixteen instead
-# of four) the step gains 0.7-4% at every size a stream route takes: 8B fp32 b = 256 397.3 vs 409.7 us,
+# its arithmetic; in one warp per program (.v1; 178 registers x 32 threads in the sm_90 build at q = 4
+# against 123 x 128, so an SM holds about eleven programs instead of four) the step gains 0.7-4% at
+# every size a stream route takes: 8B fp32 b = 256 397.3 vs 409.7 us,
 # b = 512 769.9 vs 794.5, b = 64 / 32 (.f2.g128.p4.l) 118.4 / 63.6 vs 119.7 / 64.4; 8B fp16 b = 256
 # 343.7 vs 357.0; TP8 fp16 b = 256 59.5 vs 60.3. Two warps gain a little less (399.9 at 8B b = 256),
 # eight lose (426.1). Measured and dropped: several groups per weights program (.wN, 417-443 vs
