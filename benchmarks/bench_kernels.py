@@ -336,9 +336,10 @@ def main() -> None:
     meta["read_gbps"] = read_bandwidth_gbps()
     for q in qs:  # where the time goes at the headline: weights launch alone, state reads alone
         bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
-        # The weights launch as the measured default runs it (.t: B·C on tensor cores for q > 1; .v1:
-        # one warp per program, replay.AUTO_ROUTES).
-        weights = Tile("weights.t.v1" if q > 1 else "weights.v1", LaunchConfig())
+        # The weights launch as the measured default runs it (.t: B·C on tensor cores for q > 1; its
+        # .vN warps, replay.AUTO_ROUTES).
+        warps = [o for o in treplay.AUTO_ROUTES[q > 1][0].split(".") if o[:1] == "v" and o[1:].isdigit()]
+        weights = Tile(".".join(["weights"] + (["t"] if q > 1 else []) + warps), LaunchConfig())
         diags = (("replay", weights), ("slot_read", Tile("", LaunchConfig())))
         for impl, tile in diags:
             r = dict(measure(bench, impl, tile), diag=True, sweep=False)

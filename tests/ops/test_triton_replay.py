@@ -208,7 +208,7 @@ def test_auto_route_policy():
 
 
 @pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e", "stream-list.a",
-                                   "lean.f", "lean.t"])
+                                   "lean.f", "lean.t", "weights.x", "weights.t.w2"])
 def test_route_options_are_checked(route):
     """A route option the route does not take, or an unknown route, is refused (no silent default)."""
     from replayssm.ops.triton.replay import launch_replay_forward

@@ -147,9 +147,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
-    for small steps, else "lean.a.y" for one token, a "stream-list.c.y.b.t" route for several) where
+    for small steps, else "lean.a.y.v1" for one token, a "stream-list.c.y.b.t" route for several) where
     their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
-    "weights[.t][.v1]": the weights launch alone (benchmark diagnostics only: y is not written).
+    "weights[.t][.vN]": the weights launch alone (benchmark diagnostics only: y is not written).
     """
     b, q = x.shape[:2]
     assert state.is_contiguous() and ring_x.is_contiguous() and ring_B.is_contiguous()
@@ -226,14 +226,19 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                         exact=route == "mono.t.x")
         return y
-    if route in ("fused", "split", "weights", "weights.t", "weights.v1", "weights.t.v1"):
-        # "weights.t": the weights launch alone as stream-list's .t shapes it (B·C on tensor cores);
-        # ".v1": in one warp per program, as the auto routes run it.
+    diag = route.split(".")[0] == "weights"
+    opts = route.split(".")[1:] if diag else []
+    if diag and any(o != "t" and not (o[:1] == "v" and o[1:].isdigit()) for o in opts):
+        raise ValueError(f"route {route!r}: unknown options (weights takes .t and .vN)")
+    if route in ("fused", "split") or diag:
+        # "weights[.t][.vN]": the weights launch alone as a stream-list route with those options runs
+        # it (.t: B·C on tensor cores; .vN: N warps per program).
+        warps = [int(o[1:]) for o in opts if o[:1] == "v"]
         cfg = config or CONFIG
         launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                    fuse_flush=route == "fused", outputs=not route.startswith("weights"),
-                    bc_dot=route.startswith("weights.t"), weights_warps=1 if route.endswith(".v1") else 4)
+                    fuse_flush=route == "fused", outputs=not diag, bc_dot="t" in opts,
+                    weights_warps=warps[-1] if warps else 4)
         if route != "split":
             return y
     elif route != "mma":

@@ -231,8 +231,9 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
     to 16, instead of per-token reductions on the CUDA cores. pdl: every program lets the
     stream's next launch start at once (`pdl_supported` devices; that launch must be launched
     with launch_pdl and wait with gdc_wait before reading w, sc or the appended ring rows).
-    num_warps: the launch's warps (one: it is bound by its chains of dependent loads, and one-warp
-    programs let an SM hold four times as many; benchmarks/NOTES-kernels.md, session 14)."""
+    num_warps: the launch's warps (the auto routes take one: it is bound by its chains of dependent
+    loads, and one-warp programs let an SM hold about three times as many; benchmarks/NOTES-kernels.md,
+    session 14)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
