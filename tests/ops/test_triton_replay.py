@@ -68,7 +68,7 @@ def test_replay_cycle_lean_gpu(state_dtype, q, route):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("block", [(64, 4), (32, 4), (16, 2)])
+@pytest.mark.parametrize("block", [(64, 4), (32, 4), (16, 2), (64, 2), (32, 2)])
 @pytest.mark.parametrize("route", ["mono", "mono.t", "mono.t.x"])
 def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
     """On the GPU: the one-launch routes (small batches) match the reference at each tile."""
@@ -137,6 +137,7 @@ def test_replay_cycle_fp32_act_gpu(route, block):
 
 @requires_cuda
 @pytest.mark.parametrize("route, block, accurate", [("mono.t", (32, 4), None), ("mono.t", (64, 4), None),
+                                                    ("mono.t", (32, 2), None), ("mono.t", (64, 2), None),
                                                     ("stream-list.o.p5.b", (64, 4), "stream-list.o.p5"),
                                                     ("lean.a.b", (64, 4), "lean.a")])
 def test_output_products_one_pass_gpu(route, block, accurate):
@@ -204,6 +205,12 @@ def test_auto_route_policy():
     assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
     assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
+    # Their tiles by size: fewer warps above 512 row-heads (128 for mono.t), 32-row tiles where 64 do not fit.
+    from replayssm.ops.triton.ssu import LaunchConfig as L
+
+    assert auto_route(32, 1, 16, 64, 128)[1] == L(32, 4) and auto_route(128, 1, 16, 64, 128)[1] == L(32, 2)
+    assert auto_route(8, 4, 16, 64, 128)[1] == L(32, 4) and auto_route(32, 4, 16, 64, 128)[1] == L(32, 2)
+    assert auto_route(128, 4, 16, 64, 128)[1] == L(64, 2) and auto_route(128, 4, 16, 32, 128)[1] == L(32, 2)
 
 
 

@@ -114,8 +114,14 @@ FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # vs 143.5. Hence mono.t up to 2,048 row-heads only. With 16-bit state, session 13 call 3 (TP8, q = 4):
 # b = 64 (1,024 row-heads) mono.t 27.8 vs 33.2 for .f2.g128.p4, b = 128 (2,048) 44.6 vs 39.7 (fp32
 # state there: 41.8 vs 43.9): 1,024 row-heads for 16-bit states.
-MONO_CONFIG = LaunchConfig(block_p=32, num_warps=4)
-MONO_T_CONFIGS = (LaunchConfig(block_p=32, num_warps=4), LaunchConfig(block_p=64, num_warps=4))  # <= / > 128
+# Tiles by size (session 15 call 1, fp32 state, auto = the 4-warp tiles then, µs): fewer warps let an
+# SM hold more programs of these latency-bound steps. mono (one token): TP8 b = 128 (2,048 row-heads)
+# 32x2 29.6 vs 30.8, 8B b = 8 (1,024) 16.1 vs 17.5; at 512 and below 32x4 stays (TP8 b = 32 12.2 vs
+# 12.6, b = 8 6.3 vs 6.5). mono.t (q = 4): TP8 b = 32 (512) 32x2 14.5 vs 16.6, 8B b = 8 (1,024) 64x2
+# 20.6 vs 22.2, TP8 b = 128 (2,048) 64x2 39.2 vs 41.4; at 128 row-heads 32x4 stays (8.5 vs 9.2).
+MONO_CONFIGS = ((512, LaunchConfig(block_p=32, num_warps=4)), (None, LaunchConfig(block_p=32, num_warps=2)))
+MONO_T_CONFIGS = ((128, LaunchConfig(block_p=32, num_warps=4)), (512, LaunchConfig(block_p=32, num_warps=2)),
+                  (None, LaunchConfig(block_p=64, num_warps=2)))  # (up to row-heads, tile)
 MONO_MAX_ROW_HEADS = (2048, 2048)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
 MONO_T_MAX_ROW_HEADS_16BIT = 1024  # "mono.t" with fp16 / bf16 state
 
@@ -127,8 +133,9 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     wide = state_dtype == torch.float32
     mono_max = MONO_MAX_ROW_HEADS[q > 1] if q == 1 or wide else MONO_T_MAX_ROW_HEADS_16BIT
     if b * H <= mono_max:
-        route, cfg = ("mono.t", MONO_T_CONFIGS[b * H > 128]) if q > 1 else ("mono", MONO_CONFIG)
-        for c in (cfg, MONO_CONFIG):
+        route, sizes = ("mono.t", MONO_T_CONFIGS) if q > 1 else ("mono", MONO_CONFIGS)
+        cfg = next(c for most, c in sizes if most is None or b * H <= most)
+        for c in (cfg, LaunchConfig(32, cfg.num_warps)):
             if stream_supported(P, N, c.block_p):
                 return route, c
     route, cfg = AUTO_ROUTES[q > 1]
