@@ -53,7 +53,7 @@ def test_replay_cycle_stream_gpu(state_dtype, route, q):
 
 
 LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e", "lean.o",
-               "lean.a", "lean.a.y", "lean.c.y", "lean.a.b", "lean.a.y.v1"]
+               "lean.a", "lean.a.y", "lean.c.y", "lean.a.b", "lean.a.y.v1", "lean.a.y.v1.p2"]
 
 
 @requires_cuda
@@ -106,6 +106,7 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 
 @requires_cuda
 @pytest.mark.parametrize("route, block, q", [("lean.a.y.v1", (32, 4), 1), ("lean.c", (32, 4), 1),
+                                             ("lean.a.y.v1.p2", (32, 4), 1),
                                              ("stream-list.c.y.b.t.p2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.p2.f2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.f2.g128.p4.l", (64, 4), 4),
@@ -188,13 +189,14 @@ def test_auto_route_policy():
 
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
     assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128
-    assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"
+    assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"  # 4,096 row-heads
+    assert auto_route(64, 1, 128, 64, 128)[0] == "lean.a.y.v1.p2"
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
     assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 2,048 row-heads
-    assert auto_route(32, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.l"  # 4,096 row-heads
-    assert auto_route(512, 4, 16, 64, 128)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.l"  # TP8 shape, 8,192
+    assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t"  # 4,096 row-heads
+    assert auto_route(512, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 8,192
     assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1"  # 16,384 row-heads
     assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1"
     # 16-bit states: mono.t up to 1,024 row-heads, then the flush pieces in column parts, no .l.
@@ -203,14 +205,18 @@ def test_auto_route_policy():
     assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1"
     assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1"
     assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
-    assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
+    assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1.p2"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
-    # Their tiles by size: fewer warps above 512 row-heads (128 for mono.t), 32-row tiles where 64 do not fit.
+    # Their tiles by size and state dtype: two warps above 512 row-heads (128 for mono.t and for 16-bit
+    # states), 64-row tiles for mono.t above 512 with fp32 state, 32-row tiles where 64 do not fit.
     from replayssm.ops.triton.ssu import LaunchConfig as L
 
     assert auto_route(32, 1, 16, 64, 128)[1] == L(32, 4) and auto_route(128, 1, 16, 64, 128)[1] == L(32, 2)
+    assert auto_route(32, 1, 16, 64, 128, f16)[1] == L(32, 2)
+    assert auto_route(8, 1, 16, 64, 128, f16)[1] == L(32, 4)
     assert auto_route(8, 4, 16, 64, 128)[1] == L(32, 4) and auto_route(32, 4, 16, 64, 128)[1] == L(32, 2)
     assert auto_route(128, 4, 16, 64, 128)[1] == L(64, 2) and auto_route(128, 4, 16, 32, 128)[1] == L(32, 2)
+    assert auto_route(64, 4, 16, 64, 128, f16)[1] == L(32, 2)
 
 
 

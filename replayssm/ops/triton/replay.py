@@ -10,9 +10,10 @@ Routes (all read S0 once per row and write it only on flush rows):
 - "lean" (`replay_lean.py`, the default for one token where its tiles fit): the weights launch,
   a launch that precomputes the ring term r_t of every row and head, an output launch over the
   non-flush rows that is a gather-and-reduce of the state tiles plus r_t, and the flush rows
-  listed and folded (3xTF32 product) by a persistent launch. The default "lean.a.y" runs the
+  listed and folded (3xTF32 product) by a persistent launch. The default "lean.a.y.v1.p2" runs the
   output launch (bare products S0 C_t) beside all the others, which go on a high-priority side
-  stream, then scales and adds r_t in one elementwise launch.
+  stream, then scales and adds r_t in one elementwise launch; its flush launch holds two programs
+  per SM (.p2; four up to 4,096 row-heads, "lean.a.y.v1").
 - "stream-list" (`replay_stream.py`): the weights launch of `replay_step.py`, a pipelined launch
   streaming every non-flush row (tensor-core pieces for several tokens), and the flush rows
   listed on the device and folded by a persistent launch. Suffixes .sN (pipeline stages), .iN
@@ -26,9 +27,9 @@ Routes (all read S0 once per row and write it only on flush rows):
   TF32 hi + lo otherwise), the weights launch's B·C as tensor-core products, two persistent
   flush programs per SM (as many as its registers let an SM hold at once), and with fp32 state
   the streaming launch programmatically dependent on the weights launch (.l); the weights launch
-  runs one warp per program (.v1). Steps of up to 8,192 row-heads (fp32 state) and every step with
-  a 16-bit state take the flush pieces in two column parts, 128 registers, four programs per SM
-  instead ("stream-list.c.y.b.t.f2.g128.p4.v1").
+  runs one warp per program (.v1). Steps with a 16-bit state take the flush pieces in two column
+  parts, 128 registers, four programs per SM instead ("stream-list.c.y.b.t.f2.g128.p4.v1"). Steps
+  of up to 8,192 row-heads with fp32 state (1,024 with 16-bit) take "mono.t" (`auto_route`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -55,8 +56,8 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y.v1" at 32x4, several "stream-list.c.y.b.t.p2.l.v1"
-# at 64x4 (or SMALL_VERIFY_ROUTE, below);
+# their whole tiles fit: one token takes "lean.a.y.v1.p2" at 32x4 (SMALL_DECODE_ROUTE up to 4,096
+# row-heads), several "stream-list.c.y.b.t.p2.l.v1" at 64x4 (VERIFY_16BIT_ROUTE with a 16-bit state);
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
 #          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
@@ -87,11 +88,16 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 # (call 6, lean.a.y.v1 vs lean.a.y, whose weights launch runs beside the output launch): 8B fp32
 # b = 512 602.1 vs 628.4 us, b = 256 306.6 vs 311.9, b = 128 158.9 vs 160.9, b = 32 47.4 vs 48.2;
 # 8B fp16 b = 256 217.0 vs 222.8; TP8 fp32 b = 256 46.5 vs 47.9 (b = 512 84.3 vs 83.8).
+# Session 15 (call 3, one token, each route three times alternated, µs): the flush launch at two
+# programs per SM (.p2, was four) beside the output launch: 8B fp32 b = 256 303.7-304.5 vs 310.0-310.4,
+# TP8 b = 512 (8,192 row-heads) 81.5-81.7 vs 84.3-84.4, 8B b = 512 605.6-627.0 vs 615.2-620.1 (within
+# its spread); it lost at TP8 b = 256 (4,096 row-heads): 48.9-49.4 vs 46.4-46.6. Hence .p2 above 4,096.
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
-AUTO_ROUTES = (("lean.a.y.v1", LaunchConfig(block_p=32, num_warps=4)),
+AUTO_ROUTES = (("lean.a.y.v1.p2", LaunchConfig(block_p=32, num_warps=4)),
                ("stream-list.c.y.b.t.p2.l.v1", LaunchConfig(block_p=64, num_warps=4)))
-SMALL_VERIFY_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1"  # several tokens, <= SMALL_VERIFY_ROW_HEADS (fp32)
-SMALL_VERIFY_ROW_HEADS = 8192
+SMALL_DECODE_ROUTE = "lean.a.y.v1"  # one token, up to SMALL_DECODE_ROW_HEADS
+SMALL_DECODE_ROW_HEADS = 4096
+VERIFY_16BIT_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1"  # several tokens, 16-bit state, above mono.t
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
 # bytes there. H200, fp32 state, session 6 call 3 (benchmarks/NOTES-kernels.md), mono vs split:
@@ -114,15 +120,27 @@ FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # vs 143.5. Hence mono.t up to 2,048 row-heads only. With 16-bit state, session 13 call 3 (TP8, q = 4):
 # b = 64 (1,024 row-heads) mono.t 27.8 vs 33.2 for .f2.g128.p4, b = 128 (2,048) 44.6 vs 39.7 (fp32
 # state there: 41.8 vs 43.9): 1,024 row-heads for 16-bit states.
-# Tiles by size (session 15 call 1, fp32 state, auto = the 4-warp tiles then, µs): fewer warps let an
-# SM hold more programs of these latency-bound steps. mono (one token): TP8 b = 128 (2,048 row-heads)
-# 32x2 29.6 vs 30.8, 8B b = 8 (1,024) 16.1 vs 17.5; at 512 and below 32x4 stays (TP8 b = 32 12.2 vs
-# 12.6, b = 8 6.3 vs 6.5). mono.t (q = 4): TP8 b = 32 (512) 32x2 14.5 vs 16.6, 8B b = 8 (1,024) 64x2
-# 20.6 vs 22.2, TP8 b = 128 (2,048) 64x2 39.2 vs 41.4; at 128 row-heads 32x4 stays (8.5 vs 9.2).
-MONO_CONFIGS = ((512, LaunchConfig(block_p=32, num_warps=4)), (None, LaunchConfig(block_p=32, num_warps=2)))
-MONO_T_CONFIGS = ((128, LaunchConfig(block_p=32, num_warps=4)), (512, LaunchConfig(block_p=32, num_warps=2)),
-                  (None, LaunchConfig(block_p=64, num_warps=2)))  # (up to row-heads, tile)
-MONO_MAX_ROW_HEADS = (2048, 2048)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
+# Session 15 (calls 1-2, µs; auto = the 4-warp tiles then): fewer warps let an SM hold more programs
+# of these latency-bound steps, and mono.t at 64x2 beats the split route up to 8,192 row-heads with
+# fp32 state. mono.t, fp32: TP8 b = 32 (512 row-heads) 32x2 14.5 vs 16.6; 8B b = 8 (1,024) 64x2 20.6
+# vs 22.2; TP8 b = 128 (2,048) 39.2 vs 41.4; 4,096: 8B b = 32 62.0 / 62.3 vs 64.1 / 64.5 for the split
+# route, TP8 b = 256 64.0 vs 62.5; 8,192: 8B b = 64 111.5 vs 119.3, TP8 b = 512 113.0 vs 118.1; above,
+# 8B b = 128 207.2 vs 209.7, b = 256 409.7 vs 397.5 (so not past 8,192); at 128 row-heads 32x4 stays
+# (8.5 vs 9.2). mono.t, fp16: 32x2 (64x2 lost there): TP8 b = 64 (1,024) 26.9 vs 32.8 for 64x2, 8B b = 8
+# 21.8 vs 25.6 (64x4 22.7), TP8 b = 32 17.3 vs 17.0 for 64x4; the split route still wins above 1,024
+# (TP8 b = 128 39.2 vs 43.0). mono, fp32: TP8 b = 128 (2,048) 32x2 29.6 / 30.0 vs 30.8 / 30.9, 8B
+# b = 8 (1,024) 16.1 / 16.1 vs 17.5 / 17.4; at 512 32x4 stays (TP8 b = 32 12.2 vs 12.6). mono, fp16:
+# TP8 b = 32 (512) 32x2 13.7 vs 14.3, b = 8 (128) 32x4 7.6 vs 8.1.
+MONO_CONFIGS = {  # (up to row-heads, tile), by fp32 (True) or 16-bit (False) state
+    True: ((512, LaunchConfig(block_p=32, num_warps=4)), (None, LaunchConfig(block_p=32, num_warps=2))),
+    False: ((128, LaunchConfig(block_p=32, num_warps=4)), (None, LaunchConfig(block_p=32, num_warps=2))),
+}
+MONO_T_CONFIGS = {
+    True: ((128, LaunchConfig(block_p=32, num_warps=4)), (512, LaunchConfig(block_p=32, num_warps=2)),
+           (None, LaunchConfig(block_p=64, num_warps=2))),
+    False: ((128, LaunchConfig(block_p=32, num_warps=4)), (None, LaunchConfig(block_p=32, num_warps=2))),
+}
+MONO_MAX_ROW_HEADS = (2048, 8192)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
 MONO_T_MAX_ROW_HEADS_16BIT = 1024  # "mono.t" with fp16 / bf16 state
 
 
@@ -133,14 +151,16 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     wide = state_dtype == torch.float32
     mono_max = MONO_MAX_ROW_HEADS[q > 1] if q == 1 or wide else MONO_T_MAX_ROW_HEADS_16BIT
     if b * H <= mono_max:
-        route, sizes = ("mono.t", MONO_T_CONFIGS) if q > 1 else ("mono", MONO_CONFIGS)
+        route, sizes = ("mono.t", MONO_T_CONFIGS[wide]) if q > 1 else ("mono", MONO_CONFIGS[wide])
         cfg = next(c for most, c in sizes if most is None or b * H <= most)
         for c in (cfg, LaunchConfig(32, cfg.num_warps)):
             if stream_supported(P, N, c.block_p):
                 return route, c
     route, cfg = AUTO_ROUTES[q > 1]
-    if q > 1 and (b * H <= SMALL_VERIFY_ROW_HEADS or not wide):
-        route = SMALL_VERIFY_ROUTE + (".l" if wide else "")
+    if q == 1 and b * H <= SMALL_DECODE_ROW_HEADS:
+        route = SMALL_DECODE_ROUTE
+    if q > 1 and not wide:
+        route = VERIFY_16BIT_ROUTE
     return (route, cfg) if stream_supported(P, N, cfg.block_p) else None
 
 
@@ -154,7 +174,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
-    for small steps, else "lean.a.y.v1" for one token, a "stream-list.c.y.b.t" route for several) where
+    for small steps, else "lean.a.y.v1[.p2]" for one token, a "stream-list.c.y.b.t" route for several) where
     their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights[.t][.vN]": the weights launch alone (benchmark diagnostics only: y is not written).
     """
