@@ -190,7 +190,6 @@ def test_auto_route_policy():
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
     assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128
     assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"  # 4,096 row-heads
-    assert auto_route(64, 1, 128, 64, 128)[0] == "lean.a.y.v1.p2"
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
     assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"
@@ -205,7 +204,7 @@ def test_auto_route_policy():
     assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1"
     assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1"
     assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
-    assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1.p2"
+    assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
     # Their tiles by size and state dtype: two warps above 512 row-heads (128 for mono.t and for 16-bit
     # states), 64-row tiles for mono.t above 512 with fp32 state, 32-row tiles where 64 do not fit.

@@ -10,10 +10,9 @@ Routes (all read S0 once per row and write it only on flush rows):
 - "lean" (`replay_lean.py`, the default for one token where its tiles fit): the weights launch,
   a launch that precomputes the ring term r_t of every row and head, an output launch over the
   non-flush rows that is a gather-and-reduce of the state tiles plus r_t, and the flush rows
-  listed and folded (3xTF32 product) by a persistent launch. The default "lean.a.y.v1.p2" runs the
+  listed and folded (3xTF32 product) by a persistent launch. The default "lean.a.y.v1" runs the
   output launch (bare products S0 C_t) beside all the others, which go on a high-priority side
-  stream, then scales and adds r_t in one elementwise launch; its flush launch holds two programs
-  per SM (.p2; four up to 4,096 row-heads, "lean.a.y.v1").
+  stream, then scales and adds r_t in one elementwise launch.
 - "stream-list" (`replay_stream.py`): the weights launch of `replay_step.py`, a pipelined launch
   streaming every non-flush row (tensor-core pieces for several tokens), and the flush rows
   listed on the device and folded by a persistent launch. Suffixes .sN (pipeline stages), .iN
@@ -56,8 +55,8 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y.v1.p2" at 32x4 (SMALL_DECODE_ROUTE up to 4,096
-# row-heads), several "stream-list.c.y.b.t.p2.l.v1" at 64x4 (VERIFY_16BIT_ROUTE with a 16-bit state);
+# their whole tiles fit: one token takes "lean.a.y.v1" at 32x4, several "stream-list.c.y.b.t.p2.l.v1"
+# at 64x4 (VERIFY_16BIT_ROUTE with a 16-bit state);
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
 #          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
@@ -88,15 +87,16 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 # (call 6, lean.a.y.v1 vs lean.a.y, whose weights launch runs beside the output launch): 8B fp32
 # b = 512 602.1 vs 628.4 us, b = 256 306.6 vs 311.9, b = 128 158.9 vs 160.9, b = 32 47.4 vs 48.2;
 # 8B fp16 b = 256 217.0 vs 222.8; TP8 fp32 b = 256 46.5 vs 47.9 (b = 512 84.3 vs 83.8).
-# Session 15 (call 3, one token, each route three times alternated, µs): the flush launch at two
-# programs per SM (.p2, was four) beside the output launch: 8B fp32 b = 256 303.7-304.5 vs 310.0-310.4,
-# TP8 b = 512 (8,192 row-heads) 81.5-81.7 vs 84.3-84.4, 8B b = 512 605.6-627.0 vs 615.2-620.1 (within
-# its spread); it lost at TP8 b = 256 (4,096 row-heads): 48.9-49.4 vs 46.4-46.6. Hence .p2 above 4,096.
+# Session 15, measured and not taken: the one-token flush launch at two programs per SM (.p2, four by
+# default). In the kernel benchmark, whose rows flush at random steps (a few per step), it gained
+# (calls 3-4: 8B fp32 b = 256 303.7-304.5 vs 310.0-310.4 us, 299.7 in run 22; TP8 b = 512 81.5-81.7 vs
+# 84.3-84.4; it lost at TP8 b = 256, 48.9-49.4 vs 46.4-46.6). In e2e mode (a) it lost 3.3% (call 6: ON
+# 14,159 / 14,176 tok/s vs 14,645 / 14,648 for lean.a.y.v1, interleaved): there the batch decodes in
+# lock-step, so every row flushes on the same step, and the fold of the whole batch gets half the
+# programs (NOTES-kernels.md, session 15).
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
-AUTO_ROUTES = (("lean.a.y.v1.p2", LaunchConfig(block_p=32, num_warps=4)),
+AUTO_ROUTES = (("lean.a.y.v1", LaunchConfig(block_p=32, num_warps=4)),
                ("stream-list.c.y.b.t.p2.l.v1", LaunchConfig(block_p=64, num_warps=4)))
-SMALL_DECODE_ROUTE = "lean.a.y.v1"  # one token, up to SMALL_DECODE_ROW_HEADS
-SMALL_DECODE_ROW_HEADS = 4096
 VERIFY_16BIT_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1"  # several tokens, 16-bit state, above mono.t
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
@@ -157,8 +157,6 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
             if stream_supported(P, N, c.block_p):
                 return route, c
     route, cfg = AUTO_ROUTES[q > 1]
-    if q == 1 and b * H <= SMALL_DECODE_ROW_HEADS:
-        route = SMALL_DECODE_ROUTE
     if q > 1 and not wide:
         route = VERIFY_16BIT_ROUTE
     return (route, cfg) if stream_supported(P, N, cfg.block_p) else None
@@ -174,7 +172,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
     products there too, for the benchmarks); "auto": `auto_route` ("mono"
-    for small steps, else "lean.a.y.v1[.p2]" for one token, a "stream-list.c.y.b.t" route for several) where
+    for small steps, else "lean.a.y.v1" for one token, a "stream-list.c.y.b.t" route for several) where
     their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights[.t][.vN]": the weights launch alone (benchmark diagnostics only: y is not written).
     """
