@@ -52,8 +52,11 @@ def summarize(kernels: list[dict], steps: int) -> dict:
     if not kernels or len(kernels) % steps:
         raise SystemExit(f"{len(kernels)} kernels do not split into {steps} equal steps")
     k = len(kernels) // steps
-    chunks = [kernels[j * k:(j + 1) * k] for j in range(steps)]
-    starts = [c[0]["ts"] for c in chunks]
+    # Within a step, by stream then start: launches beside each other on two streams start in either
+    # order from step to step, so a position is a (stream, order on that stream) pair.
+    chunks = [sorted(kernels[j * k:(j + 1) * k], key=lambda e: (str(e["stream"]), e["ts"]))
+              for j in range(steps)]
+    starts = [min(e["ts"] for e in c) for c in chunks]
     ends = [max(e["ts"] + e["dur"] for e in c) for c in chunks]
     launches = []
     for pos in range(k):

@@ -86,3 +86,16 @@ def test_host_step_spec_phases(tmp_path):
     (res,) = json.loads(out.read_text())["results"]
     assert res["calls_per_step"]["verify"] == 1 and res["calls_per_step"]["propose (drafts)"] == 1
     assert res["phases"]["propose (drafts)"] > 0 and res["host_ms"] > 0
+
+
+def test_kernel_timeline_positions_follow_streams():
+    """kernel_timeline: two launches beside each other start in either order from step to step; a
+    position is still one launch (by stream, then start), and steps split at equal counts."""
+    tl = _load_benchmark("kernel_timeline")
+    k = lambda name, stream, ts, dur: {"name": name, "stream": stream, "ts": ts, "dur": dur}  # noqa: E731
+    steps = [[k("out", 7, 0.0, 100.0), k("weights", 9, 1.0, 10.0), k("fold", 9, 20.0, 5.0)],
+             [k("weights", 9, 200.0, 10.0), k("out", 7, 200.5, 104.0), k("fold", 9, 220.0, 5.0)]]
+    s = tl.summarize(sorted(steps[0] + steps[1], key=lambda e: e["ts"]), 2)
+    assert [la["name"] for la in s["launches"]] == ["out", "weights", "fold"]
+    assert s["launches_per_step"] == 3 and s["gap_us"] == 100.0
+    assert s["launches"][0]["dur_us"] == 102.0 and s["span_us"] == 102.25
