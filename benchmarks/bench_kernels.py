@@ -80,6 +80,10 @@ class Case:
     batch: int
     state_dtype: str
     q: int
+    # Every row's cursor starts at the same place, as in a batch that began decoding together: with one
+    # token all rows then flush on the same step of the W (e2e mode (a)); else each starts anywhere in
+    # its window and rows flush at random steps, a few each step (continuous arrivals).
+    lockstep: bool = False
 
 
 def copy_bandwidth_gbps() -> float:
@@ -163,6 +167,8 @@ class Bench:
         gen = torch.Generator().manual_seed(1)
         start = torch.randint(0, self.R, (S,), dtype=torch.int32, generator=gen)
         comm = torch.randint(1 if q == 1 else 0, W + 1, (S,), dtype=torch.int32, generator=gen)
+        if self.case.lockstep:
+            comm.fill_(1 if q == 1 else 0)
         live = live.cpu()
         self.cursors, self.hist = [], []
         for k in range(3 * W):  # 2W steps to reach the steady mix, then W recorded steps
@@ -291,6 +297,9 @@ def main() -> None:
                     help="FlashInfer beside these shapes only (default: all; modules are built per shape)")
     ap.add_argument("--fi-target", default="/tmp/fi", help="where flashinfer_build.py installed FlashInfer")
     ap.add_argument("--fi-workspace", default="/tmp/fiws")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="every row's cursor starts at the same place (a batch that began together: with one "
+                         "token all rows flush on one step of the W); default: random, a few rows each step")
     args = ap.parse_args()
     for item in filter(None, args.configs.split(",")):
         impl, cfg = item.split("=")
@@ -300,7 +309,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
-                window=WINDOW, act_dtype="bf16", copy_gbps=copy_bandwidth_gbps())
+                window=WINDOW, act_dtype="bf16", copy_gbps=copy_bandwidth_gbps(), lockstep=args.lockstep)
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
     fi = None
     if args.flashinfer:
@@ -311,7 +320,7 @@ def main() -> None:
     rows = []
     best = {}
     for q in qs:  # tile sweep at the headline case
-        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
+        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep))
         for impl in IMPLS:
             trials, desc = [], []
             for c in SWEEP[impl]:
@@ -335,7 +344,7 @@ def main() -> None:
     meta["chosen_configs"] = {f"{k[0]} q={k[1]}": v.name for k, v in best.items()}
     meta["read_gbps"] = read_bandwidth_gbps()
     for q in qs:  # where the time goes at the headline: weights launch alone, state reads alone
-        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q))
+        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep))
         # The weights launch as the measured default runs it (.t: B·C on tensor cores for q > 1; its
         # .vN warps, replay.AUTO_ROUTES).
         warps = [o for o in treplay.AUTO_ROUTES[q > 1][0].split(".") if o[:1] == "v" and o[1:].isdigit()]
@@ -354,7 +363,7 @@ def main() -> None:
         for sd in args.dtypes.split(","):
             for q in qs:
                 for b in batches:
-                    bench = Bench(Case(shape, b, sd, q))
+                    bench = Bench(Case(shape, b, sd, q, args.lockstep))
                     for impl in IMPLS:
                         tile = best[(impl, q)]
                         if tile.route == "fused" and sd != "fp32":  # as the "auto" route picks

@@ -1,7 +1,7 @@
 """Where one decode step's time goes: the launches of a graph-replayed W-step cycle, per stream.
 
     python3 benchmarks/kernel_timeline.py [--shape nemotron-h-8b] [--batch 256] [--dtype fp32]
-        [--qs 1,4] [--tiles auto] [--out DIR]
+        [--qs 1,4] [--tiles auto] [--lockstep] [--out DIR]
 
 bench_kernels.py times whole cycles; this replays the same cycle (same pools, cursors and
 routes) under torch.profiler and reads each launch's device interval from the trace. A step's
@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="auto",
                     help="replay tiles (bench_kernels --extra syntax), '+'-separated")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--lockstep", action="store_true", help="as bench_kernels.py --lockstep")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,15 +90,17 @@ def main() -> None:
                 command=" ".join([Path(sys.executable).name, *sys.argv]))
     results, lines = [], [f"# Kernel timeline ({meta['device']}, {meta['commit'][:12]})", ""]
     for q in map(int, args.qs.split(",")):
-        bench = Bench(Case(args.shape, args.batch, args.dtype, q))
+        bench = Bench(Case(args.shape, args.batch, args.dtype, q, args.lockstep))
         steps = WINDOW * bench.n_sets
         for tile in map(Tile.parse, args.tiles.split("+")):
             us, _ = time_graph(bench.body("replay", tile), steps)
             s = summarize(trace_kernels(bench.body("replay", tile)), steps)
             results.append(dict(shape=args.shape, batch=args.batch, state_dtype=args.dtype, q=q,
-                                tile=tile.name, graph_us_per_step=us, **s))
-            head = (f"{args.shape} {args.dtype} b={args.batch} q={q} {tile.name}: graph {us:.1f} us/step; "
-                    f"profiled span {s['span_us']:.1f} + gap {s['gap_us']:.1f} (cycle {s['cycle_us']:.1f})")
+                                lockstep=args.lockstep, tile=tile.name, graph_us_per_step=us, **s))
+            mix = " lock-step" if args.lockstep else ""
+            head = (f"{args.shape} {args.dtype} b={args.batch} q={q}{mix} {tile.name}: graph {us:.1f} "
+                    f"us/step; profiled span {s['span_us']:.1f} + gap {s['gap_us']:.1f} "
+                    f"(cycle {s['cycle_us']:.1f})")
             print(head, flush=True)
             lines += [f"## {head}", "", "| launch | stream | start µs | end µs | µs |",
                       "|---|---|---|---|---|"]

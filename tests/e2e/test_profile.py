@@ -99,3 +99,22 @@ def test_kernel_timeline_positions_follow_streams():
     assert [la["name"] for la in s["launches"]] == ["out", "weights", "fold"]
     assert s["launches_per_step"] == 3 and s["gap_us"] == 100.0
     assert s["launches"][0]["dur_us"] == 102.0 and s["span_us"] == 102.25
+
+
+def test_kernel_bench_lockstep_cursors():
+    """bench_kernels --lockstep: with one token every row flushes on the same one of the W recorded
+    steps; by default rows flush at different steps (a few each step)."""
+    import torch
+
+    bk = _load_benchmark("bench_kernels")
+
+    def flush_counts(lockstep: bool, q: int = 1) -> list[int]:
+        bench = bk.Bench.__new__(bk.Bench)
+        bench.case, bench.R = bk.Case("nemotron-h-8b", 64, "fp32", q, lockstep), bk.WINDOW + q
+        bench.state = torch.empty(0)
+        bench._simulate_cursors(100, torch.arange(64, dtype=torch.int32))
+        return [int((h + q > bk.WINDOW).sum()) for h in bench.hist]
+
+    assert sorted(flush_counts(True)) == [0] * (bk.WINDOW - 1) + [64]
+    mixed = flush_counts(False)
+    assert sum(mixed) == 64 and max(mixed) < 64  # each row once per window, spread over steps
