@@ -166,7 +166,7 @@ def build(a):
     # Scalars by name: contiguous (b, q, H, P) x / y, (b, q, G, N) B / C and (b, q, H) dt.
     scalars = dict(sx_b=sx[0], sx_t=sx[1], sx_h=sx[2], sy_b=sx[0], sy_t=sx[1], sy_h=sx[2], sC_b=sC[0],
                    sC_t=sC[1], sC_g=sC[2], sB_b=sC[0], sB_t=sC[1], sB_g=sC[2], sdt_b=q * H, sdt_t=H, sdt_h=1,
-                   H=H, G=G, R=R, window=W, seed_mix=seed_mix(a.seed))
+                   H=H, G=G, R=R, window=W, seed_mix=seed_mix(a.seed), b=256, few=0)
     # Arguments with defaults keep them, as a launch that leaves them out does.
     values = {kp.name: kp.default if kp.default is not inspect.Parameter.empty
               else FakePtr(ptrs[kp.name]) if kp.name in ptrs else scalars[kp.name]

@@ -53,7 +53,8 @@ def test_replay_cycle_stream_gpu(state_dtype, route, q):
 
 
 LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e", "lean.o",
-               "lean.a", "lean.a.y", "lean.c.y", "lean.a.b", "lean.a.y.v1", "lean.a.y.v1.p2"]
+               "lean.a", "lean.a.y", "lean.c.y", "lean.a.b", "lean.a.y.v1", "lean.a.y.v1.p2",
+               "lean.a.y.v1.n2"]
 
 
 @requires_cuda

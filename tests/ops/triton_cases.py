@@ -130,8 +130,9 @@ def _ring(S, H, G, R, P, N, act, device):
 
 def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, steps=9,
                        state_dtype=torch.float32, act=torch.float32, config=None, route="auto",
-                       seed=0) -> None:
-    """Forward + commit over several steps (random accepts, flushes, ring wrap) vs reference."""
+                       seed=0, lockstep=False) -> None:
+    """Forward + commit over several steps (random accepts, flushes, ring wrap) vs reference.
+    lockstep: every cursor starts empty, so with q = 1 all rows flush on the same steps."""
     from replayssm.ops.triton import replay
 
     torch.manual_seed(seed)
@@ -142,6 +143,8 @@ def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, ste
     rings = _ring(S, H, G, R, P, N, act, device)
     start = torch.randint(0, R, (S,), dtype=torch.int32).to(device)
     comm = torch.randint(0, W + 1, (S,), dtype=torch.int32).to(device)
+    if lockstep:
+        comm.zero_()
     tri = [state.clone(), *[r.clone() for r in rings], start.clone(), comm.clone()]
     ref = [state.clone(), *[r.clone() for r in rings], start.clone(), comm.clone()]
     idx = _slots(b, S, device)
@@ -458,6 +461,10 @@ def run_interpreter(part: str) -> None:
         check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.a.y", steps=6,
                            act=torch.bfloat16)
+        # .nN: while at most half the rows flush, N of the flush launch's programs per SM walk every
+        # piece (the interpreter's one SM: 1 of 4); the whole grid on steps where the batch flushes.
+        check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7)
+        check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7, lockstep=True)
         # mono: one launch per step; two P tiles (appends from tile 0 only), a masked window (W=5).
         check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono", steps=6,
                            act=torch.bfloat16)

@@ -196,8 +196,9 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # row in one launch with a fold-only flush launch after it, flush programs per SM, a
         # high-priority side stream, bf16 hi + lo state products (several tokens, bf16 C and y). lean
         # also takes .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one
-        # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program) and .a (the
-        # small launches beside the output launch, `launch_lean` parallel); stream-list .t (the weights
+        # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program), .nN (flush programs
+        # per SM while at most half the rows flush) and .a (the small launches beside the output launch,
+        # `launch_lean` parallel); stream-list .t (the weights
         # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
         # launch), .fN (the flush pieces in N column parts), .kN (the flush loop's pipeline stages
         # with .fN), .l (the streaming launch programmatically dependent on the weights launch), .vN
@@ -207,7 +208,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         names = dict(s="stages", i="items", p="flush_programs_per_sm", v="weights_warps")
         flags = {"c", "o", "y", "b"}
         if lean:
-            names.update(f="flush_block_p", w="flush_warps", h="heads_per_program")
+            names.update(f="flush_block_p", w="flush_warps", h="heads_per_program",
+                         n="few_flush_programs_per_sm")
             flags |= {"d", "e", "a"}
         else:
             names.update(r="stream_maxnreg", g="flush_maxnreg", f="flush_parts",

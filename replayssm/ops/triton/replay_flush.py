@@ -67,7 +67,7 @@ def _lean_list_kernel(idx_ptr, committed_ptr, ring_start_ptr, list_ptr, count_pt
 @triton.jit(do_not_specialize=["seed_mix"])
 def _lean_flush_kernel(
     list_ptr, count_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, r_ptr, seed_mix,
-    sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, b, few,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, DOT: tl.constexpr, STATE_DTYPE: tl.constexpr,
     MAXV: tl.constexpr, OUT: tl.constexpr,
@@ -84,7 +84,13 @@ def _lean_flush_kernel(
     JB: tl.constexpr = HB + QB
     NC: tl.constexpr = N // NS
     per_row = H * NPT
-    for w in range(tl.program_id(0), tl.load(count_ptr) * per_row, tl.num_programs(0)):
+    count = tl.load(count_ptr)
+    # few > 0: while at most half the rows flush, only the first `few` programs work (the rest of
+    # the grid exits): fewer fold programs beside the output launch, the whole grid for a step where
+    # the batch flushes at once.
+    nprog = tl.where((few > 0) & (count * 2 <= b), tl.minimum(few, tl.num_programs(0)), tl.num_programs(0))
+    end = tl.where(tl.program_id(0) < nprog, count * per_row, 0)
+    for w in range(tl.program_id(0), end, nprog):
         e = list_ptr + (w // per_row) * 4
         i = tl.load(e)
         s64 = tl.load(e + 1).to(tl.int64)
@@ -168,10 +174,12 @@ def _lean_flush_kernel(
 
 def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w, sc,
                  r, block_p: int, num_warps: int, programs_per_sm: int = 4, dot_fold: bool = True,
-                 outputs: bool = True) -> None:
+                 outputs: bool = True, few_programs_per_sm: int = 0) -> None:
     """List the rows that flush this step, then fold them with a persistent launch (programs_per_sm
     programs per SM); outputs: the same launch writes their y from r (else it only folds, and needs
-    block_p >= 16). w, sc: the weights launch's scratch; r: the ring term (unused without outputs)."""
+    block_p >= 16). w, sc: the weights launch's scratch; r: the ring term (unused without outputs).
+    few_programs_per_sm (0: off): on steps where at most half the rows flush, only that many programs
+    per SM work (decided on the device from the list's count)."""
     S, H, P, N = state.shape
     b, q = C.shape[:2]
     G, R = ring_B.shape[1], ring_x.shape[2]
@@ -183,7 +191,8 @@ def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices,
     programs = min(b * H * (P // block_p), flush_programs(C.device, programs_per_sm))
     _lean_flush_kernel[(programs,)](
         records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
-        *C.stride()[:3], *y.stride()[:3], H, G, R,
+        *C.stride()[:3], *y.stride()[:3], H, G, R, b,
+        flush_programs(C.device, few_programs_per_sm) if few_programs_per_sm else 0,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         NS=min(N, 32), DOT=dot_fold and block_p >= 16, STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT=outputs,
         num_warps=num_warps,

@@ -146,7 +146,8 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                 heads_per_program: int | None = None, dot_fold: bool = True,
                 flush_block_p: int | None = None, flush_warps: int | None = None,
                 flush_programs_per_sm: int = 4, outputs_all: bool = False, parallel: bool = False,
-                priority: bool = False, bf16_products: bool = False, weights_warps: int = 4) -> None:
+                priority: bool = False, bf16_products: bool = False, weights_warps: int = 4,
+                few_flush_programs_per_sm: int = 0) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
@@ -161,7 +162,8 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     side stream, and a last elementwise launch scales them and adds r_t (the small launches leave
     the step's critical path; not with outputs_all). priority: that side stream is high-priority.
     bf16_products: several tokens' products take the tile as bf16 hi + lo (bf16 C, 16-bit y).
-    weights_warps: the weights launch's warps.
+    weights_warps: the weights launch's warps. few_flush_programs_per_sm (0: off): the flush launch's
+    programs per SM on steps where at most half the rows flush (`launch_flush`).
     """
     flush_block_p = flush_block_p or block_p
     outputs_all = outputs_all and flush_block_p >= 16 and not parallel  # fold-only pieces are products
@@ -195,7 +197,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     def flush() -> None:
         launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w,
                      sc, r, flush_block_p, flush_warps, flush_programs_per_sm, dot_fold,
-                     outputs=not outputs_all)
+                     outputs=not outputs_all, few_programs_per_sm=few_flush_programs_per_sm)
 
     if parallel:
         def side() -> None:
