@@ -196,13 +196,13 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # row in one launch with a fold-only flush launch after it, flush programs per SM, a
         # high-priority side stream, bf16 hi + lo state products (several tokens, bf16 C and y). lean
         # also takes .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one
-        # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program), .nN (flush programs
-        # per SM while at most half the rows flush) and .a (the small launches beside the output launch,
-        # `launch_lean` parallel); stream-list .t (the weights
-        # launch's B·C as tensor-core products), .rN / .gN (register caps of the streaming / flush
-        # launch), .fN (the flush pieces in N column parts), .kN (the flush loop's pipeline stages
-        # with .fN), .l (the streaming launch programmatically dependent on the weights launch), .vN
-        # (the weights launch's warps; lean takes it too). The benchmarks sweep them.
+        # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program), .nN (flush
+        # programs per SM while at most half the rows flush) and .a (the small launches beside the
+        # output launch, `launch_lean` parallel); stream-list .t (the weights launch's B·C as
+        # tensor-core products), .rN / .gN (register caps of the streaming / flush launch), .fN (the
+        # flush pieces in N column parts), .kN (the flush loop's pipeline stages with .fN), .l (the
+        # streaming launch programmatically dependent on the weights launch), .vN (the weights
+        # launch's warps; lean takes it too). The benchmarks sweep them.
         lean = route.startswith("lean")
         opts = route.split(".")[1:]
         names = dict(s="stages", i="items", p="flush_programs_per_sm", v="weights_warps")

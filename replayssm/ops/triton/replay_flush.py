@@ -70,7 +70,7 @@ def _lean_flush_kernel(
     sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, b, few,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, DOT: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, OUT: tl.constexpr,
+    MAXV: tl.constexpr, OUT: tl.constexpr, FEW: tl.constexpr = False,
 ):
     # Persistent over the (head, P tile) pieces of the listed rows. A piece loads its tile once,
     # writes y_t = e^{Λ_t} (S0 C_t) + r_t, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32
@@ -84,12 +84,14 @@ def _lean_flush_kernel(
     JB: tl.constexpr = HB + QB
     NC: tl.constexpr = N // NS
     per_row = H * NPT
-    count = tl.load(count_ptr)
-    # few > 0: while at most half the rows flush, only the first `few` programs work (the rest of
-    # the grid exits): fewer fold programs beside the output launch, the whole grid for a step where
-    # the batch flushes at once.
-    nprog = tl.where((few > 0) & (count * 2 <= b), tl.minimum(few, tl.num_programs(0)), tl.num_programs(0))
-    end = tl.where(tl.program_id(0) < nprog, count * per_row, 0)
+    end = tl.load(count_ptr) * per_row
+    nprog = tl.num_programs(0)
+    if FEW:
+        # While at most half the rows flush, only the first `few` programs work (the rest of the grid
+        # exits): fewer fold programs beside the output launch, the whole grid for a step where the
+        # batch flushes at once.
+        nprog = tl.where(end <= b * per_row // 2, tl.minimum(few, nprog), nprog)
+        end = tl.where(tl.program_id(0) < nprog, end, 0)
     for w in range(tl.program_id(0), end, nprog):
         e = list_ptr + (w // per_row) * 4
         i = tl.load(e)
@@ -195,7 +197,7 @@ def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices,
         flush_programs(C.device, few_programs_per_sm) if few_programs_per_sm else 0,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         NS=min(N, 32), DOT=dot_fold and block_p >= 16, STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT=outputs,
-        num_warps=num_warps,
+        FEW=few_programs_per_sm > 0, num_warps=num_warps,
     )
 
 
