@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the decode kernels (benchmarks/NOTES-kernels.md):
 #   bash benchmarks/gpu_run.sh COMMIT [fi]
+# COMMIT: the hash as text, made here (the device's copy of the tree is current, but its git HEAD
+# can be stale: `$(git rev-parse HEAD)` evaluated there recorded an older commit in session 15).
 # 1. the kernel GPU tests (replay routes, norms, SSU, conv), 2. the route/tile sweep at the
 # headline case and the full table (both shapes, batches 256 first, fp32 and fp16, q = 1 and 4),
 # with FlashInfer beside ours when the second argument is "fi" (carry .fi: see flashinfer_build.py).

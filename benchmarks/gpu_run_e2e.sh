@@ -9,6 +9,7 @@
 # Knobs: TOTAL, A_SCALE (1.0), B_SCALE (1.0; runs of 128 tokens were too short to repeat), C_SCALE
 # (1.0; 0.5 when eager), GRAPHS (1 = --cuda-graphs; set to 0 when a graph-vs-eager test fails). A mode whose graph run crashes (not a
 # timeout) before writing any row is run again eagerly in what is left of its budget.
+# Set REPLAYSSM_COMMIT to the hash as text, made here: the device's git HEAD can be stale.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
