@@ -347,8 +347,8 @@ def main() -> None:
         bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep))
         # The weights launch as the measured default runs it (.t: B·C on tensor cores for q > 1; its
         # .vN warps, replay.AUTO_ROUTES).
-        warps = [o for o in treplay.AUTO_ROUTES[q > 1][0].split(".") if o[:1] == "v" and o[1:].isdigit()]
-        weights = Tile(".".join(["weights"] + (["t"] if q > 1 else []) + warps), LaunchConfig())
+        warps = treplay.route_options(treplay.AUTO_ROUTES[q > 1][0]).get("weights_warps", 4)
+        weights = Tile(f"weights{'.t' if q > 1 else ''}.v{warps}", LaunchConfig())
         diags = (("replay", weights), ("slot_read", Tile("", LaunchConfig())))
         for impl, tile in diags:
             r = dict(measure(bench, impl, tile), diag=True, sweep=False)

@@ -162,6 +162,34 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     return (route, cfg) if stream_supported(P, N, cfg.block_p) else None
 
 
+# Route options: a letter and a number (keyword = the number), or a flag letter (keyword = value).
+_SPLIT_NAMES = dict(s="stages", i="items", p="flush_programs_per_sm", v="weights_warps")
+_SPLIT_FLAGS = dict(c=("concurrent", True), o=("outputs_all", True), y=("priority", True),
+                    b=("bf16_products", True))
+_OPTIONS = {
+    "stream-list": ({**_SPLIT_NAMES, "r": "stream_maxnreg", "g": "flush_maxnreg", "f": "flush_parts",
+                     "k": "flush_stages"},
+                    {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True)}),
+    "lean": ({**_SPLIT_NAMES, "f": "flush_block_p", "w": "flush_warps", "h": "heads_per_program",
+              "n": "few_flush_programs_per_sm"},
+             {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
+    "weights": (dict(v="weights_warps"), dict(t=("bc_dot", True))),
+}
+
+
+def route_options(route: str) -> dict:
+    """The launch keywords a "stream-list", "lean" or "weights" route's dot-separated options stand
+    for (`launch_stream`, `launch_lean`, `launch_weights` via `launch_step`); ValueError for an option
+    the route does not take."""
+    family, *opts = route.split(".")
+    names, flags = _OPTIONS[family]
+    bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
+    if bad:
+        raise ValueError(f"route {route!r}: unknown options {bad}")
+    return {**{names[o[0]]: int(o[1:]) for o in opts if o not in flags},
+            **dict(flags[o] for o in opts if o in flags)}
+
+
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                           state_indices, window, dt_softplus, rand_seed, out,
                           config: LaunchConfig | None = None, route: str = "auto") -> torch.Tensor:
@@ -190,7 +218,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             # The fused fold's stochastic rounding costs registers every program pays for (see
             # NOTES-kernels.md), so 16-bit states fold in their own launch.
             route = "mma" if q > 1 else "fused" if state.dtype == torch.float32 else "split"
-    if route.startswith(("stream-list", "lean")):
+    if route.split(".")[0] in ("stream-list", "lean"):
         # "stream-list|lean[.sSTAGES][.iITEMS][.c][.o][.pN][.y][.b]": pipeline stages, pieces per
         # program, flush launches on a side stream (replay_stream.py, replay_lean.py), outputs of every
         # row in one launch with a fold-only flush launch after it, flush programs per SM, a
@@ -204,32 +232,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # streaming launch programmatically dependent on the weights launch), .vN (the weights
         # launch's warps; lean takes it too). The benchmarks sweep them.
         lean = route.startswith("lean")
-        opts = route.split(".")[1:]
-        names = dict(s="stages", i="items", p="flush_programs_per_sm", v="weights_warps")
-        flags = {"c", "o", "y", "b"}
-        if lean:
-            names.update(f="flush_block_p", w="flush_warps", h="heads_per_program",
-                         n="few_flush_programs_per_sm")
-            flags |= {"d", "e", "a"}
-        else:
-            names.update(r="stream_maxnreg", g="flush_maxnreg", f="flush_parts",
-                         k="flush_stages")
-            flags |= {"t", "l"}
-        bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
-        if bad:
-            raise ValueError(f"route {route!r}: unknown options {bad}")
-        kw = {names[o[0]]: int(o[1:]) for o in opts if o not in flags}
-        if "o" in opts:
-            kw["outputs_all"] = True
-        if "e" in opts or "d" in opts:
-            kw["dot_fold"] = "d" in opts
-        if "a" in opts:
-            kw["parallel"] = True
-        kw.update(priority="y" in opts, bf16_products="b" in opts)
-        if "t" in opts:
-            kw["bc_dot"] = True
-        if "l" in opts:
-            kw["pdl"] = True
+        kw = route_options(route)
         cfg = config or CONFIG
         if not stream_supported(state.shape[2], state.shape[3], cfg.block_p):
             raise ValueError(f"route {route!r} needs block_p dividing P and N a multiple of 32")
@@ -239,8 +242,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             raise ValueError(f"config.num_warps must be at most 4 for {route!r} with q > 1")
         launch = launch_lean if lean else launch_stream
         launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-               state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-               concurrent="c" in opts, **kw)
+               state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps, **kw)
         return y
     if route == "mono":
         cfg = config or CONFIG
@@ -254,18 +256,15 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                         exact=route == "mono.t.x")
         return y
     diag = route.split(".")[0] == "weights"
-    opts = route.split(".")[1:] if diag else []
-    if diag and any(o != "t" and not (o[:1] == "v" and o[1:].isdigit()) for o in opts):
-        raise ValueError(f"route {route!r}: unknown options (weights takes .t and .vN)")
     if route in ("fused", "split") or diag:
         # "weights[.t][.vN]": the weights launch alone as a stream-list route with those options runs
         # it (.t: B·C on tensor cores; .vN: N warps per program).
-        warps = [int(o[1:]) for o in opts if o[:1] == "v"]
+        kw = route_options(route) if diag else {}
         cfg = config or CONFIG
         launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                    fuse_flush=route == "fused", outputs=not diag, bc_dot="t" in opts,
-                    weights_warps=warps[-1] if warps else 4)
+                    fuse_flush=route == "fused", outputs=not diag, bc_dot=kw.get("bc_dot", False),
+                    weights_warps=kw.get("weights_warps", 4))
         if route != "split":
             return y
     elif route != "mma":
