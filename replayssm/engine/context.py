@@ -49,6 +49,13 @@ class MambaMetadata:
     publish_len: torch.Tensor | None = None  # (m,) int32
     publish_dst: torch.Tensor | None = None  # (m,) int32
 
+    @property
+    def advance_windows(self) -> bool:
+        """One-token decode rows, none with a baseline destination slot: each accepts its token
+        (commit counts lie in [1, q]), so the decode conv update moves the windows itself and the
+        commit leaves them alone (models/layers/mamba2.py, engine/decode_commit.py)."""
+        return self.decode_q == 1 and self.decode_dst_slots is None and self.decode_token_index is None
+
 
 @dataclass
 class ForwardContext:

@@ -38,8 +38,8 @@ def commit_decode(runner, batch: BatchInputs, rows: list[RowView], accepted: lis
     dst = rest[0] if has_dst else None
     # Checkpoint windows read the live window before its commit; states need the committed cursors.
     pubs = decode_publications(rows, accepted, first)
-    publish_conv_windows(cache, pubs, q, runner.device)
-    _queue_commits(runner, first, len(rows), q, slots, acc, dst)
+    publish_conv_windows(cache, pubs, q, runner.device, advanced=batch.mamba.advance_windows)
+    _queue_commits(runner, batch, first, len(rows), slots, acc, dst)
     if runner.replayssm:
         mirror_commit(runner._ring_start, runner._committed, slot_list, accepted, q, runner.window,
                       cache.ring_rows)
@@ -66,17 +66,21 @@ def commit_decode_device(runner, batch: BatchInputs, rows: list[RowView], accept
     slots, index, *rest = pack.send(runner.device)
     acc = accepted.index_select(0, index)
     dst = rest[0].gather(1, (acc.long() - 1)[:, None]).squeeze(1) if has_dst else None
-    _queue_commits(runner, first, len(rows), q, slots, acc, dst)
+    _queue_commits(runner, batch, first, len(rows), slots, acc, dst)
 
 
-def _queue_commits(runner, first: int, n: int, q: int, slots: torch.Tensor, acc: torch.Tensor,
+def _queue_commits(runner, batch: BatchInputs, first: int, n: int, slots: torch.Tensor, acc: torch.Tensor,
                    dst: torch.Tensor | None) -> None:
     """The device half of both commits: cursors (ReplaySSM) and every layer's conv window, for the n
-    decode rows from grid row `first`, slots / counts / baseline destinations on the device."""
+    decode rows from grid row `first`, slots / counts / baseline destinations on the device. The
+    windows are skipped where the forward advanced them already (MambaMetadata.advance_windows)."""
     cache = runner.mamba_cache
+    q = batch.mamba.decode_q
     if runner.replayssm:
         replay_commit(cache.ring_start, cache.committed, slots, acc, q, runner.window,
                       ring_rows=cache.ring_rows)
+    if batch.mamba.advance_windows:
+        return
     causal_conv1d_commit_layers(cache.conv, [s[first:first + n, :q] for s in cache.conv_scratch], acc,
                                 slots, dst_indices=dst)
 

@@ -48,11 +48,23 @@ def decode_publications(rows, accepted: list[int], first: int) -> list[Publicati
     return out
 
 
-def publish_conv_windows(cache, pubs: list[Publication], q: int, device: torch.device) -> None:
-    """conv[dst] = the window at each boundary, from the (uncommitted) live window + step inputs."""
+def publish_conv_windows(cache, pubs: list[Publication], q: int, device: torch.device, *,
+                         advanced: bool = False) -> None:
+    """conv[dst] = the window at each boundary, from the (uncommitted) live window + step inputs.
+
+    advanced: the forward moved the live windows past its one token already (q = 1, so every
+    boundary is b = a = 1): the boundary window is the live window.
+    """
     if not pubs:
         return
     idx = lambda v: to_device(v, torch.int32, device)  # noqa: E731
+    if advanced:
+        assert q == 1 and all(p.offset == 1 for p in pubs), pubs
+        src = to_device([p.live for p in pubs], torch.int64, device)
+        dst = to_device([p.dst for p in pubs], torch.int64, device)
+        for conv in cache.conv:
+            conv[dst] = conv[src]
+        return
     grid = to_device([p.grid_row for p in pubs], torch.int64, device)
     b, src, dst = idx([p.offset for p in pubs]), idx([p.live for p in pubs]), idx([p.dst for p in pubs])
     for conv, scratch in zip(cache.conv, cache.conv_scratch):

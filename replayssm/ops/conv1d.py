@@ -9,6 +9,9 @@ last accepted token:
     window  w0 w1 w2 | new x0 x1 x2 x3      (K = 4, q = 4, a = 2 accepted)
     commit  ->  w2 x0 x1                    (last K-1 of [window, x[:a]])
 
+Plain decoding accepts every token it computes (q = 1, a = 1), so there the update can move
+the window itself (`advance_window=True`) and the separate commit is skipped.
+
 Each public op validates its arguments and runs the Triton kernel
 (`replayssm/ops/triton/conv1d.py`) for CUDA tensors when it imports, else the `_ref` twin.
 """
@@ -152,15 +155,19 @@ def causal_conv1d_update_ref(
     *,
     outs: Sequence[Tensor] | None = None,
     inputs_out: Tensor | None = None,
+    advance_window: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """Reference of `causal_conv1d_update` (same signature), vectorized over rows and tokens."""
     b, q, D = x.shape
     K = weight.shape[1]
     slots = state_indices.long()
-    ext = _windows_then_new(x, conv_state, slots).reshape(b * (K - 1 + q), D)
+    ext = _windows_then_new(x, conv_state, slots)  # (b, K-1+q, D), read before the window moves
     starts = (torch.arange(b, device=x.device) * (K - 1 + q))[:, None] + torch.arange(q, device=x.device)
-    y = _conv_taps(ext, starts.reshape(-1), weight, bias, activation).view(b, q, D)
+    y = _conv_taps(ext.reshape(-1, D), starts.reshape(-1), weight, bias, activation).view(b, q, D)
     y = torch.where((slots >= 0)[:, None, None], y, 0.0).to(x.dtype)
+    if advance_window:
+        live = slots >= 0
+        conv_state[slots[live]] = ext[live, q:].transpose(1, 2).to(conv_state.dtype)
     if inputs_out is not None:
         inputs_out.copy_(x)
     if outs is None:
@@ -180,8 +187,10 @@ def causal_conv1d_update(
     *,
     outs: Sequence[Tensor] | None = None,
     inputs_out: Tensor | None = None,
+    advance_window: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
-    """Conv outputs of q new tokens per row from the committed window; the window is NOT changed.
+    """Conv outputs of q new tokens per row from the committed window; the window is NOT changed
+    unless advance_window.
 
     x (b, q, D_conv), any strides (a column slice of a projection is read in place); weight
     (D_conv, K); bias (D_conv,) or None; conv_state (S, D_conv, K-1); state_indices (b,) int32,
@@ -189,9 +198,13 @@ def causal_conv1d_update(
     outs: up to three (b, q, D_i) tensors of x.dtype, last dim contiguous, sum D_i = D_conv: y's
     channels are written into them in order (x | B | C of a Mamba layer, no split copies) and they
     are returned instead. inputs_out: (b, q, D_conv) x.dtype, last dim contiguous, receives x.
+    advance_window: also commit all q tokens (= `causal_conv1d_commit` with a = q) in the same
+    pass, every read before any write: window <- last K-1 of [window, x] for each live row; the
+    live slots must then be distinct.
     """
     _check_conv(x, 3, weight, bias, conv_state, activation)
-    check_indices("state_indices", state_indices, (x.shape[0],), conv_state.shape[0], x.device)
+    check_indices("state_indices", state_indices, (x.shape[0],), conv_state.shape[0], x.device,
+                  unique=advance_window)
     b, q, D = x.shape
     if outs is not None:
         outs = tuple(outs)
@@ -208,7 +221,8 @@ def causal_conv1d_update(
         if inputs_out.stride(2) != 1:
             raise ValueError("inputs_out: the last dimension must be contiguous")
     fn = pick_impl("conv1d", "causal_conv1d_update", x, causal_conv1d_update_ref)
-    return fn(x, weight, bias, conv_state, state_indices, activation, outs=outs, inputs_out=inputs_out)
+    return fn(x, weight, bias, conv_state, state_indices, activation, outs=outs, inputs_out=inputs_out,
+              advance_window=advance_window)
 
 
 def causal_conv1d_commit_ref(

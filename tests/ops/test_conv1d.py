@@ -284,6 +284,26 @@ def test_update_commit_bad_arguments_raise(name, bad):
             causal_conv1d_update(args["x"], w, bias, args["conv_state"], args["state_indices"])
 
 
+@pytest.mark.parametrize("q", [1, 2, 5])
+def test_update_advance_window_equals_commit_of_all(q):
+    """advance_window gives the plain update's outputs and the windows of a commit with a = q;
+    padding rows and other slots stay bit-exact, and a repeated live slot is refused."""
+    D, K, S, b = 20, 4, 11, 6
+    weight, bias = _params(D, K, torch.bfloat16)
+    pool = _pool(S, D, K, torch.bfloat16)
+    slots = _slots(S, b, pad_rows=(2,))
+    x = torch.randn(b, q, D).to(torch.bfloat16)
+    want_pool = pool.clone()
+    want = causal_conv1d_update(x, weight, bias, want_pool, slots)
+    causal_conv1d_commit(want_pool, x, torch.full((b,), q, dtype=torch.int32), slots)
+    got = causal_conv1d_update(x, weight, bias, pool, slots, advance_window=True)
+    assert torch.equal(got, want) and torch.equal(pool, want_pool)
+    dup = slots.clone()
+    dup[0] = dup[1]
+    with pytest.raises(ValueError, match="twice"):
+        causal_conv1d_update(x, weight, bias, pool, dup, advance_window=True)
+
+
 def test_update_split_outputs_and_parked_inputs():
     """outs receive y's channels in order (x a strided column slice), inputs_out receives x, and
     bad outs / inputs_out raise ValueError naming them."""

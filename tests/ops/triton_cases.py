@@ -312,6 +312,13 @@ def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=Tru
     _close("conv split", torch.cat(got, dim=2), causal_conv1d_update_ref(xs, w, bb, cs, idx, "silu"), act)
     assert torch.equal(park[:b, :q], xs), "parked inputs differ"
     assert park[b:].isnan().all() and park[:, q:].isnan().all(), "parked past the view"
+    # advance_window: the same outputs, and the windows an a = q commit writes (others untouched).
+    c1, c2 = cs.clone(), cs.clone()
+    got = conv1d.causal_conv1d_update_triton(xs, w, bb, c1, idx, "silu", advance_window=True)
+    _close("conv advance y", got, causal_conv1d_update_ref(xs, w, bb, cs, idx, "silu"), act)
+    causal_conv1d_commit_ref(c2, xs, torch.full((b,), q, dtype=torch.int32, device=device), idx)
+    assert torch.equal(c1, c2), "advanced windows differ from an a = q commit"
+    assert not torch.equal(c1, cs), "nothing advanced"
     for moved in (False, True):
         acc = (torch.arange(b) % (q + 1)).to(torch.int32).to(device)
         dst = None
@@ -364,6 +371,27 @@ def check_conv_varlen(device, *, Dc=40, K=4, lengths=(0, 1, 2, 13, 5, 0, 3, 30, 
         _untouched("varlen windows", c1, cs, idx)
         pad = torch.repeat_interleave(idx.cpu() < 0, torch.tensor(lengths)).to(device)
         assert bool((y[pad] == 0).all()), "padding sequence output is not zero"
+
+
+def check_relu2(device, *, shape=(5, 2051), seed=0) -> None:
+    """Triton relu² vs the reference: the same bits for every float dtype, a ragged last block and a
+    transposed (non-contiguous) input; signs mixed, no zeros. (The interpreter's bf16 stores
+    truncate: there the fp32 square truncated to bf16 is the exact expectation.)"""
+    from replayssm.ops.activation import relu2_ref
+    from replayssm.ops.triton.activation import relu2_triton
+
+    torch.manual_seed(seed)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        x = (torch.randn(shape) * 30).to(dt).to(device)
+        for v in (x, x.t()):
+            got = relu2_triton(v)
+            want = relu2_ref(v)
+            if device == "cpu" and dt == torch.bfloat16:
+                sq = relu2_ref(v.float())
+                want = ((sq.view(torch.int32) >> 16) << 16).view(torch.float32).to(dt)
+            assert got.dtype == dt and got.shape == v.shape
+            assert torch.equal(got, want), f"relu2 {dt} contiguous={v.is_contiguous()}"
+    assert relu2_triton(torch.randn(0, 3).to(device)).shape == (0, 3)
 
 
 def check_norm(device, *, rows=7, shapes=((96, 24), (256, 64), (40, 40)), seed=0) -> None:
@@ -486,6 +514,8 @@ def run_interpreter(part: str) -> None:
         check_materialize("cpu")
     elif part == "norm":
         check_norm("cpu")
+    elif part == "activation":
+        check_relu2("cpu")
     elif part == "conv":
         check_conv("cpu")
         check_conv("cpu", K=2, q=1, act=torch.bfloat16, bias=False)

@@ -147,15 +147,18 @@ class Mamba2Mixer(nn.Module):
             xbc, dt = grid, dt_grid
         xbc = xbc.reshape(b, q, self.conv_dim)  # a view: rows keep the projection's stride
         dt = dt.reshape(b, q, self.H).contiguous()
-        # One launch reads the projection in place, parks the raw inputs in the conv scratch (the
-        # commit advances the window from them) and writes x, B and C as separate dense tensors.
+        # One launch reads the projection in place, writes x, B and C as separate dense tensors and
+        # either parks the raw inputs in the conv scratch (the commit advances the window from them)
+        # or, when every row accepts its one token, advances the window itself.
         x = xbc.new_empty(b, q, self.H, self.P)
         B = xbc.new_empty(b, q, self.G, self.N)
         C = xbc.new_empty(b, q, self.G, self.N)
         GN = self.G * self.N
         outs = (x.view(b, q, self.I), B.view(b, q, GN), C.view(b, q, GN))
+        advance = md.advance_windows
+        park = None if advance else cache.conv_scratch[li][:b, :q]
         causal_conv1d_update(xbc, weight, self.conv1d.bias, cache.conv[li], md.decode_slots,
-                             activation="silu", outs=outs, inputs_out=cache.conv_scratch[li][:b, :q])
+                             activation="silu", outs=outs, inputs_out=park, advance_window=advance)
         if ctx.replayssm:
             y = replay_forward(x, dt, A, B, C, self.D, self.dt_bias, cache.state[li], cache.ring_x[li],
                                cache.ring_B[li], cache.ring_dt[li], cache.ring_start, cache.committed,

@@ -15,14 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from replayssm.models.config import ModelConfig
+from replayssm.ops.activation import relu2
 from replayssm.ops.moe import expert_mlp
 
-
-def _relu2(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))
-
-
-ACTIVATIONS = {"relu2": _relu2, "silu": F.silu, "gelu": F.gelu}
+ACTIVATIONS = {"relu2": relu2, "silu": F.silu, "gelu": F.gelu}
 
 
 class MLP(nn.Module):

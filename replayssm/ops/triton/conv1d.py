@@ -1,8 +1,9 @@
 """Causal depthwise conv1d in Triton: decode update, commit, varlen prefill (twins of `ops/conv1d.py`).
 
 Update / commit: grid (channel blocks, b); each program owns BLOCK_D channels of one row, reads
-its K-1 window columns and q inputs into registers, and (commit) writes the new window only after
-every read, so src == dst is safe. Varlen prefill: two launches, see `causal_conv1d_varlen_triton`.
+its K-1 window columns and q inputs into registers, and (commit, or update with ADVANCE) writes
+the new window only after every read, so src == dst is safe. Varlen prefill: two launches, see
+`causal_conv1d_varlen_triton`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,23 @@ def _tap(win_ptr, x_ptr, k: tl.constexpr, K1: tl.constexpr, cm, wmask, sx_t):
 
 
 @triton.jit
+def _window_after(win_ptr, xrow, a, live, c, cm, sx_t, K1: tl.constexpr, KB: tl.constexpr):
+    # The window after a more tokens: (KB, BLOCK_D) tile whose column k (< K1) is element a + k of
+    # [window, x], and its store mask (live rows, real columns and channels).
+    k = tl.arange(0, KB)
+    pos = a + k
+    from_win = pos < K1
+    m2 = (k < K1)[:, None] & (cm & live)[None, :]
+    wv = tl.load(win_ptr + pos[:, None], mask=m2 & from_win[:, None], other=0.0)
+    xv = tl.load(xrow + (pos - K1)[:, None] * sx_t, mask=m2 & ~from_win[:, None], other=0.0)
+    return tl.where(from_win[:, None], wv, xv.to(wv.dtype)), m2
+
+
+@triton.jit
 def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr, y2_ptr, save_ptr, Dc, D1, D2,
                         sx_b, sx_t, s0_b, s0_t, s1_b, s1_t, s2_b, s2_t, ss_b, ss_t, scs_s, scs_d,
                         Q: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        SAVE: tl.constexpr, BLOCK_D: tl.constexpr):
+                        SAVE: tl.constexpr, ADVANCE: tl.constexpr, KB: tl.constexpr, BLOCK_D: tl.constexpr):
     # Channels [0, D1) go to y0, [D1, D1 + D2) to y1, the rest to y2 (one output: D1 = Dc).
     pid_d = tl.program_id(0)
     i = tl.program_id(1)
@@ -57,17 +71,22 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr,
         tl.store(y0_ptr + i * s0_b + t * s0_t + c, acc.to(y0_ptr.dtype.element_ty), mask=m0)
         tl.store(y1_ptr + i * s1_b + t * s1_t + (c - D1), acc.to(y1_ptr.dtype.element_ty), mask=m1)
         tl.store(y2_ptr + i * s2_b + t * s2_t + (c - D1 - D2), acc.to(y2_ptr.dtype.element_ty), mask=m2)
+    if ADVANCE:  # every tap above was read first; this program alone owns these window elements
+        new, mw = _window_after(win_ptr[None, :], xrow[None, :], Q, wmask, c, cm, sx_t, K - 1, KB)
+        tl.store(win_ptr[None, :] + tl.arange(0, KB)[:, None], new, mask=mw)
 
 
 def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 conv_state: torch.Tensor, state_indices: torch.Tensor,
-                                activation: str | None = "silu", *, outs=None, inputs_out=None):
+                                activation: str | None = "silu", *, outs=None, inputs_out=None,
+                                advance_window: bool = False):
     """Conv outputs of q new tokens per row from the window (unchanged); API.md `causal_conv1d_update`.
 
     x (b, q, D), rows and tokens at any stride; weight (D, K); bias (D,) or None; conv_state
     (S, D, K-1); state_indices (b,) int32, -1 = padding (zero output). Returns y (b, q, D) in
     x.dtype, or writes its channels into `outs` (up to three (b, q, D_i) tensors, in order) and
-    returns them; inputs_out (b, q, D) receives x.
+    returns them; inputs_out (b, q, D) receives x; advance_window: window <- last K-1 of [window, x]
+    (distinct live slots).
     """
     b, q, Dc = x.shape
     K = weight.shape[1]
@@ -89,7 +108,8 @@ def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
         widths[0], widths[1], x.stride(0), x.stride(1), *strides, save.stride(0), save.stride(1),
         conv_state.stride(0), conv_state.stride(1),
         Q=q, K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", SAVE=inputs_out is not None,
-        BLOCK_D=BLOCK_D, num_warps=4,
+        ADVANCE=advance_window and K > 1, KB=max(triton.next_power_of_2(K - 1), 2), BLOCK_D=BLOCK_D,
+        num_warps=4,
     )
     return ys if outs is not None else ys[0]
 
@@ -106,19 +126,12 @@ def _conv_commit_kernel(cs_ptr, x_ptr, acc_ptr, idx_ptr, dst_ptr, Dc, q,
     a = tl.minimum(tl.maximum(tl.load(acc_ptr + i), 0), q)
     c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     cm = c < Dc
-    k = tl.arange(0, KB)
-    km = k < K1
+    live = (c * 0 + tl.where(ok, 1, 0)) > 0
     # New column k is element a + k of [window, x]: a window column or an accepted input.
-    pos = a + k
-    from_win = pos < K1
-    m2 = km[:, None] & (cm & ((c * 0 + tl.where(ok, 1, 0)) > 0))[None, :]
     src = cs_ptr + tl.maximum(s, 0).to(tl.int64) * scs_s + c[None, :] * scs_d
-    wv = tl.load(src + pos[:, None], mask=m2 & from_win[:, None], other=0.0)
-    xv = tl.load(x_ptr + i * sx_b + (pos - K1)[:, None] * sx_t + c[None, :], mask=m2 & ~from_win[:, None],
-                 other=0.0)
-    new = tl.where(from_win[:, None], wv, xv.to(wv.dtype))
+    new, m2 = _window_after(src, x_ptr + i * sx_b + c[None, :], a, live, c, cm, sx_t, K1, KB)
     dst = cs_ptr + tl.maximum(d, 0).to(tl.int64) * scs_s + c[None, :] * scs_d
-    tl.store(dst + k[:, None], new, mask=m2)
+    tl.store(dst + tl.arange(0, KB)[:, None], new, mask=m2)
 
 
 def causal_conv1d_commit_triton(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor,
