@@ -88,7 +88,7 @@ class HybridForCausalLM(nn.Module):
             h = block(h, ctx)
         return h
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h (n, hidden) -> fp32 logits (n, vocab)."""
+    def compute_logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """h (n, hidden) -> logits (n, vocab), fp32 (fp32=False: the weight's dtype, same values)."""
         weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp)
+        return parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp, fp32=fp32)

@@ -87,3 +87,17 @@ def test_conv_varlen_gpu_dispatch_two_launches_no_sync():
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 2, kernels
+
+
+@requires_cuda
+def test_non_dense_windows_refused():
+    """On CUDA, writing windows into a pool whose slot windows are not dense blocks raises ValueError."""
+    from replayssm.ops.conv1d import causal_conv1d_commit, causal_conv1d_update
+
+    pool = torch.zeros(4, 8, 6, device="cuda")[:, :, :3]
+    x, w = torch.randn(2, 1, 8, device="cuda"), torch.randn(8, 4, device="cuda")
+    slots = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="dense"):
+        causal_conv1d_update(x, w, None, pool, slots, advance_window=True)
+    with pytest.raises(ValueError, match="dense"):
+        causal_conv1d_commit(pool, x, torch.ones(2, dtype=torch.int32, device="cuda"), slots)

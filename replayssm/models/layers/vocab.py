@@ -36,7 +36,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def parallel_logits(h: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                    tp: TensorParallel = SINGLE) -> torch.Tensor:
-    """h (n, hidden) @ this rank's vocab rows -> full fp32 logits (n, vocab_size) on every rank."""
-    logits = F.linear(h.to(weight.dtype), weight).float()
-    return tp.all_gather_last(logits)[:, :vocab_size]
+                    tp: TensorParallel = SINGLE, *, fp32: bool = True) -> torch.Tensor:
+    """h (n, hidden) @ this rank's vocab rows -> full logits (n, vocab_size) on every rank, in fp32
+    (fp32=False: in the weight's dtype, for a caller that casts only the rows it keeps; the cast is
+    exact, so the values are the same)."""
+    logits = tp.all_gather_last(F.linear(h.to(weight.dtype), weight))[:, :vocab_size]
+    return logits.float() if fp32 else logits
