@@ -63,14 +63,11 @@ def _check_conv(
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
 
 
-def _check_window_layout(conv_state: Tensor, dense: bool) -> None:
-    """The Triton kernels read window columns at unit stride, and the ones that write windows (commit,
-    update with advance_window) address each slot's (D_conv, K-1) window as one dense block."""
-    if not conv_state.is_cuda or conv_state.numel() == 0:
-        return
-    if conv_state.stride(2) != 1 or (dense and conv_state.stride(1) != conv_state.shape[2]):
-        what = "dense" if dense else "unit-stride in its last dimension"
-        raise ValueError(f"conv_state: each slot's window must be {what}, got strides {conv_state.stride()}")
+def _check_window_layout(conv_state: Tensor) -> None:
+    """The Triton update and commit read and write window columns at unit stride."""
+    if conv_state.is_cuda and conv_state.numel() and conv_state.stride(2) != 1:
+        raise ValueError(f"conv_state: the last dimension must be contiguous, got strides "
+                         f"{conv_state.stride()}")
 
 
 def causal_conv1d_varlen_ref(
@@ -213,7 +210,7 @@ def causal_conv1d_update(
     live slots must then be distinct.
     """
     _check_conv(x, 3, weight, bias, conv_state, activation)
-    _check_window_layout(conv_state, dense=advance_window)
+    _check_window_layout(conv_state)
     check_indices("state_indices", state_indices, (x.shape[0],), conv_state.shape[0], x.device,
                   unique=advance_window)
     b, q, D = x.shape
@@ -273,7 +270,7 @@ def causal_conv1d_commit(
     check_tensor("x", x, (None, None, None), FLOAT_DTYPES)
     b, q, D = x.shape
     check_tensor("conv_state", conv_state, (None, D, None), FLOAT_DTYPES, x.device)
-    _check_window_layout(conv_state, dense=True)
+    _check_window_layout(conv_state)
     S = conv_state.shape[0]
     check_indices("state_indices", state_indices, (b,), S, x.device)
     if dst_indices is not None:

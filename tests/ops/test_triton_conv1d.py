@@ -29,6 +29,16 @@ def test_conv_gpu(act, K, q):
     check_conv("cuda", Dc=1000, K=K, b=12, q=q, S=40, act=act)
 
 
+@requires_cuda
+@pytest.mark.parametrize("q", [1, 2])
+def test_conv_advance_gpu_engine_size(q):
+    """On the GPU at the 8B decode size (D_conv 10,240, 256 rows, bf16): advance_window's windows
+    equal a full commit's step after step (no thread writes a column before another read it)."""
+    from triton_cases import check_conv_advance
+
+    check_conv_advance("cuda", q=q)
+
+
 # (K, D_conv, bias, x a strided column slice)
 VARLEN_SHAPES = [(4, 2560, True, True), (4, 1000, False, False), (2, 3000, True, False), (3, 999, True, True)]
 
@@ -90,14 +100,14 @@ def test_conv_varlen_gpu_dispatch_two_launches_no_sync():
 
 
 @requires_cuda
-def test_non_dense_windows_refused():
-    """On CUDA, writing windows into a pool whose slot windows are not dense blocks raises ValueError."""
+def test_strided_window_columns_refused():
+    """On CUDA a pool whose window columns are not contiguous raises ValueError (update and commit)."""
     from replayssm.ops.conv1d import causal_conv1d_commit, causal_conv1d_update
 
-    pool = torch.zeros(4, 8, 6, device="cuda")[:, :, :3]
+    pool = torch.zeros(4, 8, 6, device="cuda")[:, :, ::2]
     x, w = torch.randn(2, 1, 8, device="cuda"), torch.randn(8, 4, device="cuda")
     slots = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="dense"):
+    with pytest.raises(ValueError, match="contiguous"):
         causal_conv1d_update(x, w, None, pool, slots, advance_window=True)
-    with pytest.raises(ValueError, match="dense"):
+    with pytest.raises(ValueError, match="contiguous"):
         causal_conv1d_commit(pool, x, torch.ones(2, dtype=torch.int32, device="cuda"), slots)

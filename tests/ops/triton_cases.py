@@ -331,6 +331,27 @@ def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=Tru
         assert torch.equal(c1, c2), "commit differs from reference"
 
 
+def check_conv_advance(device, *, Dc=10240, K=4, b=256, q=1, S=300, steps=4, act=torch.bfloat16, seed=0) -> None:
+    """Decode steps at the engine's size with advance_window (every program writes its windows after
+    its reads, many warps in flight): each step's windows equal an a = q commit's, outputs the
+    reference's, the other slots untouched."""
+    from replayssm.ops.triton import conv1d
+
+    torch.manual_seed(seed)
+    c1 = torch.randn(S, Dc, K - 1).to(act).to(device)
+    c2 = c1.clone()
+    w = torch.randn(Dc, K).to(device)
+    bb = torch.randn(Dc).to(device)
+    idx = _slots(b, S, device)
+    full = torch.full((b,), q, dtype=torch.int32, device=device)
+    for step in range(steps):
+        x = torch.randn(b, q, Dc + 64).to(act).to(device)[:, :, 32:32 + Dc]  # strided rows, as in the engine
+        y = conv1d.causal_conv1d_update_triton(x, w, bb, c1, idx, "silu", advance_window=True)
+        _close(f"conv advance y, step {step}", y, causal_conv1d_update_ref(x, w, bb, c2, idx, "silu"), act)
+        causal_conv1d_commit_ref(c2, x, full, idx)
+        assert torch.equal(c1, c2), f"advanced windows differ at step {step}"
+
+
 def check_conv_varlen(device, *, Dc=40, K=4, lengths=(0, 1, 2, 13, 5, 0, 3, 30, 1), S=13, act=torch.float32,
                       state_dtype=None, bias=True, strided=False, blocks=None, seed=0) -> None:
     """Varlen prefill conv vs reference: outputs (NaN-poisoned buffer), windows bit-exact, others untouched.

@@ -25,30 +25,23 @@ def _tap(win_ptr, x_ptr, k: tl.constexpr, K1: tl.constexpr, cm, wmask, sx_t):
 
 
 @triton.jit
-def _window_after(win_row, x_row, a, ok, c0, Dc, sx_t, K1: tl.constexpr, BLOCK_D: tl.constexpr,
-                  FLAT: tl.constexpr):
-    # The window of channels [c0, c0 + BLOCK_D) after a more tokens, flat in the pool's (D, K-1) order
-    # so that loads and stores are contiguous (a (K-1, BLOCK_D) tile strides K-1 elements per lane):
-    # element j = (c - c0) * (K-1) + k is element a + k of [window, x] of channel c. win_row / x_row
-    # point at channel 0 of the row's window / inputs; ok (0/1) masks a skipped row. Returns the
-    # values, their offsets from win_row and the store mask.
-    j = tl.arange(0, FLAT)
-    cl = j // K1
-    k = j - cl * K1
-    c = c0 + cl
-    m = (j < BLOCK_D * K1) & (c < Dc) & ((j * 0 + ok) > 0)
+def _window_after(win_ptr, xrow, a, live, c, cm, sx_t, K1: tl.constexpr, KB: tl.constexpr):
+    # The window after a more tokens: (KB, BLOCK_D) tile whose column k (< K1) is element a + k of
+    # [window, x], and its store mask (live rows, real columns and channels).
+    k = tl.arange(0, KB)
     pos = a + k
     from_win = pos < K1
-    wv = tl.load(win_row + c0 * K1 + j + a, mask=m & from_win, other=0.0)
-    xv = tl.load(x_row + (pos - K1) * sx_t + c, mask=m & ~from_win, other=0.0)
-    return tl.where(from_win, wv, xv.to(wv.dtype)), c0 * K1 + j, m
+    m2 = (k < K1)[:, None] & (cm & live)[None, :]
+    wv = tl.load(win_ptr + pos[:, None], mask=m2 & from_win[:, None], other=0.0)
+    xv = tl.load(xrow + (pos - K1)[:, None] * sx_t, mask=m2 & ~from_win[:, None], other=0.0)
+    return tl.where(from_win[:, None], wv, xv.to(wv.dtype)), m2
 
 
 @triton.jit
 def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr, y2_ptr, save_ptr, Dc, D1, D2,
                         sx_b, sx_t, s0_b, s0_t, s1_b, s1_t, s2_b, s2_t, ss_b, ss_t, scs_s, scs_d,
                         Q: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        SAVE: tl.constexpr, ADVANCE: tl.constexpr, FLAT: tl.constexpr, BLOCK_D: tl.constexpr):
+                        SAVE: tl.constexpr, ADVANCE: tl.constexpr, KB: tl.constexpr, BLOCK_D: tl.constexpr):
     # Channels [0, D1) go to y0, [D1, D1 + D2) to y1, the rest to y2 (one output: D1 = Dc).
     pid_d = tl.program_id(0)
     i = tl.program_id(1)
@@ -78,11 +71,10 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr,
         tl.store(y0_ptr + i * s0_b + t * s0_t + c, acc.to(y0_ptr.dtype.element_ty), mask=m0)
         tl.store(y1_ptr + i * s1_b + t * s1_t + (c - D1), acc.to(y1_ptr.dtype.element_ty), mask=m1)
         tl.store(y2_ptr + i * s2_b + t * s2_t + (c - D1 - D2), acc.to(y2_ptr.dtype.element_ty), mask=m2)
-    if ADVANCE:  # every tap above was read first; this program alone owns these window elements
-        row = cs_ptr + tl.maximum(s, 0).to(tl.int64) * scs_s
-        new, offs, mw = _window_after(row, x_ptr + i * sx_b, Q, tl.where(valid, 1, 0), pid_d * BLOCK_D, Dc,
-                                      sx_t, K - 1, BLOCK_D, FLAT)
-        tl.store(row + offs, new, mask=mw)
+    if ADVANCE:  # this program alone owns these window elements: write them after all its reads
+        new, mw = _window_after(win_ptr[None, :], xrow[None, :], Q, wmask, c, cm, sx_t, K - 1, KB)
+        tl.debug_barrier()  # a column another thread read (for a tap or above) may be written here
+        tl.store(win_ptr[None, :] + tl.arange(0, KB)[:, None], new, mask=mw)
 
 
 def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -101,7 +93,7 @@ def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
     K = weight.shape[1]
     if x.stride(2) != 1:
         x = x.contiguous()
-    assert conv_state.stride(2) == 1 and (not advance_window or conv_state.stride(1) == K - 1)
+    assert conv_state.stride(2) == 1
     weight = weight.contiguous()
     ys = tuple(outs) if outs is not None else (torch.empty(b, q, Dc, dtype=x.dtype, device=x.device),)
     assert 1 <= len(ys) <= 3 and all(y.stride(2) == 1 for y in ys)
@@ -117,24 +109,31 @@ def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
         widths[0], widths[1], x.stride(0), x.stride(1), *strides, save.stride(0), save.stride(1),
         conv_state.stride(0), conv_state.stride(1),
         Q=q, K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", SAVE=inputs_out is not None,
-        ADVANCE=advance_window and K > 1, FLAT=BLOCK_D * triton.next_power_of_2(max(K - 1, 1)),
-        BLOCK_D=BLOCK_D, num_warps=4,
+        ADVANCE=advance_window and K > 1, KB=max(triton.next_power_of_2(K - 1), 2), BLOCK_D=BLOCK_D,
+        num_warps=4,
     )
     return ys if outs is not None else ys[0]
 
 
 @triton.jit
-def _conv_commit_kernel(cs_ptr, x_ptr, acc_ptr, idx_ptr, dst_ptr, Dc, q, sx_b, sx_t, scs_s,
-                        K1: tl.constexpr, FLAT: tl.constexpr, BLOCK_D: tl.constexpr):
+def _conv_commit_kernel(cs_ptr, x_ptr, acc_ptr, idx_ptr, dst_ptr, Dc, q,
+                        sx_b, sx_t, scs_s, scs_d,
+                        K1: tl.constexpr, KB: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_d = tl.program_id(0)
     i = tl.program_id(1)
     s = tl.load(idx_ptr + i)
     d = tl.load(dst_ptr + i)
-    ok = tl.where((s >= 0) & (d >= 0), 1, 0)
+    ok = (s >= 0) & (d >= 0)
     a = tl.minimum(tl.maximum(tl.load(acc_ptr + i), 0), q)
-    new, offs, m = _window_after(cs_ptr + tl.maximum(s, 0).to(tl.int64) * scs_s, x_ptr + i * sx_b, a, ok,
-                                 pid_d * BLOCK_D, Dc, sx_t, K1, BLOCK_D, FLAT)
-    tl.store(cs_ptr + tl.maximum(d, 0).to(tl.int64) * scs_s + offs, new, mask=m)
+    c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = c < Dc
+    live = (c * 0 + tl.where(ok, 1, 0)) > 0
+    # New column k is element a + k of [window, x]: a window column or an accepted input.
+    src = cs_ptr + tl.maximum(s, 0).to(tl.int64) * scs_s + c[None, :] * scs_d
+    new, m2 = _window_after(src, x_ptr + i * sx_b + c[None, :], a, live, c, cm, sx_t, K1, KB)
+    tl.debug_barrier()  # src == dst: column k is written where another thread may read column a + k
+    dst = cs_ptr + tl.maximum(d, 0).to(tl.int64) * scs_s + c[None, :] * scs_d
+    tl.store(dst + tl.arange(0, KB)[:, None], new, mask=m2)
 
 
 def causal_conv1d_commit_triton(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor,
@@ -146,13 +145,14 @@ def causal_conv1d_commit_triton(conv_state: torch.Tensor, x: torch.Tensor, num_a
     """
     b, q, Dc = x.shape
     K1 = conv_state.shape[2]
-    assert x.stride(2) == 1 and conv_state.stride(2) == 1 and conv_state.stride(1) == K1, "window rows dense"
+    assert x.stride(2) == 1 and conv_state.stride(2) == 1
     if b == 0 or K1 == 0:
         return
     dst = dst_indices if dst_indices is not None else state_indices
     _conv_commit_kernel[(triton.cdiv(Dc, BLOCK_D), b)](
-        conv_state, x, num_accepted, state_indices, dst, Dc, q, x.stride(0), x.stride(1),
-        conv_state.stride(0), K1=K1, FLAT=BLOCK_D * triton.next_power_of_2(K1), BLOCK_D=BLOCK_D, num_warps=4,
+        conv_state, x, num_accepted, state_indices, dst, Dc, q,
+        x.stride(0), x.stride(1), conv_state.stride(0), conv_state.stride(1),
+        K1=K1, KB=max(triton.next_power_of_2(K1), 2), BLOCK_D=BLOCK_D, num_warps=4,
     )
 
 
