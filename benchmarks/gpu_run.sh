@@ -21,10 +21,11 @@ if [ "$2" = fi ]; then
   FI="--flashinfer --fi-shapes nemotron-h-8b"  # .fi/fiws.tgz holds the 8B modules
 fi
 # The table takes route "auto" (what the public op runs: mono / mono.t for small steps, lean.a.y.v1 for
-# one token, stream-list.c.y.b.t.p2.l.v1 or .f2.g128.p4.v1 for several by state dtype; replay.auto_route);
-# the sweep at the headline case times it beside lean.a.y.v1.p2 (NOTES-kernels.md, session 15: faster
-# here, slower in e2e mode (a), whose rows all flush on one step).
+# one token, stream-list.c.y.b.t.p2.l.v1 or .f2.g128.p4.v1 for several by state dtype; replay.auto_route).
+# EXTRA (replay tiles timed beside it at the headline case, both q) is empty: the one-token options
+# (.p2, .nN) need the lock-step mix to judge them (bench_kernels.py --lockstep; NOTES-kernels.md,
+# session 16), and a one-token route's q = 4 row means nothing.
 CFG="baseline=64x8,replay=auto"
-EXTRA="lean.a.y.v1.p2:32x4"
+EXTRA=""
 timeout 345 python3 benchmarks/bench_kernels.py $FI --out "$OUT" --batches 256,512,128,32,8,1 --configs "$CFG" \
   --sweep-extra "$EXTRA" 2>&1 | tee "$OUT/bench.log" | grep -E "^(copy|read|sweep|diag)|b=256"

@@ -331,7 +331,8 @@ def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=Tru
         assert torch.equal(c1, c2), "commit differs from reference"
 
 
-def check_conv_advance(device, *, Dc=10240, K=4, b=256, q=1, S=300, steps=4, act=torch.bfloat16, seed=0) -> None:
+def check_conv_advance(device, *, Dc=10240, K=4, b=256, q=1, S=300, steps=4, act=torch.bfloat16,
+                       seed=0) -> None:
     """Decode steps at the engine's size with advance_window (every program writes its windows after
     its reads, many warps in flight): each step's windows equal an a = q commit's, outputs the
     reference's, the other slots untouched."""
