@@ -1,5 +1,9 @@
 """The commit half of a decode step: cursors (once), conv windows (every Mamba layer), checkpoints.
 
+Plain decode steps (one token a row, no baseline destination slots: `MambaMetadata.advance_windows`)
+accept every token they compute, so their forward moved the conv windows already and only the
+cursors and checkpoints are committed here.
+
 `commit_decode` takes the accepted counts as a host list; `commit_decode_device` takes them on the
 device, for a verify step whose counts are read back later (two interleaved request groups,
 LLMEngine).
