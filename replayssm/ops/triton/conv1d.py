@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_D = 256
+BLOCK_D = 256  # update / commit: channels per program
+DECODE_WARPS = 4
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
         conv_state.stride(0), conv_state.stride(1),
         Q=q, K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", SAVE=inputs_out is not None,
         ADVANCE=advance_window and K > 1, KB=max(triton.next_power_of_2(K - 1), 2), BLOCK_D=BLOCK_D,
-        num_warps=4,
+        num_warps=DECODE_WARPS,
     )
     return ys if outs is not None else ys[0]
 
@@ -152,7 +153,7 @@ def causal_conv1d_commit_triton(conv_state: torch.Tensor, x: torch.Tensor, num_a
     _conv_commit_kernel[(triton.cdiv(Dc, BLOCK_D), b)](
         conv_state, x, num_accepted, state_indices, dst, Dc, q,
         x.stride(0), x.stride(1), conv_state.stride(0), conv_state.stride(1),
-        K1=K1, KB=max(triton.next_power_of_2(K1), 2), BLOCK_D=BLOCK_D, num_warps=4,
+        K1=K1, KB=max(triton.next_power_of_2(K1), 2), BLOCK_D=BLOCK_D, num_warps=DECODE_WARPS,
     )
 
 
