@@ -57,7 +57,6 @@ def publish_conv_windows(cache, pubs: list[Publication], q: int, device: torch.d
     """
     if not pubs:
         return
-    idx = lambda v: to_device(v, torch.int32, device)  # noqa: E731
     if advanced:
         assert q == 1 and all(p.offset == 1 for p in pubs), pubs
         src = to_device([p.live for p in pubs], torch.int64, device)
@@ -65,6 +64,7 @@ def publish_conv_windows(cache, pubs: list[Publication], q: int, device: torch.d
         for conv in cache.conv:
             conv[dst] = conv[src]
         return
+    idx = lambda v: to_device(v, torch.int32, device)  # noqa: E731
     grid = to_device([p.grid_row for p in pubs], torch.int64, device)
     b, src, dst = idx([p.offset for p in pubs]), idx([p.live for p in pubs]), idx([p.dst for p in pubs])
     for conv, scratch in zip(cache.conv, cache.conv_scratch):

@@ -93,7 +93,10 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 # 84.3-84.4; it lost at TP8 b = 256, 48.9-49.4 vs 46.4-46.6). In e2e mode (a) it lost 3.3% (call 6: ON
 # 14,159 / 14,176 tok/s vs 14,645 / 14,648 for lean.a.y.v1, interleaved): there the batch decodes in
 # lock-step, so every row flushes on the same step, and the fold of the whole batch gets half the
-# programs (NOTES-kernels.md, session 15).
+# programs (NOTES-kernels.md, session 15). Session 16 (call 1, bench_kernels --lockstep): .p2 lock-step
+# 345.2 / 339.2 vs 311.0 / 316.1 at 8B b = 256; .n2 (fewer flush programs only while at most half the
+# rows flush) 306.2 vs 311 at random, 311.2 / 312.6 lock-step, 14,600 / 14,612 vs 14,632 / 14,593
+# tok/s in e2e mode (a), 49.3 vs 46.6 at TP8 b = 256: an option, not the default.
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.a.y.v1", LaunchConfig(block_p=32, num_warps=4)),
                ("stream-list.c.y.b.t.p2.l.v1", LaunchConfig(block_p=64, num_warps=4)))
