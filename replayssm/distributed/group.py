@@ -71,7 +71,15 @@ class TPGroup:
     owner: object | None = None  # the TPModelRunner whose shards the workers hold now
 
     def send(self, message: tuple) -> None:
-        """Broadcast one control message to every worker (raises if a worker is gone)."""
+        """Broadcast one control message to every worker (raises if a worker is gone).
+
+        A spawned worker that has exited is caught here, before the broadcast, from its exit
+        code. Without this check only the sockets tell, and how soon a write to a dead peer
+        fails depends on the host: a CI machine sat for over an hour in the dead-worker test
+        (tests/distributed) where this machine raised at once.
+        """
+        if any(p.exitcode is not None for p in self.processes):
+            raise self.dead_worker_error(None)
         try:
             dist.broadcast_object_list([message], src=0, group=self.control)
         except RuntimeError as e:
@@ -86,11 +94,12 @@ class TPGroup:
             raise self.dead_worker_error(e) from e
         return out[1:]
 
-    def dead_worker_error(self, cause: BaseException) -> RuntimeError:
+    def dead_worker_error(self, cause: BaseException | None) -> RuntimeError:
         codes = {r + 1: p.exitcode for r, p in enumerate(self.processes) if p.exitcode is not None}
         who = f"worker ranks {codes} exited (rank: exit code)" if codes else "a worker stopped answering"
+        detail = f" ({cause})" if cause is not None else ""
         return RuntimeError(f"tensor-parallel group of {self.size} is broken: {who}; see the worker's "
-                            f"traceback above ({cause})")
+                            f"traceback above{detail}")
 
 
 _GROUP: TPGroup | None = None

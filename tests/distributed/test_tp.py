@@ -147,6 +147,25 @@ def test_dead_worker_raises_clear_error():
     assert tp_group._GROUP is None
 
 
+def test_exited_worker_is_caught_before_any_socket_write(monkeypatch):
+    """A spawned worker with an exit code fails send() at once; the broadcast is never tried.
+
+    How soon a socket write to a dead peer fails depends on the host (a CI machine sat in the test
+    above for over an hour), so the exit code is checked first.
+    """
+
+    class Exited:
+        exitcode = -9
+
+    def broadcast(*args, **kwargs):
+        raise AssertionError("send() wrote to a group with an exited worker")
+
+    monkeypatch.setattr(tp_group.dist, "broadcast_object_list", broadcast)
+    group = tp_group.TPGroup(2, "cpu", control=None, processes=[Exited()])
+    with pytest.raises(RuntimeError, match=r"group of 2 is broken: worker ranks \{1: -9\} exited"):
+        group.send(("call", "execute", (), {}))
+
+
 @requires_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
