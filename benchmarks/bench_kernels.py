@@ -218,18 +218,24 @@ class Bench:
         return run
 
 
-def time_graph(run, steps: int) -> tuple[float, int]:
-    """Median µs per step over CUDA-graph replays of `run` (which issues `steps` steps)."""
+def capture_graph(run) -> torch.cuda.CUDAGraph:
+    """`run` warmed on a side stream (it compiles outside the graph), captured, and replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        run()  # compiles and warms outside the graph
+        run()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         run()
     g.replay()
+    return g
+
+
+def time_graph(run, steps: int) -> tuple[float, int]:
+    """Median µs per step over CUDA-graph replays of `run` (which issues `steps` steps)."""
+    g = capture_graph(run)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     g.replay()

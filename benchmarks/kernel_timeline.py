@@ -25,16 +25,12 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_kernels import WINDOW, Bench, Case, Tile, git_commit, time_graph  # noqa: E402
+from bench_kernels import WINDOW, Bench, Case, Tile, capture_graph, git_commit, time_graph  # noqa: E402
 
 
 def trace_kernels(run) -> list[dict]:
     """Device kernels of one graph replay of run(), as (name, stream, ts, dur) in µs."""
-    time_graph(run, 1)  # compiles, warms
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    g.replay()
+    g = capture_graph(run)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         g.replay()

@@ -20,5 +20,5 @@ def run_interpreted(part: str) -> None:
     path = os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     res = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "triton_cases.py"), part], env=env,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"interpreted {part} failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"

@@ -10,9 +10,10 @@ from interpret import run_interpreted
 pytest.importorskip("triton")
 
 
-def test_replay_interpreted():
+@pytest.mark.parametrize("part", ["replay", "replay-lean", "replay-stream", "replay-mono"])
+def test_replay_interpreted(part):
     """Under the interpreter: forward+commit cycles (flush, wrap, padding) and materialize match."""
-    run_interpreted("replay")
+    run_interpreted(part)
 
 
 def _cycle_gpu(**kw):

@@ -452,6 +452,105 @@ def check_norm(device, *, rows=7, shapes=((96, 24), (256, 64), (40, 40)), seed=0
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+def _replay_basic(small) -> None:
+    """The reference-layout routes ("auto", "split", "fused"), plain "stream-list", materialize."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    for q, route in ((1, "auto"), (3, "auto"), (2, "split"), (2, "fused")):
+        check_replay_cycle("cpu", q=q, config=small, route=route, steps=6)
+    whole = LaunchConfig(block_p=8, num_warps=1)  # the streaming route needs whole tiles
+    for q, route in ((1, "stream-list"), (2, "stream-list.s3.i4"), (3, "stream-list.s1.c")):
+        check_replay_cycle("cpu", q=q, N=16, config=whole, route=route, steps=6)
+    check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
+    check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
+    check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,
+                       route="fused")
+    check_materialize("cpu", state_dtype=torch.float16)
+    check_materialize("cpu")
+
+
+def _replay_lean(small) -> None:
+    """The precomputed-ring-term route ("lean") and its options."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    whole = LaunchConfig(block_p=8, num_warps=1)
+    # Reductions (q = 1), tensor-core pieces with the side-stream flush (16-row tiles, q = 3),
+    # pipelined pieces (q = 2). 8-row tiles fold with rank-one updates, 16-row tiles with a 3xTF32
+    # product (.e: updates); H=12, G=2 in blocks of 4 heads: the last block masked.
+    check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.h4", steps=6)
+    check_replay_cycle("cpu", q=2, N=16, config=whole, route="lean.s2.i4.h2", steps=5)
+    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.c", steps=6,
+                       act=torch.bfloat16)
+    check_replay_cycle("cpu", q=1, P=32, N=16, W=16, config=LaunchConfig(16, 1), route="lean.e.h2",
+                       steps=18, state_dtype=torch.float16, act=torch.bfloat16)
+    # .o: outputs of every row in one launch, flush pieces only fold (column chunks of NS=16).
+    check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o",
+                       steps=12, act=torch.bfloat16)
+    # .a: the bare output products beside the small launches, then scaled (one token and several).
+    check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)
+    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.a.y", steps=6,
+                       act=torch.bfloat16)
+    # .nN: while at most half the rows flush, N of the flush launch's programs per SM walk every
+    # piece (the interpreter's one SM: 1 of 4); the whole grid on steps where the batch flushes.
+    check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7)
+    check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7, lockstep=True)
+
+
+def _replay_stream(small) -> None:
+    """The streaming route ("stream-list") at 16-row tiles and its options."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
+    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,
+                       act=torch.bfloat16)
+    check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1), route="stream-list.o", steps=6)
+    # .t: B·C as tensor-core products over padded token / history axes (W = 5: history padded
+    # from 8 to 16); the flush pieces fold with one product per column chunk.
+    check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(16, 1), route="stream-list.t", steps=8,
+                       act=torch.bfloat16)
+    check_replay_cycle("cpu", q=4, P=16, N=32, W=5, config=LaunchConfig(16, 1), route="stream-list.c.t",
+                       steps=8, state_dtype=torch.float16, act=torch.bfloat16)
+    # .v1: the weights launch in one warp (the interpreter runs a program as one; a launch
+    # option, but the route must parse and run): 4 groups of 3 heads.
+    check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=4, config=LaunchConfig(16, 1),
+                       route="stream-list.c.t.v1", steps=8, act=torch.bfloat16)
+    # .p2 / .rN / .gN: flush programs per SM and register caps (launch options only; the
+    # interpreter runs one SM, so two persistent flush programs share the listed pieces).
+    check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1),
+                       route="stream-list.c.t.p2.r96.g128", steps=6, act=torch.bfloat16)
+    # .fN: flush pieces in N column parts, one per pipelined iteration (the state product
+    # carried between parts, each part folding its own columns); fp16 state, history and ring
+    # wrap through W = 5.
+    check_replay_cycle("cpu", q=3, P=32, N=64, W=5, config=LaunchConfig(16, 1),
+                       route="stream-list.c.t.f2", steps=8, state_dtype=torch.float16,
+                       act=torch.bfloat16)
+
+
+def _replay_mono(small) -> None:
+    """The one-launch routes ("mono", "mono.t")."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    # mono: one launch per step; two P tiles (appends from tile 0 only), a masked window (W=5).
+    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono", steps=6,
+                       act=torch.bfloat16)
+    check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono", steps=10,
+                       state_dtype=torch.float16)
+    # mono.t: tokens padded to 16 product rows; fp32 and 16-bit activations and pools.
+    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono.t", steps=6,
+                       act=torch.bfloat16)
+    check_replay_cycle("cpu", q=4, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t", steps=8,
+                       state_dtype=torch.float16)
+    check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x", steps=6,
+                       act=torch.bfloat16)
+    check_output_passes("cpu", "mono.t", LaunchConfig(16, 1), H=4, P=16, N=32, b=5, q=3, S=11, W=8)
+
+
+# The replay cases in four parts, each its own interpreter process (and test), so no one test
+# runs for many minutes on a 2-core CI machine.
+REPLAY_PARTS = {"replay": _replay_basic, "replay-lean": _replay_lean, "replay-stream": _replay_stream,
+                "replay-mono": _replay_mono}
+
+
 def run_interpreter(part: str) -> None:
     """Tiny CPU shapes under TRITON_INTERPRET=1 (tiles smaller than P to exercise masks)."""
     from replayssm.ops.triton.ssu import LaunchConfig
@@ -464,76 +563,8 @@ def run_interpreter(part: str) -> None:
             check_ssu("cpu", q=1, state_dtype=sd, config=small)
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
-    elif part == "replay":
-        for q, route in ((1, "auto"), (3, "auto"), (2, "split"), (2, "fused")):
-            check_replay_cycle("cpu", q=q, config=small, route=route, steps=6)
-        whole = LaunchConfig(block_p=8, num_warps=1)  # the streaming route needs whole tiles
-        for q, route in ((1, "stream-list"), (2, "stream-list.s3.i4"), (3, "stream-list.s1.c")):
-            check_replay_cycle("cpu", q=q, N=16, config=whole, route=route, steps=6)
-        # The precomputed-ring-term route: reductions (q = 1), tensor-core pieces with the
-        # side-stream flush (16-row tiles, q = 3), pipelined pieces (q = 2).
-        # 8-row tiles fold with rank-one updates, 16-row tiles with a 3xTF32 product (.e: updates);
-        # H=12, G=2 in blocks of 4 heads: the last block masked.
-        check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.h4", steps=6)
-        check_replay_cycle("cpu", q=2, N=16, config=whole, route="lean.s2.i4.h2", steps=5)
-        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.c", steps=6,
-                           act=torch.bfloat16)
-        check_replay_cycle("cpu", q=1, P=32, N=16, W=16, config=LaunchConfig(16, 1), route="lean.e.h2",
-                           steps=18, state_dtype=torch.float16, act=torch.bfloat16)
-        # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
-        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,
-                           act=torch.bfloat16)
-        check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1), route="stream-list.o", steps=6)
-        # .o: outputs of every row in one launch, flush pieces only fold (column chunks of NS=16).
-        check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o",
-                           steps=12, act=torch.bfloat16)
-        # .t: B·C as tensor-core products over padded token / history axes (W = 5: history padded
-        # from 8 to 16); the flush pieces fold with one product per column chunk.
-        check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(16, 1), route="stream-list.t", steps=8,
-                           act=torch.bfloat16)
-        check_replay_cycle("cpu", q=4, P=16, N=32, W=5, config=LaunchConfig(16, 1), route="stream-list.c.t",
-                           steps=8, state_dtype=torch.float16, act=torch.bfloat16)
-        # .v1: the weights launch in one warp (the interpreter runs a program as one; a launch
-        # option, but the route must parse and run): 4 groups of 3 heads.
-        check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=4, config=LaunchConfig(16, 1),
-                           route="stream-list.c.t.v1", steps=8, act=torch.bfloat16)
-        # .p2 / .rN / .gN: flush programs per SM and register caps (launch options only; the
-        # interpreter runs one SM, so two persistent flush programs share the listed pieces).
-        check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1),
-                           route="stream-list.c.t.p2.r96.g128", steps=6, act=torch.bfloat16)
-        # .fN: flush pieces in N column parts, one per pipelined iteration (the state product
-        # carried between parts, each part folding its own columns); fp16 state, history and ring
-        # wrap through W = 5.
-        check_replay_cycle("cpu", q=3, P=32, N=64, W=5, config=LaunchConfig(16, 1),
-                           route="stream-list.c.t.f2", steps=8, state_dtype=torch.float16,
-                           act=torch.bfloat16)
-        # .a: the bare output products beside the small launches, then scaled (one token and several).
-        check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)
-        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.a.y", steps=6,
-                           act=torch.bfloat16)
-        # .nN: while at most half the rows flush, N of the flush launch's programs per SM walk every
-        # piece (the interpreter's one SM: 1 of 4); the whole grid on steps where the batch flushes.
-        check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7)
-        check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7, lockstep=True)
-        # mono: one launch per step; two P tiles (appends from tile 0 only), a masked window (W=5).
-        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono", steps=6,
-                           act=torch.bfloat16)
-        check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono", steps=10,
-                           state_dtype=torch.float16)
-        # mono.t: tokens padded to 16 product rows; fp32 and 16-bit activations and pools.
-        check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono.t", steps=6,
-                           act=torch.bfloat16)
-        check_replay_cycle("cpu", q=4, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t", steps=8,
-                           state_dtype=torch.float16)
-        check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x", steps=6,
-                           act=torch.bfloat16)
-        check_output_passes("cpu", "mono.t", LaunchConfig(16, 1), H=4, P=16, N=32, b=5, q=3, S=11, W=8)
-        check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
-        check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
-        check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,
-                           route="fused")
-        check_materialize("cpu", state_dtype=torch.float16)
-        check_materialize("cpu")
+    elif part in REPLAY_PARTS:
+        REPLAY_PARTS[part](small)
     elif part == "norm":
         check_norm("cpu")
     elif part == "activation":

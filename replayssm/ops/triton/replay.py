@@ -39,6 +39,8 @@ Appended rows never overlap history rows (h_c + q <= R), so no launch reads what
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -183,14 +185,19 @@ _OPTIONS = {
 def route_options(route: str) -> dict:
     """The launch keywords a "stream-list", "lean" or "weights" route's dot-separated options stand
     for (`launch_stream`, `launch_lean`, `launch_weights` via `launch_step`); ValueError for an option
-    the route does not take."""
+    the route does not take. Parsed once per route string: eager steps call this every layer."""
+    return dict(_parse_route(route))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_route(route: str) -> tuple:
     family, *opts = route.split(".")
     names, flags = _OPTIONS[family]
     bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
     if bad:
         raise ValueError(f"route {route!r}: unknown options {bad}")
-    return {**{names[o[0]]: int(o[1:]) for o in opts if o not in flags},
-            **dict(flags[o] for o in opts if o in flags)}
+    return tuple({**{names[o[0]]: int(o[1:]) for o in opts if o not in flags},
+                  **dict(flags[o] for o in opts if o in flags)}.items())
 
 
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
