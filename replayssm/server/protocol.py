@@ -10,14 +10,12 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # OpenAI caps n at 128; a larger fan-out would only let one request starve the others.
 MAX_N = 128
-MAX_COMPLETION_LOGPROBS = 5
-MAX_CHAT_TOP_LOGPROBS = 20
 
 
 class APIError(Exception):
@@ -81,6 +79,8 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field normalized to a non-empty list of prompts (text or token ids)."""
@@ -114,6 +114,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
 
 
 def check_sampling(req: SamplingRequest, max_tokens: int | None) -> None:

@@ -50,5 +50,18 @@ BAD_REQUESTS = [
     ("temperature", "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 5.0}, 400,
      "temperature"),
     ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
+    # Options the engine would otherwise ignore silently: refused, naming the parameter.
+    ("top logprobs", "/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("chat top logprobs", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3},
+     400, "top_logprobs"),
+    ("suffix", "/v1/completions", {"model": "tiny", "prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("best_of", "/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("tools", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("json mode", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]

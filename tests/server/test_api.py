@@ -141,6 +141,16 @@ def test_bad_input_is_4xx_and_server_keeps_serving(fake_server, client, name, pa
     assert good.choices[0].finish_reason == "length"
 
 
+def test_refused_options_pass_at_their_no_op_values(client):
+    """best_of = n, tool_choice "none", a text response_format and top_logprobs 0 are served as usual."""
+    res = client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2, best_of=2)
+    assert len(res.choices) == 2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, tool_choice="none", response_format={"type": "text"},
+                                          logprobs=True, top_logprobs=0)
+    assert len(chat.choices[0].logprobs.content) == 2
+
+
 def test_openai_client_raises_typed_errors(client):
     """The openai client maps our error bodies to its typed exceptions."""
     with pytest.raises(openai.NotFoundError):
