@@ -98,7 +98,7 @@ class SpecConfig:
     """
 
     num_speculative_tokens: int = _doc(
-        0, "draft tokens per verify step (k, 0 = off, at most 8); needs 1 + k <= replay_window"
+        0, "draft tokens per verify step (k, 0 = off, at most 8); with ReplaySSM needs 1 + k <= replay_window"
     )
     speculative_method: str = _doc(
         "ngram", "drafter: ngram (prompt lookup), mtp (the checkpoint's mtp.* layers), draft (a small draft "
@@ -200,7 +200,8 @@ class EngineConfig:
             raise ValueError("speculative_method='mtp' does not support tensor_parallel_size > 1 yet "
                              "(use ngram or draft)")
         q_max = 1 + self.spec.num_speculative_tokens
-        if q_max > self.replay_window:
+        # A verify step appends its 1 + k tokens to the ring; the baseline keeps no ring.
+        if self.replayssm and q_max > self.replay_window:
             raise ValueError(
                 f"num_speculative_tokens={self.spec.num_speculative_tokens} needs 1 + k <= replay_window "
                 f"({self.replay_window})"

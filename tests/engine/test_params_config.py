@@ -56,6 +56,14 @@ def test_bad_engine_args_name_the_field(kwargs, field):
         EngineConfig.from_kwargs("some/path", **kwargs)
 
 
+def test_window_bounds_drafts_only_with_replayssm():
+    """1 + k tokens must fit the ReplaySSM ring; the baseline keeps no ring, so any window goes."""
+    with pytest.raises(ValueError, match="replay_window"):
+        EngineConfig.from_kwargs("p", num_speculative_tokens=3, replay_window=2)
+    c = EngineConfig.from_kwargs("p", num_speculative_tokens=3, replay_window=2, replayssm=False)
+    assert c.spec.num_speculative_tokens == 3
+
+
 def test_engine_kwargs_route_to_sub_configs():
     """from_kwargs places each flat keyword in the sub-config that owns it."""
     c = EngineConfig.from_kwargs(

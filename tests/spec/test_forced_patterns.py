@@ -74,7 +74,7 @@ PATTERNS = {
 }
 
 
-@pytest.mark.parametrize("replayssm,k,window", [(True, 3, 4), (True, 5, 7), (False, 3, 16)])
+@pytest.mark.parametrize("replayssm,k,window", [(True, 3, 4), (True, 5, 7), (False, 3, 2)])
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 def test_forced_pattern_equals_plain(pattern, replayssm, k, window):
     """Any acceptance pattern gives the plain greedy output; ReplaySSM runs flush right before a
