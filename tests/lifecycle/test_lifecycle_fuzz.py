@@ -1,5 +1,6 @@
 """Seeded lifecycle fuzzer: shared prefixes, tight memory (preemptions, evictions), waves of arrivals,
-speculative decoding with random acceptance."""
+speculative decoding with random acceptance; then random engine configs with seeded sampling, aborts
+and second turns on the first turns' outputs, tokens and logprobs against a plain run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "prefix"))
 from prefix_helpers import OracleDrafter, one_thread, small_checkpoint  # noqa: E402, F401 (autouse fixture)
@@ -37,18 +39,30 @@ def workload(seed: int, num_requests: int) -> list[tuple[int, list[int], int]]:
     return sorted(reqs, key=lambda r: r[0])
 
 
-def drive(llm: LLM, reqs, *, check: bool, at_once: bool = False) -> dict[str, list[int]]:
+def greedy(i: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def drive(llm: LLM, reqs, *, check: bool, at_once: bool = False, params=greedy,
+          aborts: random.Random | None = None, turns: dict | None = None) -> dict:
     """Add each request at its arrival step (or all at once), step until done; with `check`, pool
-    integrity after every step."""
-    engine, done, step, pending = llm.engine, {}, 0, list(enumerate(reqs))
+    integrity after every step; with `aborts`, abort a random request on ~8% of steps; with `turns`
+    ({index: request}), add request `index` as soon as the request it follows finishes. Returns each
+    request's token ids, or with `params` other than `greedy` its RequestOutput."""
+    turns = dict(turns or {})
+    engine, done, step, added = llm.engine, {}, 0, []
+    pending = [(i, r) for i, r in enumerate(reqs) if i not in turns]
     while pending or engine.has_unfinished_requests():
         while pending and (at_once or pending[0][1][0] <= step or not engine.has_unfinished_requests()):
             i, (_, prompt, max_tokens) = pending.pop(0)
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                              ignore_eos=True))
+            engine.add_request(str(i), prompt, params(i, max_tokens))
+            added.append(str(i))
+        if aborts is not None and aborts.random() < 0.08:
+            engine.abort_request(added[aborts.randrange(len(added))])  # finished ids are ignored
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.token_ids
+                done[out.request_id] = out.token_ids if params is greedy else out
+                pending[:0] = [(i, reqs[i]) for i, parent in list(turns.items()) if parent == out.request_id]
         if check:
             engine.check_integrity()
         step += 1
@@ -83,3 +97,80 @@ def test_fuzzed_lifecycles_match_a_plain_run(replayssm, num_requests, spec):
     assert m["num_preemptions"] > 0 and m["prefix_cache_hit_tokens"] > 0
     assert (m["num_ahead_steps"] > 0) == (not spec)
     assert m["kv_block_evictions"] > 0 and m["prefix_checkpoint_evictions"] > 0
+
+
+def random_config(seed: int) -> tuple[dict, dict]:
+    """(engine kwargs, run options) drawn from seed: ReplaySSM on / off, block size, window, tight
+    KV blocks and slots, prefix caching, async scheduling, k drafts, greedy or seeded sampling, aborts."""
+    rng = random.Random(seed)
+    replayssm, spec, block = rng.random() < 0.7, rng.random() < 0.4, rng.choice([2, 4, 8])
+    window = rng.choice([2, 3, 4, 5, 8, 16])
+    k = rng.randint(1, min(4, window - 1) if replayssm else 4) if spec else 0
+    seqs, blocks = rng.randint(2, 8), -(-48 // block)
+    kw = dict(device="cpu", kv_block_size=block, replay_window=window, replayssm=replayssm, max_model_len=48,
+              num_kv_blocks=blocks + rng.randint(0, blocks), max_num_seqs=seqs,
+              num_slots=seqs * (1 if replayssm else 1 + k) + rng.randint(0, 8),
+              max_num_batched_tokens=max(rng.choice([8, 14, 24, 64]), (1 + k) * seqs),
+              async_scheduling=rng.random() < 0.6)
+    if rng.random() < 0.7:
+        kw.update(enable_prefix_caching=True, prefix_checkpoint_interval=block * rng.randint(1, 3))
+    if k:
+        kw.update(num_speculative_tokens=k, speculative_method="ngram")
+    run = dict(sampling=not k and rng.random() < 0.5, aborts=rng.random() < 0.5,
+               num_requests=rng.randint(20, 80))
+    return kw, run
+
+
+def follow_ups(seed: int, reqs, outputs: dict, max_model_len: int) -> list[tuple[str, list[int], int]]:
+    """Second turns: (the request it follows, that prompt + its output + new tokens, max_tokens).
+    Sent as soon as the first turn finishes, they hit checkpoints that decode steps published."""
+    rng, turns = random.Random(seed + 1), []
+    for i, (_, prompt, _) in enumerate(reqs):
+        history = prompt + outputs[str(i)] + [rng.randrange(3, 256) for _ in range(rng.randint(1, 4))]
+        max_tokens = rng.randint(1, 8)
+        if rng.random() < 0.5 and len(history) + max_tokens <= max_model_len:
+            turns.append((str(i), history, max_tokens))
+    return turns
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_configs_match_a_plain_run(seed):
+    """A random engine config (window, block size, tight memory, prefix caching, async, drafts, seeded
+    sampling, aborts) gives every request, first turns and follow-ups on their outputs alike, the
+    tokens of an unconstrained plain run (aborted ones a prefix of them), with pool integrity after
+    every step."""
+    kw, run = random_config(seed)
+    plain_kw = {key: kw[key] for key in ("device", "kv_block_size", "replay_window", "replayssm",
+                                          "max_model_len")}
+    tops = [random.Random(seed + i).choice([1.0, 0.9, 0.5]) for i in range(2 * run["num_requests"])]
+
+    def params(i: int, max_tokens: int) -> SamplingParams:
+        # Logprobs too: a tiny random model's tokens can survive a slightly wrong state.
+        if not run["sampling"]:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+        return SamplingParams(temperature=0.9, top_p=tops[i], seed=1000 + i, max_tokens=max_tokens,
+                              ignore_eos=True, logprobs=0)
+
+    def plain_run(reqs):
+        llm = LLM(small_checkpoint(), max_num_seqs=64, max_num_batched_tokens=4096, **plain_kw)
+        return drive(llm, reqs, check=False, at_once=True, params=params)
+
+    reqs = workload(seed, run["num_requests"])
+    first = {rid: out.token_ids for rid, out in plain_run(reqs).items()}
+    turns = {}
+    for parent, prompt, max_tokens in follow_ups(seed, reqs, first, kw["max_model_len"]):
+        turns[len(reqs)] = parent
+        reqs.append((0, prompt, max_tokens))
+    plain = plain_run(reqs)
+    llm = LLM(small_checkpoint(), **kw)
+    if "num_speculative_tokens" in kw:
+        tokens = {rid: out.token_ids for rid, out in plain.items()}
+        llm.engine.spec.proposer = OracleDrafter(tokens, seed=seed)
+    tight = drive(llm, reqs, check=True, params=params, aborts=random.Random(seed) if run["aborts"] else None,
+                  turns=turns)
+    for rid, want in plain.items():
+        got, n = tight[rid], len(tight[rid].token_ids)
+        # An aborted request's tokens are the plain run's first ones.
+        assert got.finish_reason == "abort" or n == len(want.token_ids), rid
+        assert got.token_ids == want.token_ids[:n], rid
+        torch.testing.assert_close(got.logprobs, want.logprobs[:n], rtol=0, atol=1e-4, msg=rid)
