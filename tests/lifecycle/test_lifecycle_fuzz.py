@@ -43,13 +43,13 @@ def greedy(i: int, max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def drive(llm: LLM, reqs, *, check: bool, at_once: bool = False, params=greedy,
-          aborts: random.Random | None = None, turns: dict | None = None) -> dict:
+def drive(llm: LLM, reqs, *, check: bool, at_once: bool = False, params=greedy, outputs: bool = False,
+          aborts: random.Random | None = None, turns: dict[int, str] | None = None) -> dict:
     """Add each request at its arrival step (or all at once), step until done; with `check`, pool
     integrity after every step; with `aborts`, abort a random request on ~8% of steps; with `turns`
-    ({index: request}), add request `index` as soon as the request it follows finishes. Returns each
-    request's token ids, or with `params` other than `greedy` its RequestOutput."""
-    turns = dict(turns or {})
+    ({index: id of the request it follows}), add request `index` as soon as that one finishes.
+    Returns each request's token ids, or with `outputs` its final RequestOutput."""
+    turns = turns or {}
     engine, done, step, added = llm.engine, {}, 0, []
     pending = [(i, r) for i, r in enumerate(reqs) if i not in turns]
     while pending or engine.has_unfinished_requests():
@@ -61,8 +61,8 @@ def drive(llm: LLM, reqs, *, check: bool, at_once: bool = False, params=greedy,
             engine.abort_request(added[aborts.randrange(len(added))])  # finished ids are ignored
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.token_ids if params is greedy else out
-                pending[:0] = [(i, reqs[i]) for i, parent in list(turns.items()) if parent == out.request_id]
+                done[out.request_id] = out if outputs else out.token_ids
+                pending[:0] = [(i, reqs[i]) for i, parent in turns.items() if parent == out.request_id]
         if check:
             engine.check_integrity()
         step += 1
@@ -153,7 +153,7 @@ def test_random_configs_match_a_plain_run(seed):
 
     def plain_run(reqs):
         llm = LLM(small_checkpoint(), max_num_seqs=64, max_num_batched_tokens=4096, **plain_kw)
-        return drive(llm, reqs, check=False, at_once=True, params=params)
+        return drive(llm, reqs, check=False, at_once=True, params=params, outputs=True)
 
     reqs = workload(seed, run["num_requests"])
     first = {rid: out.token_ids for rid, out in plain_run(reqs).items()}
@@ -166,8 +166,8 @@ def test_random_configs_match_a_plain_run(seed):
     if "num_speculative_tokens" in kw:
         tokens = {rid: out.token_ids for rid, out in plain.items()}
         llm.engine.spec.proposer = OracleDrafter(tokens, seed=seed)
-    tight = drive(llm, reqs, check=True, params=params, aborts=random.Random(seed) if run["aborts"] else None,
-                  turns=turns)
+    tight = drive(llm, reqs, check=True, params=params, outputs=True,
+                  aborts=random.Random(seed) if run["aborts"] else None, turns=turns)
     for rid, want in plain.items():
         got, n = tight[rid], len(tight[rid].token_ids)
         # An aborted request's tokens are the plain run's first ones.

@@ -8,9 +8,10 @@ from conftest import requires_cuda
 from interpret import run_interpreted
 
 pytest.importorskip("triton")
+from triton_cases import REPLAY_PARTS  # noqa: E402
 
 
-@pytest.mark.parametrize("part", ["replay", "replay-lean", "replay-stream", "replay-mono"])
+@pytest.mark.parametrize("part", sorted(REPLAY_PARTS))
 def test_replay_interpreted(part):
     """Under the interpreter: forward+commit cycles (flush, wrap, padding) and materialize match."""
     run_interpreted(part)
