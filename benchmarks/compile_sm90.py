@@ -68,6 +68,7 @@ def args_parse():
     a.add_argument("--all", action="store_true", help="ALL constexpr (outputs_all)")
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (flush launch)")
     a.add_argument("--pdl", action="store_true", help="PDL constexpr (streaming / weights launch)")
+    a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -130,6 +131,8 @@ def build(a):
         meta.update(ITEMS=items, STAGES=a.stages, ALL=bool(a.all))
         if a.pdl:
             meta.update(PDL=True)
+        if a.hoist_c:
+            meta.update(HOIST_C=True)
     elif a.kernel == "weights":
         from replayssm.ops.triton.replay_step import _weights_kernel as fn
 

@@ -36,11 +36,13 @@ STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-
                  "stream-list.o.p5", "stream-list.c.y", "stream-list.o.p5.b", "stream-list.o.p5.b.t",
                  "stream-list.c.y.b.t", "stream-list.c.y.b.t.p2.g128.r96"]
 # Options for several tokens only: flush pieces in column parts (.fN, .kN), the streaming launch
-# programmatically dependent on the weights launch (.l), the weights launch's warps (.vN).
+# programmatically dependent on the weights launch (.l), the weights launch's warps (.vN), C loaded
+# once per streaming program (.h; the test shape's programs stay in one group, so it is taken).
 SEVERAL_TOKEN_ROUTES = ["stream-list.f2", "stream-list.c.y.b.t.f2.g128.p4", "stream-list.c.y.b.t.f4.k2",
                         "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
                         "stream-list.c.y.b.t.p2.l.v1", "stream-list.c.y.b.t.f2.g128.p4.v1",
-                        "stream-list.c.y.b.t.p2.l.v2"]
+                        "stream-list.c.y.b.t.p2.l.v2", "stream-list.c.y.b.t.p2.l.v1.h",
+                        "stream-list.c.y.b.t.f2.g128.p4.v1.h", "stream-list.c.t.h"]
 STREAM_CASES = ([(r, q) for r in STREAM_ROUTES for q in (1, 4)]
                 + [(r, q) for r in SEVERAL_TOKEN_ROUTES for q in (2, 4)])
 

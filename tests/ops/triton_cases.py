@@ -524,6 +524,12 @@ def _replay_stream(small) -> None:
     check_replay_cycle("cpu", q=3, P=32, N=64, W=5, config=LaunchConfig(16, 1),
                        route="stream-list.c.t.f2", steps=8, state_dtype=torch.float16,
                        act=torch.bfloat16)
+    # .h: C loaded once per streaming program (8 pieces a program, 2 groups of 4 heads x 2 P tiles:
+    # each program inside one group; C chunks as a tuple). TF32 products only: the bf16 hi + lo
+    # products (.b) miss the reference under the interpreter (errors ~1e11, with or without .h) and
+    # are checked on the GPU.
+    check_replay_cycle("cpu", q=3, P=32, N=64, H=8, G=2, config=LaunchConfig(16, 1),
+                       route="stream-list.c.t.h", steps=8, act=torch.bfloat16)
 
 
 def _replay_mono(small) -> None:

@@ -82,7 +82,7 @@ def _piece_mma(
     sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr,
+    MAXV: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr, Cs=0, CH: tl.constexpr = False,
 ):
     # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
     # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
@@ -97,6 +97,8 @@ def _piece_mma(
     # a loop over parts copies 1 / SPLIT of a tile per iteration, so the pipeline can keep the next
     # part's copies in flight while this one computes, within the shared memory one tile took. The
     # last part adds the ring terms and writes; FOLD parts fold and write their own columns.
+    # CH (whole pieces only): C^T comes in Cs, its column chunks loaded once per program by the
+    # caller (`c_chunks`: every piece of the program in one group), not once per piece.
     TB: tl.constexpr = 16 if QB < 16 else QB
     JB: tl.constexpr = HB + QB
     NPT: tl.constexpr = P // BLOCK_P
@@ -111,7 +113,6 @@ def _piece_mma(
     p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
     g = h // (H // G)
     t = tl.arange(0, TB)
-    tm = t < Q
     sbase = (s64 * H + h) * (P * N)
     wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
     scbase = (i.to(tl.int64) * H + h) * (Q + 1)
@@ -135,7 +136,10 @@ def _piece_mma(
         n = (part * CPP + c) * NS + tl.arange(0, NS)
         tile = p[:, None] * N + n[None, :]
         S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
-        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :], other=0.)
+        if CH:
+            Ct = Cs[c]
+        else:
+            Ct = _c_chunk(C_ptr, i, g, n, t, Q, sC_b, sC_t, sC_g)
         if MMA == 2:
             # The tile as bf16 hi + lo against bf16 C (the launch checks the dtypes: 16-bit y).
             acc = dot_bf16_split(S0, Ct, acc)
@@ -159,6 +163,26 @@ def _piece_mma(
                        w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)
         acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
     return acc
+
+
+@triton.jit
+def c_chunks(C_ptr, i, g, sC_b, sC_t, sC_g, Q: tl.constexpr, QB: tl.constexpr, N: tl.constexpr,
+             NS: tl.constexpr):
+    """Row i's C^T for group g as a tuple of N / NS (NS, TB) column chunks (tokens padded to TB >= 16
+    columns, zero past Q), as `_piece_mma` loads them per chunk."""
+    TB: tl.constexpr = 16 if QB < 16 else QB
+    t = tl.arange(0, TB)
+    Cs = ()
+    for c in tl.static_range(N // NS):
+        Cs = Cs + (_c_chunk(C_ptr, i, g, c * NS + tl.arange(0, NS), t, Q, sC_b, sC_t, sC_g),)
+    return Cs
+
+
+@triton.jit
+def _c_chunk(C_ptr, i, g, n, t, Q: tl.constexpr, sC_b, sC_t, sC_g):
+    """C^T of row i, group g, columns n as (len(n), len(t)), zero in token columns t >= Q."""
+    return tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=(t < Q)[None, :],
+                   other=0.)
 
 
 @triton.jit
@@ -202,13 +226,14 @@ def _any_piece(
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr,
+    MAXV: tl.constexpr, Cs=0, CH: tl.constexpr = False,
 ):
     # MMA: 0 = CUDA cores, 1 = tensor-core outputs, 2 = the same with bf16 hi + lo state products.
+    # CH: C^T chunks preloaded in Cs (`_piece_mma`).
     if MMA:
         _piece_mma(k, first, i, s64, valid, hc, o, 0.0, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                    w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA, 1)
+                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA, 1, Cs, CH)
     else:
         _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs, launch_flush
-from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma
+from replayssm.ops.triton.replay_pieces import _any_piece, _piece_mma, c_chunks
 from replayssm.ops.triton.replay_step import gdc_wait, launch_weights, pdl_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 
@@ -52,7 +52,7 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, HOIST_C: tl.constexpr = False,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -71,10 +71,15 @@ def _stream_kernel(
     if PDL:
         gdc_wait()  # launched programmatically dependent on the weights launch: its writes from here
     if ALL or flush == 0:
+        # HOIST_C (tensor-core pieces whose ITEMS pieces share a group): C^T loaded once here, so the
+        # pipelined loop stages only the state tiles (C is an earlier launch's output: no PDL wait).
+        Cs = 0
+        if HOIST_C:
+            Cs = c_chunks(C_ptr, i, (first // (P // BLOCK_P)) // (H // G), sC_b, sC_t, sC_g, Q, QB, N, NS)
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                        w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                       Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV)
+                       Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV, Cs, HOIST_C)
 
 
 @triton.jit
@@ -165,7 +170,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   flush_programs_per_sm: int = 4, priority: bool = False,
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, flush_parts: int = 1,
-                  flush_stages: int = 3, pdl: bool = False, weights_warps: int = 4) -> None:
+                  flush_stages: int = 3, pdl: bool = False, weights_warps: int = 4,
+                  hoist_c: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -179,7 +185,9 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     one per iteration of its loop, pipelined flush_stages deep (`_piece_mma`). pdl: the streaming
     launch starts while the weights launch runs (programmatic dependent launch, where
     `pdl_supported`; it waits for the weights' writes after loading its rows' slots and cursors).
-    weights_warps: the weights launch's warps.
+    weights_warps: the weights launch's warps. hoist_c: the streaming launch loads C once per program
+    (tensor-core pieces whose programs stay in one group; else ignored), so its pipeline stages
+    only state tiles.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -211,11 +219,13 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                                    STAGES=flush_stages, **_regs(flush_maxnreg))
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
+    hoist_c = bool(hoist_c and mma and (H // G) * (P // block_p) % k == 0)
 
     def stream_launch() -> None:
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, **meta,
+            common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, HOIST_C=hoist_c,
+            **meta,
             **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
         )
 
