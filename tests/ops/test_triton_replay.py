@@ -201,13 +201,13 @@ def test_auto_route_policy():
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 2,048 row-heads
     assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t"  # 4,096 row-heads
     assert auto_route(512, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 8,192
-    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1"  # 16,384 row-heads
-    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1"
+    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1.h"  # 16,384 row-heads
+    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1.h"
     # 16-bit states: mono.t up to 1,024 row-heads, then the flush pieces in column parts, no .l.
     f16 = torch.float16
     assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t"
-    assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1"
-    assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1"
+    assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h"
+    assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h"
     assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
     assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes

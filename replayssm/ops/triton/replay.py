@@ -27,7 +27,8 @@ Routes (all read S0 once per row and write it only on flush rows):
   flush programs per SM (as many as its registers let an SM hold at once), and with fp32 state
   the streaming launch programmatically dependent on the weights launch (.l); the weights launch
   runs one warp per program (.v1). Steps with a 16-bit state take the flush pieces in two column
-  parts, 128 registers, four programs per SM instead ("stream-list.c.y.b.t.f2.g128.p4.v1"). Steps
+  parts, 128 registers, four programs per SM instead ("stream-list.c.y.b.t.f2.g128.p4.v1.h"). Both
+  load C once per streaming program (.h), so the pipeline stages only the state tiles. Steps
   of up to 8,192 row-heads with fp32 state (1,024 with 16-bit) take "mono.t" (`auto_route`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
@@ -57,7 +58,7 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y.v1" at 32x4, several "stream-list.c.y.b.t.p2.l.v1"
+# their whole tiles fit: one token takes "lean.a.y.v1" at 32x4, several "stream-list.c.y.b.t.p2.l.v1.h"
 # at 64x4 (VERIFY_16BIT_ROUTE with a 16-bit state);
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
@@ -99,10 +100,15 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 # 345.2 / 339.2 vs 311.0 / 316.1 at 8B b = 256; .n2 (fewer flush programs only while at most half the
 # rows flush) 306.2 vs 311 at random, 311.2 / 312.6 lock-step, 14,600 / 14,612 vs 14,632 / 14,593
 # tok/s in e2e mode (a), 49.3 vs 46.6 at TP8 b = 256: an option, not the default.
+# Session 18 (call 2, q = 4, µs, .h = C loaded once per streaming program: sm_90 build 89 registers and
+# 45 KB of shared memory vs 104 and 49, five programs per SM instead of four): fp16 state with
+# .f2.g128.p4.v1, 8B b = 128 / 256 / 512 183.7 / 335.6 / 657.8 vs 188.1 / 344.5 / 671.3, TP8 b = 256 /
+# 512 59.3 / 107.1 vs 60.1 / 110.3; fp32 with .p2.l.v1, 8B b = 256 395.1 / 395.9 / 395.2 vs 397.2 /
+# 397.8 / 396.7 (three timings each), b = 128 210.7 vs 210.3, b = 512 771.7 vs 768.6.
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.a.y.v1", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list.c.y.b.t.p2.l.v1", LaunchConfig(block_p=64, num_warps=4)))
-VERIFY_16BIT_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1"  # several tokens, 16-bit state, above mono.t
+               ("stream-list.c.y.b.t.p2.l.v1.h", LaunchConfig(block_p=64, num_warps=4)))
+VERIFY_16BIT_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1.h"  # several tokens, 16-bit state, above mono.t
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
 # bytes there. H200, fp32 state, session 6 call 3 (benchmarks/NOTES-kernels.md), mono vs split:

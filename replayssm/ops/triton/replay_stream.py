@@ -1,5 +1,5 @@
 """ReplaySSM forward step, row-streaming launches (route "stream-list"; several tokens take
-"stream-list.c.y.b.t.p2.l.v1" or "stream-list.c.y.b.t.f2.g128.p4.v1[.l]" by size and state dtype,
+"stream-list.c.y.b.t.p2.l.v1.h" or "stream-list.c.y.b.t.f2.g128.p4.v1.h" by size and state dtype,
 `replay.auto_route`).
 
 Same weights launch and arithmetic as `replay_step.py`; the output launches differ in shape. A
@@ -31,6 +31,9 @@ fp32 state the streaming launch programmatically dependent on the weights launch
 state take the flush pieces in two column parts under a 128-register cap, four programs per SM
 (.f2.g128.p4: TP8 b = 256 63.7 vs 68.4 us with .l; 8B fp16 b = 256 354.2 vs 372.4; session 13).
 The weights launch takes one warp per program (.v1: 8B fp32 b = 256 397.3 vs 409.7 us; session 14).
+Each streaming program loads C once for its pieces, which share a group (.h: the pipeline then
+stages only the state tiles, five programs per SM instead of four; fp16 state 8B b = 256 335.6 vs
+344.5 us, fp32 395-396 vs 397-398; session 18).
 """
 
 from __future__ import annotations
