@@ -21,7 +21,8 @@ if [ "$2" = fi ]; then
   FI="--flashinfer --fi-shapes nemotron-h-8b"  # .fi/fiws.tgz holds the 8B modules
 fi
 # The table takes route "auto" (what the public op runs: mono / mono.t for small steps, lean.a.y.v1 for
-# one token, stream-list.c.y.b.t.p2.l.v1.h or .f2.g128.p4.v1.h for several by state dtype; replay.auto_route).
+# one token, stream-list.c.y.b.t.p2.l.v1.h or .f2.g128.p4.v1.h for several by state dtype, .i2 on small
+# steps; replay.auto_route).
 # EXTRA (replay tiles timed beside it at the headline case, both q) is empty: the one-token options
 # (.p2, .nN) need the lock-step mix to judge them (bench_kernels.py --lockstep; NOTES-kernels.md,
 # session 16), and a one-token route's q = 4 row means nothing.

@@ -42,7 +42,8 @@ SEVERAL_TOKEN_ROUTES = ["stream-list.f2", "stream-list.c.y.b.t.f2.g128.p4", "str
                         "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
                         "stream-list.c.y.b.t.p2.l.v1", "stream-list.c.y.b.t.f2.g128.p4.v1",
                         "stream-list.c.y.b.t.p2.l.v2", "stream-list.c.y.b.t.p2.l.v1.h",
-                        "stream-list.c.y.b.t.f2.g128.p4.v1.h", "stream-list.c.t.h"]
+                        "stream-list.c.y.b.t.f2.g128.p4.v1.h", "stream-list.c.t.h",
+                        "stream-list.c.y.b.t.p2.l.v1.h.i2"]
 STREAM_CASES = ([(r, q) for r in STREAM_ROUTES for q in (1, 4)]
                 + [(r, q) for r in SEVERAL_TOKEN_ROUTES for q in (2, 4)])
 
@@ -201,12 +202,12 @@ def test_auto_route_policy():
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 2,048 row-heads
     assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t"  # 4,096 row-heads
     assert auto_route(512, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 8,192
-    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1.h"  # 16,384 row-heads
+    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1.h.i2"  # 16,384 row-heads
     assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1.h"
     # 16-bit states: mono.t up to 1,024 row-heads, then the flush pieces in column parts, no .l.
     f16 = torch.float16
     assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t"
-    assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h"
+    assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2"
     assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h"
     assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
     assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"

@@ -28,7 +28,8 @@ Routes (all read S0 once per row and write it only on flush rows):
   the streaming launch programmatically dependent on the weights launch (.l); the weights launch
   runs one warp per program (.v1). Steps with a 16-bit state take the flush pieces in two column
   parts, 128 registers, four programs per SM instead ("stream-list.c.y.b.t.f2.g128.p4.v1.h"). Both
-  load C once per streaming program (.h), so the pipeline stages only the state tiles. Steps
+  load C once per streaming program (.h), so the pipeline stages only the state tiles, and take two
+  pieces per program instead of eight up to 16,384 pieces (.i2, `FEW_PIECES`). Steps
   of up to 8,192 row-heads with fp32 state (1,024 with 16-bit) take "mono.t" (`auto_route`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
@@ -153,6 +154,12 @@ MONO_T_CONFIGS = {
 }
 MONO_MAX_ROW_HEADS = (2048, 8192)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
 MONO_T_MAX_ROW_HEADS_16BIT = 1024  # "mono.t" with fp16 / bf16 state
+# Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
+# session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
+# three calls; fp16 TP8 b = 128 / 256 / 512 35.7 / 55.3 / 95.8 vs 37.9 / 59.2 / 107.4, 8B b = 128 182.3
+# vs 182.6; above, eight win or tie: 8B fp32 b = 256 393.0-394.5 vs 394.6-395.4, b = 512 779-791 vs
+# 769-773, fp16 b = 256 / 512 347-350 / 690 vs 335 / 657.
+FEW_PIECES = 16384
 
 
 def auto_route(b: int, q: int, H: int, P: int, N: int,
@@ -170,7 +177,11 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     route, cfg = AUTO_ROUTES[q > 1]
     if q > 1 and not wide:
         route = VERIFY_16BIT_ROUTE
-    return (route, cfg) if stream_supported(P, N, cfg.block_p) else None
+    if not stream_supported(P, N, cfg.block_p):
+        return None
+    if q > 1 and b * H * (P // cfg.block_p) <= FEW_PIECES:
+        route += ".i2"
+    return route, cfg
 
 
 # Route options: a letter and a number (keyword = the number), or a flag letter (keyword = value).
