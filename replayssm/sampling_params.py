@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 # Below this temperature a request is sampled greedily (dividing logits by ~0 overflows).
 GREEDY_EPS = 1e-5
+# The most alternatives `logprobs` may ask for per token (OpenAI's chat API allows 20).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -21,9 +23,11 @@ class SamplingParams:
     stop: strings that end generation; the text is cut before the matched string.
     stop_token_ids: token ids that end generation (kept in token_ids, finish_reason "stop").
     ignore_eos: keep generating past the end-of-sequence token.
-    logprobs: when set (>= 0), return the log-probability of each chosen token.
+    logprobs: when set (>= 0), return the log-probability of each chosen token and, when > 0, the
+        `logprobs` most likely tokens at each position with theirs (at most MAX_LOGPROBS; all
+        under the unmodified model distribution, before temperature, top-k and top-p).
     prompt_logprobs: when set (>= 0), return the log-probability of each prompt token
-        (None for the first one), computed during prefill.
+        (None for the first one), computed during prefill (the token's own: no alternatives).
     skip_special_tokens: drop special tokens (eos, bos, pad) from the returned text.
     """
 
@@ -66,6 +70,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+
+    @property
+    def top_logprobs(self) -> int:
+        """How many alternatives per generated token this request wants (0: none)."""
+        return self.logprobs or 0
 
     @property
     def greedy(self) -> bool:

@@ -44,19 +44,22 @@ class LaunchedStep:
     verified: list[int]  # verify rows
     tokens: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
-    emitted: dict[int, tuple[list[int], list[float] | None]] = field(default_factory=dict)
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, logprobs) (rows, n): alternatives
+    # Per row: (tokens, their logprobs or None, per token its most likely (id, logprob) pairs or None).
+    emitted: dict[int, tuple[list[int], list[float] | None, list[Any] | None]] = field(default_factory=dict)
     num_accepted: list[int] = field(default_factory=list)
     live: list[int] = field(default_factory=list)  # each row's live slot after the commit
-    # A deferred verify (`launch(defer_verify=True)`): its tokens, emitted counts and logprobs on the
-    # device, and the runner's commit_async handle; `complete` reads them back and finishes both.
-    verify: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    # A deferred verify (`launch(defer_verify=True)`): its tokens, emitted counts, logprobs and
+    # alternatives' (ids, logprobs) on the device (`SpecDecoder.verify_launch`), and the runner's
+    # commit_async handle; `complete` reads them back and finishes both.
+    verify: tuple[torch.Tensor | None, ...] | None = None
     commit: Any = None
     _host: list[torch.Tensor | None] | None = None
     _ready: Any = None  # CUDA event after the copies to `_host`
     _verify_lists: list[Any] = field(default_factory=list)
 
     def _device_results(self) -> list[torch.Tensor | None]:
-        return [self.tokens, self.logprobs, *(self.verify or ())]
+        return [self.tokens, self.logprobs, *(self.top or (None, None)), *(self.verify or ())]
 
     def read_back(self) -> None:
         """Queue the sampled tokens' (logprobs', a deferred verify's) copy to pinned host memory;
@@ -78,20 +81,35 @@ class LaunchedStep:
         self._ready = torch.cuda.Event()
         self._ready.record()
 
-    def results(self) -> tuple[list[int], list[float] | None]:
-        """The sampled tokens and logprobs as lists (waits for `read_back`'s copy); with a deferred
-        verify, also its tokens, counts and logprobs as lists (`verify_results`)."""
+    def results(self) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
+        """The sampled tokens, their logprobs and alternatives as lists (waits for `read_back`'s
+        copy); with a deferred verify, also its results as lists (`verify_results`)."""
         host = self._device_results()
         if self._host is not None:
             self._ready.synchronize()
             host = self._host
         lists = [t.tolist() if t is not None else None for t in host]
-        self._verify_lists = lists[2:]
-        return lists[0] if lists[0] is not None else [], lists[1]
+        self._verify_lists = lists[4:]
+        return lists[0] if lists[0] is not None else [], lists[1], pairs(lists[2], lists[3])
 
-    def verify_results(self) -> tuple[list[list[int]], list[int], list[list[float]] | None]:
-        """A deferred verify's (tokens, emitted counts, logprobs) as lists; after `results()`."""
+    def verify_results(self) -> tuple[Any, ...]:
+        """A deferred verify's (tokens, emitted counts, logprobs, alternatives' ids, their logprobs)
+        as lists; after `results()`."""
         return tuple(self._verify_lists)
+
+
+def _row_of(results: tuple, j: int) -> tuple:
+    """Row j of a verify's (tokens, logprobs or None, alternatives or None) per-row lists."""
+    return tuple(x[j] if x is not None else None for x in results)
+
+
+def pairs(ids: list | None, logprobs: list | None) -> list | None:
+    """Nested lists of alternatives' ids and logprobs (..., n) as lists of (id, logprob) pairs."""
+    if ids is None:
+        return None
+    if ids and isinstance(ids[0], list) and ids[0] and isinstance(ids[0][0], list):
+        return [pairs(i, lp) for i, lp in zip(ids, logprobs)]
+    return [list(zip(i, lp)) for i, lp in zip(ids, logprobs)]
 
 
 def launch(engine: LLMEngine, chunks: list[ScheduledChunk],
@@ -131,7 +149,7 @@ def launch(engine: LLMEngine, chunks: list[ScheduledChunk],
     if sampled:
         # A device index (pinned, asynchronous): a Python list index would copy and sync.
         rows_idx = to_device(sample_rows, torch.int64, logits.device)
-        step.tokens, step.logprobs = engine._sample(logits[rows_idx], [chunks[i] for i in sampled])
+        step.tokens, step.logprobs, step.top = engine._sample(logits[rows_idx], [chunks[i] for i in sampled])
     args = ([offsets[i] for i in verified], [chunks[i].request for i in verified],
             [drafts[i] for i in verified])
     if verified and defer_verify:
@@ -143,8 +161,8 @@ def launch(engine: LLMEngine, chunks: list[ScheduledChunk],
         step.read_back()
         return step
     if verified:
-        out, lps = engine.spec.verify(logits, *args)
-        step.emitted = {i: (out[j], lps[j] if lps is not None else None) for j, i in enumerate(verified)}
+        results = engine.spec.verify(logits, *args)
+        step.emitted = {i: _row_of(results, j) for j, i in enumerate(verified)}
     step.num_accepted = [len(step.emitted[i][0]) if i in step.emitted else 1 for i in range(len(rows))]
     # Queue the commit before reading tokens back, so it overlaps the device-to-host copy.
     step.live = engine.runner.commit(rows, step.num_accepted) or [row.slot for row in rows]
@@ -189,19 +207,21 @@ def complete(engine: LLMEngine, step: LaunchedStep) -> list[RequestOutput]:
     """Read a launched step's tokens back and apply them: append, detokenize, stop checks,
     prefix publication, outputs. Rows of requests finished since the launch are dropped."""
     chunks, rows, drafts, plans = step.chunks, step.rows, step.drafts, step.plans
-    tokens_list, logprobs_list = step.results()  # the step's one wait
+    tokens_list, logprobs_list, top_list = step.results()  # the step's one wait
     emitted = step.emitted
     for j, i in enumerate(step.sampled):
-        emitted[i] = ([tokens_list[j]], [logprobs_list[j]] if logprobs_list is not None else None)
+        emitted[i] = ([tokens_list[j]], [logprobs_list[j]] if logprobs_list is not None else None,
+                      [top_list[j]] if top_list is not None else None)
     verified_set = set(step.verified)  # membership per row: a list made that O(rows^2) (~0.5 ms at 256)
     kept, dropped = [], []  # dropped: rows of requests finished since the launch (a step launched ahead)
     for i, c in enumerate(chunks):
         (dropped if c.request.finished else kept).append(i)
     if step.verify is not None:
-        out, acc, lps = step.verify_results()
-        out, lps = engine.spec.verify_finish([drafts[i] for i in step.verified], out, acc, lps)
+        out, acc, lps, top_ids, top_lps = step.verify_results()
+        results = engine.spec.verify_finish([drafts[i] for i in step.verified], out, acc, lps,
+                                            pairs(top_ids, top_lps))
         for j, i in enumerate(step.verified):
-            emitted[i] = (out[j], lps[j] if lps is not None else None)
+            emitted[i] = _row_of(results, j)
         step.num_accepted = [len(emitted[i][0]) if i in verified_set else 1 for i in range(len(rows))]
         keep = [not c.request.finished for c in chunks]
         step.live = engine.runner.finish_commit(step.commit, rows, step.num_accepted, keep)
@@ -229,12 +249,13 @@ def complete(engine: LLMEngine, step: LaunchedStep) -> list[RequestOutput]:
     reasons: dict[int, str | None] = {}
     for i in sorted(emitted):
         r = chunks[i].request
-        toks, lps = emitted[i]
+        toks, lps, tops = emitted[i]
         if i in verified_set:
             engine.metrics.spec_draft_tokens += len(drafts[i].tokens)
             engine.metrics.spec_accepted_tokens += len(toks) - 1
         for j, t in enumerate(toks):
-            reason = engine.output.append_token(r, t, lps[j] if lps is not None else None)
+            reason = engine.output.append_token(r, t, lps[j] if lps is not None else None,
+                                                tops[j] if tops is not None else None)
             engine.metrics.generation_tokens += 1
             if reason is not None:
                 # Tokens after a stop are dropped: computed positions end before the last token.

@@ -15,7 +15,7 @@ from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
 from replayssm.engine.request import Request
 from replayssm.engine.runner_setup import RunnerSetup, build_runner
 from replayssm.engine.scheduler import ScheduledChunk, Scheduler
-from replayssm.ops.sampling import SamplingTensors, sample
+from replayssm.ops.sampling import SamplingTensors, sample, top_logprobs
 from replayssm.sampling_params import SamplingParams
 
 
@@ -233,7 +233,9 @@ class LLMEngine:
             num_logits=num_logits,
         )
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Any]:
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Any, Any]:
+        """(tokens (b,), their logprobs (b,) or None, and (ids, logprobs) (b, n) of the n most likely
+        tokens when a request wants n > 0 alternatives, else None) for the rows' last logits."""
         reqs = [c.request for c in chunks]
         params = SamplingTensors.build(
             temperature=[r.params.temperature for r in reqs],
@@ -244,7 +246,10 @@ class LLMEngine:
             vocab_size=logits.shape[-1],
             device=logits.device,
         )
-        return sample(logits, params, need_logprobs=any(r.params.logprobs is not None for r in reqs))
+        tokens, logprobs = sample(logits, params,
+                                  need_logprobs=any(r.params.logprobs is not None for r in reqs))
+        n = max(r.params.top_logprobs for r in reqs)
+        return tokens, logprobs, top_logprobs(logits, n) if n else None
 
     def _record_prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         """Logits at positions p predict token p + 1; keep those that land inside the prompt."""

@@ -30,6 +30,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     _tokens: list[int] = field(default_factory=list, repr=False)
     _logprobs: list[float] | None = field(default=None, repr=False)
+    _top_logprobs: list[list[tuple[int, float]]] | None = field(default=None, repr=False)
 
     @functools.cached_property
     def token_ids(self) -> list[int]:
@@ -40,6 +41,12 @@ class RequestOutput:
     def logprobs(self) -> list[float] | None:
         """Per generated token, when SamplingParams.logprobs is set."""
         return None if self._logprobs is None else self._logprobs[: self.num_output_tokens]
+
+    @functools.cached_property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        """Per generated token, the SamplingParams.logprobs most likely (token id, logprob) pairs,
+        most likely first; None unless SamplingParams.logprobs > 0."""
+        return None if self._top_logprobs is None else self._top_logprobs[: self.num_output_tokens]
 
     @property
     def has_logprobs(self) -> bool:
@@ -53,6 +60,10 @@ class RequestOutput:
     def logprobs_since(self, start: int) -> list[float] | None:
         """logprobs[start:] without copying the prefix; None when logprobs were not asked for."""
         return None if self._logprobs is None else self._logprobs[start : self.num_output_tokens]
+
+    def top_logprobs_since(self, start: int) -> list[list[tuple[int, float]]] | None:
+        """top_logprobs[start:] without copying the prefix; None when no alternatives were asked for."""
+        return None if self._top_logprobs is None else self._top_logprobs[start : self.num_output_tokens]
 
 
 def make_output(r: Request) -> RequestOutput:
@@ -68,6 +79,7 @@ def make_output(r: Request) -> RequestOutput:
         num_output_tokens=len(r.output_token_ids),
         _tokens=r.output_token_ids,
         _logprobs=r.output_logprobs if r.params.logprobs is not None else None,
+        _top_logprobs=r.output_top_logprobs if r.params.top_logprobs else None,
     )
 
 
@@ -95,12 +107,16 @@ class OutputProcessor:
     def remove(self, r: Request) -> None:
         self._detokenizers.pop(r.request_id, None)
 
-    def append_token(self, r: Request, token: int, logprob: float | None) -> str | None:
-        """Append ``token`` (and its logprob) to ``r``; return a finish reason or None."""
+    def append_token(self, r: Request, token: int, logprob: float | None,
+                     top: list[tuple[int, float]] | None = None) -> str | None:
+        """Append ``token`` (its logprob, and its position's most likely tokens ``top``: at least
+        params.logprobs pairs when that is > 0) to ``r``; return a finish reason or None."""
         p = r.params
         r.output_token_ids.append(token)
         if p.logprobs is not None:
             r.output_logprobs.append(logprob)
+        if p.top_logprobs:
+            r.output_top_logprobs.append(top[: p.top_logprobs])
         detok = self._detokenizers.get(r.request_id)
         if detok is not None:
             new_text = detok.add(token)

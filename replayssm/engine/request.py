@@ -37,6 +37,8 @@ class Request:
     # Append-only (RequestOutput snapshots keep them with their length at the step).
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # Per generated token, its params.logprobs most likely (token id, logprob) pairs (when > 0).
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -115,6 +115,14 @@ def apply_top_k_top_p(
     return logits.masked_fill(mask, float("-inf"))
 
 
+def top_logprobs(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n most likely tokens of each row under the unmodified model distribution (log_softmax of
+    the raw logits, as `sample`'s logprobs): (token ids (..., n) int64, their logprobs (..., n) fp32),
+    most likely first. logits (..., V)."""
+    values, ids = logits.float().log_softmax(dim=-1).topk(n, dim=-1)
+    return ids, values
+
+
 def sample(
     logits: torch.Tensor, params: SamplingTensors, need_logprobs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from replayssm.sampling_params import MAX_LOGPROBS
 from replayssm.server.protocol import (
     APIError,
     ChatChoice,
@@ -71,9 +72,9 @@ class CompletionHandler(_Handler):
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
-        if req.logprobs is not None and req.logprobs != 0:
-            raise APIError(400, "only the chosen token's logprob is returned: logprobs must be 0 "
-                           f"(top alternatives are not supported), got {req.logprobs}", param="logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}",
+                           param="logprobs")
         check_sampling(req, req.max_tokens)
         prompts = [state.encode(p, "prompt") for p in req.prompts()]
         self.engine_requests = build_requests(
@@ -116,10 +117,9 @@ class ChatHandler(_Handler):
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-            if req.top_logprobs != 0:
-                raise APIError(400, "only the chosen token's logprob is returned: top_logprobs must be 0 "
-                               f"(top alternatives are not supported), got {req.top_logprobs}",
-                               param="top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
+                               f"got {req.top_logprobs}", param="top_logprobs")
         if req.tools or req.tool_choice not in (None, "none"):
             raise APIError(400, "tools and tool_choice are not supported", param="tools")
         if req.response_format is not None and req.response_format.get("type") != "text":
@@ -135,7 +135,7 @@ class ChatHandler(_Handler):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         # The template already spells out BOS and the like; encoding must not add them again.
         ids = state.encode(text, "messages", add_special_tokens=False)
-        logprobs = 0 if req.logprobs else None
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.engine_requests = build_requests(
             req, self.id, [ids], max_tokens, state.max_model_len,
             default_max_tokens=None, logprobs=logprobs, param="messages")

@@ -19,6 +19,7 @@ from replayssm.server.protocol import (
     CompletionLogprobs,
     PromptTokensDetails,
     SamplingRequest,
+    TopLogprob,
     Usage,
 )
 
@@ -126,7 +127,8 @@ def token_strings(tokenizer, token_ids: list[int]) -> list[str]:
 
 
 def completion_logprobs(tokenizer, out, start: int = 0, offset: int = 0) -> CompletionLogprobs | None:
-    """Legacy-completions logprobs of tokens[start:]; only the sampled token's logprob is known."""
+    """Legacy-completions logprobs of tokens[start:]: each token's own and, when asked for, its
+    position's most likely tokens as {token text: logprob} (tokens with the same text share a key)."""
     if not out.has_logprobs:
         return None
     tokens = token_strings(tokenizer, out.tokens_since(start))
@@ -134,15 +136,28 @@ def completion_logprobs(tokenizer, out, start: int = 0, offset: int = 0) -> Comp
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
+    tops = out.top_logprobs_since(start)
+    if tops is not None:
+        tops = [dict(zip(token_strings(tokenizer, [i for i, _ in top]), (lp for _, lp in top)))
+                for top in tops]
     return CompletionLogprobs(tokens=tokens, token_logprobs=out.logprobs_since(start),
-                              top_logprobs=None, text_offset=offsets)
+                              top_logprobs=tops, text_offset=offsets)
 
 
 def chat_logprobs(tokenizer, out, start: int = 0) -> ChatLogprobs | None:
-    """Chat logprobs of tokens[start:]; top_logprobs stay empty (the engine reports the sampled one)."""
+    """Chat logprobs of tokens[start:], each with its position's most likely tokens when asked for
+    (`top_logprobs`; else that list stays empty)."""
     if not out.has_logprobs:
         return None
     tokens = token_strings(tokenizer, out.tokens_since(start))
     values = out.logprobs_since(start)
-    return ChatLogprobs(content=[ChatTokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                                 for t, lp in zip(tokens, values)])
+    tops = out.top_logprobs_since(start) or [[] for _ in tokens]
+    return ChatLogprobs(content=[ChatTokenLogprob(token=t, logprob=lp, bytes=list(t.encode()),
+                                                  top_logprobs=_top_entries(tokenizer, top))
+                                 for t, lp, top in zip(tokens, values, tops)])
+
+
+def _top_entries(tokenizer, top: list[tuple[int, float]]) -> list[TopLogprob]:
+    """A position's (token id, logprob) alternatives as chat `top_logprobs` entries."""
+    texts = token_strings(tokenizer, [i for i, _ in top])
+    return [TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, (_, lp) in zip(texts, top)]

@@ -23,6 +23,7 @@ import torch
 from replayssm.config import EngineConfig
 from replayssm.engine.host_pack import HostPack
 from replayssm.engine.request import Request
+from replayssm.ops.sampling import top_logprobs
 from replayssm.sampling_params import GREEDY_EPS
 from replayssm.spec.proposer import Drafts, Proposer
 from replayssm.spec.stats import SpecStats
@@ -81,19 +82,26 @@ class SpecDecoder:
         return out
 
     def verify(self, logits: torch.Tensor, offsets: list[int], requests: list[Request],
-               drafts: list[Drafts]) -> tuple[list[list[int]], list[list[float]] | None]:
+               drafts: list[Drafts]) -> tuple[list[list[int]], list[list[float]] | None, list | None]:
         """Verify rows: logits[offsets[i] : offsets[i] + 1 + k_i] belong to requests[i] with
         drafts[i]. Returns the emitted tokens per row (accepted drafts + one) and, when any
-        request wants logprobs, their logprobs under the raw target distribution."""
-        out, acc, lps = self.verify_launch(logits, offsets, requests, drafts)
+        request wants logprobs, their logprobs under the raw target distribution, and when any
+        wants alternatives, per emitted token its most likely (id, logprob) pairs (else None)."""
+        out, acc, lps, top_ids, top_lps = self.verify_launch(logits, offsets, requests, drafts)
         both = torch.cat([out, acc[:, None]], dim=-1).tolist()  # the verify step's one host sync
+        tops = None
+        if top_ids is not None:
+            tops = [[list(zip(i, lp)) for i, lp in zip(row_i, row_lp)]
+                    for row_i, row_lp in zip(top_ids.tolist(), top_lps.tolist())]
         return self.verify_finish(drafts, [row[:-1] for row in both], [row[-1] for row in both],
-                                  lps.tolist() if lps is not None else None)
+                                  lps.tolist() if lps is not None else None, tops)
 
     def verify_launch(self, logits: torch.Tensor, offsets: list[int], requests: list[Request],
-                      drafts: list[Drafts]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      drafts: list[Drafts]) -> tuple[torch.Tensor | None, ...]:
         """`verify` on the device, reading nothing back: (tokens (b, K + 1), emitted counts (b,),
-        their logprobs (b, K + 1) or None). `verify_finish` takes them once they are lists."""
+        their logprobs (b, K + 1) or None, and the n most likely tokens' ids and logprobs (b, K + 1,
+        n) when a request wants n > 0 alternatives, else None, None). `verify_finish` takes them once
+        they are lists."""
         b, V = len(requests), logits.shape[-1]
         lens = [len(d.tokens) for d in drafts]
         K = max(lens)
@@ -140,15 +148,19 @@ class SpecDecoder:
         lps = None
         if any(x.logprobs is not None for x in p):
             lps = padded.log_softmax(dim=-1).gather(-1, out[..., None]).squeeze(-1)
-        return out, acc, lps
+        n = max(x.top_logprobs for x in p)
+        top_ids, top_lps = top_logprobs(padded, n) if n else (None, None)
+        return out, acc, lps, top_ids, top_lps
 
     def verify_finish(self, drafts: list[Drafts], out: list[list[int]], acc: list[int],
-                      lps: list[list[float]] | None) -> tuple[list[list[int]], list[list[float]] | None]:
-        """`verify`'s result from `verify_launch`'s tensors as lists; records the acceptance."""
+                      lps: list[list[float]] | None, tops: list | None = None) -> tuple[list, ...]:
+        """`verify`'s result from `verify_launch`'s tensors as lists (tops: per row and position,
+        the alternatives as (id, logprob) pairs); records the acceptance."""
         emitted = [row[:a] for row, a in zip(out, acc)]
         for d, a in zip(drafts, acc):
             self.stats.record(len(d.tokens), a - 1)
-        return emitted, None if lps is None else [row[:a] for row, a in zip(lps, acc)]
+        return (emitted, None if lps is None else [row[:a] for row, a in zip(lps, acc)],
+                None if tops is None else [row[:a] for row, a in zip(tops, acc)])
 
     def observe(self, requests: list[Request], row_index: list[int], starts: list[int],
                 num_computed: list[int]) -> None:

@@ -35,6 +35,12 @@ def same(a: dict, b: dict) -> None:
         assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason), rid
         if x.logprobs is not None:
             assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5), rid
+        assert (x.top_logprobs is None) == (y.top_logprobs is None), rid
+        if x.top_logprobs is not None:
+            ids = [[[i for i, _ in t] for t in z.top_logprobs] for z in (x, y)]
+            assert ids[0] == ids[1], rid
+            assert [v for t in x.top_logprobs for _, v in t] == pytest.approx(
+                [v for t in y.top_logprobs for _, v in t], abs=1e-5), rid
 
 
 def workload(stop_at: dict[int, int]) -> list[tuple[list[int], SamplingParams]]:
@@ -45,7 +51,7 @@ def workload(stop_at: dict[int, int]) -> list[tuple[list[int], SamplingParams]]:
         if i % 2:
             kw.update(temperature=0.8, top_p=0.9)
         if i % 3 == 0:
-            kw.update(logprobs=1)
+            kw.update(logprobs=i % 2 + 1)  # the chosen token's logprob and 1 or 2 alternatives
         if i in stop_at:
             kw.update(stop_token_ids=[stop_at[i]])
         reqs.append((p, SamplingParams(**kw)))

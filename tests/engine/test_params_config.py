@@ -18,6 +18,7 @@ from replayssm.sampling_params import SamplingParams
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),  # more alternatives than MAX_LOGPROBS
         ({"prompt_logprobs": True}, "prompt_logprobs"),
     ],
 )

@@ -133,6 +133,17 @@ def follow_ups(seed: int, reqs, outputs: dict, max_model_len: int) -> list[tuple
     return turns
 
 
+def check_top(got: list, want: list, atol: float, msg: str) -> None:
+    """Per token, the alternatives' logprobs within atol of want's, and each id's logprob there too
+    (an id outside want's list must tie want's last entry: a near tie may swap them)."""
+    assert len(got) == len(want), msg
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor([v for _, v in g]), torch.tensor([v for _, v in w]), rtol=0,
+                                   atol=atol, msg=msg)
+        at = dict(w)
+        assert all(abs(at.get(i, w[-1][1]) - v) <= 2 * atol for i, v in g), msg
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_configs_match_a_plain_run(seed):
     """A random engine config (window, block size, tight memory, prefix caching, async, drafts, seeded
@@ -145,11 +156,13 @@ def test_random_configs_match_a_plain_run(seed):
     tops = [random.Random(seed + i).choice([1.0, 0.9, 0.5]) for i in range(2 * run["num_requests"])]
 
     def params(i: int, max_tokens: int) -> SamplingParams:
-        # Logprobs too: a tiny random model's tokens can survive a slightly wrong state.
+        # Logprobs too (and every third request two alternatives per token): a tiny random model's
+        # tokens can survive a slightly wrong state.
+        lp = 2 if i % 3 == 0 else 0
         if not run["sampling"]:
-            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=lp)
         return SamplingParams(temperature=0.9, top_p=tops[i], seed=1000 + i, max_tokens=max_tokens,
-                              ignore_eos=True, logprobs=0)
+                              ignore_eos=True, logprobs=lp)
 
     def plain_run(reqs):
         llm = LLM(small_checkpoint(), max_num_seqs=64, max_num_batched_tokens=4096, **plain_kw)
@@ -174,3 +187,5 @@ def test_random_configs_match_a_plain_run(seed):
         assert got.finish_reason == "abort" or n == len(want.token_ids), rid
         assert got.token_ids == want.token_ids[:n], rid
         torch.testing.assert_close(got.logprobs, want.logprobs[:n], rtol=0, atol=1e-4, msg=rid)
+        if want.top_logprobs is not None:
+            check_top(got.top_logprobs, want.top_logprobs[:n], 1e-4, rid)

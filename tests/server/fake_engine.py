@@ -26,6 +26,7 @@ class FakeOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     # RequestOutput's copy-free accessors.
     @property
@@ -41,6 +42,9 @@ class FakeOutput:
 
     def logprobs_since(self, start: int) -> list[float] | None:
         return None if self.logprobs is None else self.logprobs[start:]
+
+    def top_logprobs_since(self, start: int) -> list[list[tuple[int, float]]] | None:
+        return None if self.top_logprobs is None else self.top_logprobs[start:]
 
 
 class ByteTokenizer:
@@ -154,8 +158,12 @@ class FakeEngine:
 
     def _output(self, r: _Req, finished: bool, reason: str | None, text: str | None = None) -> FakeOutput:
         logprobs = [-0.25 - 0.01 * i for i in range(len(r.out))] if r.params.logprobs is not None else None
+        # Alternatives: the chosen token first, then the next byte values, each 1 nat less likely.
+        n = r.params.top_logprobs
+        tops = [[((t + k) % 256, lp - k) for k in range(n)] for t, lp in zip(r.out, logprobs)] if n else None
         text = self.tokenizer.decode(r.out) if text is None else text
-        return FakeOutput(r.request_id, r.prompt, list(r.out), text, finished, reason, r.cached, logprobs)
+        return FakeOutput(r.request_id, r.prompt, list(r.out), text, finished, reason, r.cached, logprobs,
+                          tops)
 
     def get_metrics(self) -> dict:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting), "num_preemptions": 0,

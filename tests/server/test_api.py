@@ -141,6 +141,29 @@ def test_bad_input_is_4xx_and_server_keeps_serving(fake_server, client, name, pa
     assert good.choices[0].finish_reason == "length"
 
 
+def test_top_logprobs_completions_and_chat(client):
+    """logprobs = N (completions) and top_logprobs = N (chat) return each token's N alternatives with
+    their text, streamed or not."""
+    res = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0, logprobs=3)
+    lp = res.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 4
+    for tok, own, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and top[tok] == own  # the fake engine's chosen token comes first
+        assert sorted(top.values(), reverse=True) == list(top.values())
+    stream = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0, logprobs=3,
+                                       stream=True)
+    assert [t for c in stream if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs] == \
+        lp.top_logprobs
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == [entry.logprob, entry.logprob - 1]
+        assert entry.top_logprobs[0].token == entry.token
+        assert all(bytes(t.bytes).decode() == t.token for t in entry.top_logprobs)
+
+
 def test_refused_options_pass_at_their_no_op_values(client):
     """best_of = n, tool_choice "none", a text response_format and top_logprobs 0 are served as usual."""
     res = client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2, best_of=2)

@@ -44,7 +44,9 @@ def real(tmp_path_factory):
     chat = [{"role": "user", "content": "Say something."}]
     chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat), add_special_tokens=False)
     greedy8 = SamplingParams(temperature=0.0, max_tokens=8)
+    top3 = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
     ref = {"text": llm.generate(text_prompt, greedy8, use_tqdm=False)[0],
+           "top": llm.generate(text_prompt, top3, use_tqdm=False)[0], "decode": llm.tokenizer.decode,
            "chat": llm.generate(chat_ids, greedy8, use_tqdm=False)[0],
            "text_prompt": text_prompt, "chat_messages": chat}
     try:
@@ -96,6 +98,13 @@ def test_openai_client_completions_chat_streaming_usage(real):
         again = client.completions.create(**sampling)
         assert [c.text for c in again.choices] == [c.text for c in sampled.choices]
         assert all(lp <= 0.0 for c in sampled.choices for lp in c.logprobs.token_logprobs)
+        # Alternatives: offline generate()'s, by token text.
+        top = client.completions.create(model="tiny", prompt=ref["text_prompt"], max_tokens=8, temperature=0,
+                                        logprobs=3).choices[0].logprobs.top_logprobs
+        want = [{ref["decode"]([i]): lp for i, lp in alts} for alts in ref["top"].top_logprobs]
+        assert [list(t) for t in top] == [list(w) for w in want]
+        assert [v for t in top for v in t.values()] == pytest.approx([v for w in want for v in w.values()],
+                                                                      abs=1e-5)
     assert_no_leaks(server)
 
 

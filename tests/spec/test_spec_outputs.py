@@ -9,13 +9,18 @@ SPEC = dict(num_speculative_tokens=3, speculative_method="draft")
 
 
 def test_logprobs_of_spec_tokens_match_plain():
-    """Each emitted token of a verify step carries the target's logprob, as in plain decoding."""
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    """Each emitted token of a verify step carries the target's logprob and its position's most
+    likely tokens, as in plain decoding."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     plain = make_llm().generate(prompts(), params, use_tqdm=False)
     spec = make_llm(draft_model=target(), **SPEC).generate(prompts(), params, use_tqdm=False)
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids and len(b.logprobs) == 12
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=1e-4, atol=1e-4)
+        assert len(b.top_logprobs) == 12 and all(len(top) == 3 for top in b.top_logprobs)
+        got, want = torch.tensor(b.top_logprobs), torch.tensor(a.top_logprobs)  # (12, 3, [id, logprob])
+        assert torch.equal(got[..., 0], want[..., 0])
+        torch.testing.assert_close(got[..., 1], want[..., 1], rtol=1e-4, atol=1e-4)
 
 
 def test_stop_token_inside_accepted_drafts_truncates_like_plain():
