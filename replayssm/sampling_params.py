@@ -27,7 +27,8 @@ class SamplingParams:
         `logprobs` most likely tokens at each position with theirs (at most MAX_LOGPROBS; all
         under the unmodified model distribution, before temperature, top-k and top-p).
     prompt_logprobs: when set (>= 0), return the log-probability of each prompt token
-        (None for the first one), computed during prefill (the token's own: no alternatives).
+        (None for the first one), computed during prefill, and when > 0 (at most MAX_LOGPROBS) the
+        `prompt_logprobs` most likely tokens at each of those positions with theirs.
     skip_special_tokens: drop special tokens (eos, bos, pad) from the returned text.
     """
 
@@ -70,8 +71,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
 
     @property
     def top_logprobs(self) -> int:

@@ -259,11 +259,16 @@ class LLMEngine:
         if stop <= first:
             return
         targets = torch.tensor(r.prompt_token_ids[first + 1 : stop + 1], device=logits.device)
-        lp = logits[: stop - first].log_softmax(dim=-1).gather(-1, targets[:, None]).squeeze(-1).tolist()
+        full = logits[: stop - first].float().log_softmax(dim=-1)
+        lp = full.gather(-1, targets[:, None]).squeeze(-1).tolist()
         # Chunks arrive in order; a recompute after preemption starts over and overwrites.
         r.prompt_logprobs = (r.prompt_logprobs or [None])[: first + 1]
         assert len(r.prompt_logprobs) == first + 1, "prompt logprobs must arrive in order"
         r.prompt_logprobs.extend(lp)
+        if n := r.params.prompt_logprobs:
+            values, ids = full.topk(n, dim=-1)
+            r.prompt_top_logprobs = (r.prompt_top_logprobs or [None])[: first + 1]
+            r.prompt_top_logprobs.extend(list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(r, reason)

@@ -25,6 +25,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[float | None] | None = None  # per prompt token (first is None)
+    # Per prompt token (first is None), its SamplingParams.prompt_logprobs most likely (id, logprob) pairs.
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     # True when the synthetic drafter (benchmarks only) forced acceptances: NOT the model's output.
     synthetic_spec: bool = False
     num_output_tokens: int = 0
@@ -76,6 +78,7 @@ def make_output(r: Request) -> RequestOutput:
         finish_reason=r.finish_reason,
         num_cached_tokens=r.num_cached_tokens,
         prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
+        prompt_top_logprobs=list(r.prompt_top_logprobs) if r.prompt_top_logprobs is not None else None,
         num_output_tokens=len(r.output_token_ids),
         _tokens=r.output_token_ids,
         _logprobs=r.output_logprobs if r.params.logprobs is not None else None,

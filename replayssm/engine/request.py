@@ -40,6 +40,8 @@ class Request:
     # Per generated token, its params.logprobs most likely (token id, logprob) pairs (when > 0).
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+    # Per prompt token (None for the first), its params.prompt_logprobs most likely (id, logprob) pairs.
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # [live] + per-draft slots (baseline spec)

@@ -59,7 +59,7 @@ def test_logprobs_close_to_transformers(oracle):
     """Prompt and generated-token logprobs, and each generated position's 5 most likely tokens, match
     log_softmax of transformers' logits."""
     path, model, prompts, hf = oracle
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=0)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=4)
     outs = _llm(path, max_num_batched_tokens=24).generate(prompts, sp, use_tqdm=False)
     for p, out in zip(prompts, outs):
         seq = torch.tensor([p + out.token_ids])
@@ -67,8 +67,14 @@ def test_logprobs_close_to_transformers(oracle):
             full = model(seq).logits[0].float().log_softmax(-1)
         ref = full[:-1].gather(-1, seq[0, 1:, None]).squeeze(-1)
         got = torch.tensor(out.prompt_logprobs[1:] + out.logprobs)
-        assert out.prompt_logprobs[0] is None
+        assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+        # Prompt token t (t >= 1) was predicted at position t - 1 (prompts past 24 tokens span steps).
+        values, ids = full[: len(p) - 1].topk(4, dim=-1)
+        tops = out.prompt_top_logprobs[1:]
+        assert [[i for i, _ in top] for top in tops] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([[v for _, v in top] for top in tops]), values, atol=2e-4,
+                                   rtol=1e-4)
         # Generated token t was predicted at position len(p) - 1 + t.
         values, ids = full[len(p) - 1 : -1].topk(5, dim=-1)
         assert [[i for i, _ in top] for top in out.top_logprobs] == ids.tolist()

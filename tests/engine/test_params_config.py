@@ -19,6 +19,7 @@ from replayssm.sampling_params import SamplingParams
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),  # more alternatives than MAX_LOGPROBS
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt_logprobs": True}, "prompt_logprobs"),
     ],
 )
