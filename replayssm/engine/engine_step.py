@@ -25,6 +25,7 @@ from replayssm.engine.batch_inputs import to_device
 from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.output import RequestOutput, make_output
 from replayssm.engine.scheduler import ScheduledChunk
+from replayssm.ops.sampling import top_pairs
 
 if TYPE_CHECKING:
     from replayssm.engine.llm_engine import LLMEngine
@@ -90,7 +91,8 @@ class LaunchedStep:
             host = self._host
         lists = [t.tolist() if t is not None else None for t in host]
         self._verify_lists = lists[4:]
-        return lists[0] if lists[0] is not None else [], lists[1], pairs(lists[2], lists[3])
+        top = top_pairs(lists[2], lists[3]) if lists[2] is not None else None
+        return lists[0] if lists[0] is not None else [], lists[1], top
 
     def verify_results(self) -> tuple[Any, ...]:
         """A deferred verify's (tokens, emitted counts, logprobs, alternatives' ids, their logprobs)
@@ -101,15 +103,6 @@ class LaunchedStep:
 def _row_of(results: tuple, j: int) -> tuple:
     """Row j of a verify's (tokens, logprobs or None, alternatives or None) per-row lists."""
     return tuple(x[j] if x is not None else None for x in results)
-
-
-def pairs(ids: list | None, logprobs: list | None) -> list | None:
-    """Nested lists of alternatives' ids and logprobs (..., n) as lists of (id, logprob) pairs."""
-    if ids is None:
-        return None
-    if ids and isinstance(ids[0], list) and ids[0] and isinstance(ids[0][0], list):
-        return [pairs(i, lp) for i, lp in zip(ids, logprobs)]
-    return [list(zip(i, lp)) for i, lp in zip(ids, logprobs)]
 
 
 def launch(engine: LLMEngine, chunks: list[ScheduledChunk],
@@ -217,9 +210,7 @@ def complete(engine: LLMEngine, step: LaunchedStep) -> list[RequestOutput]:
     for i, c in enumerate(chunks):
         (dropped if c.request.finished else kept).append(i)
     if step.verify is not None:
-        out, acc, lps, top_ids, top_lps = step.verify_results()
-        results = engine.spec.verify_finish([drafts[i] for i in step.verified], out, acc, lps,
-                                            pairs(top_ids, top_lps))
+        results = engine.spec.verify_finish([drafts[i] for i in step.verified], *step.verify_results())
         for j, i in enumerate(step.verified):
             emitted[i] = _row_of(results, j)
         step.num_accepted = [len(emitted[i][0]) if i in verified_set else 1 for i in range(len(rows))]

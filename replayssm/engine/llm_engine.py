@@ -15,7 +15,7 @@ from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
 from replayssm.engine.request import Request
 from replayssm.engine.runner_setup import RunnerSetup, build_runner
 from replayssm.engine.scheduler import ScheduledChunk, Scheduler
-from replayssm.ops.sampling import SamplingTensors, sample, top_logprobs
+from replayssm.ops.sampling import SamplingTensors, sample, token_logprobs
 from replayssm.sampling_params import SamplingParams
 
 
@@ -246,10 +246,11 @@ class LLMEngine:
             vocab_size=logits.shape[-1],
             device=logits.device,
         )
-        tokens, logprobs = sample(logits, params,
-                                  need_logprobs=any(r.params.logprobs is not None for r in reqs))
-        n = max(r.params.top_logprobs for r in reqs)
-        return tokens, logprobs, top_logprobs(logits, n) if n else None
+        tokens, _ = sample(logits, params)
+        asked = [r.params.top_logprobs for r in reqs if r.params.logprobs is not None]
+        if not asked:
+            return tokens, None, None
+        return tokens, *token_logprobs(logits, tokens, max(asked))
 
     def _record_prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         """Logits at positions p predict token p + 1; keep those that land inside the prompt."""

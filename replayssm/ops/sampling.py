@@ -115,12 +115,22 @@ def apply_top_k_top_p(
     return logits.masked_fill(mask, float("-inf"))
 
 
-def top_logprobs(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The n most likely tokens of each row under the unmodified model distribution (log_softmax of
-    the raw logits, as `sample`'s logprobs): (token ids (..., n) int64, their logprobs (..., n) fp32),
-    most likely first. logits (..., V)."""
-    values, ids = logits.float().log_softmax(dim=-1).topk(n, dim=-1)
-    return ids, values
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int = 0
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Under the unmodified model distribution (log_softmax of the raw logits (..., V), computed
+    once): the logprobs of `tokens` (...), and for n > 0 the n most likely tokens' (ids, logprobs)
+    (..., n), most likely first (else None)."""
+    full = logits.log_softmax(dim=-1, dtype=torch.float32)
+    chosen = full.gather(-1, tokens[..., None]).squeeze(-1)
+    if not n:
+        return chosen, None
+    values, ids = full.topk(n, dim=-1)
+    return chosen, (ids, values)
+
+
+def top_pairs(ids: list[list[int]], values: list[list[float]]) -> list[list[tuple[int, float]]]:
+    """`token_logprobs`' alternatives of each row, read back as lists, as (id, logprob) pairs."""
+    return [list(zip(i, v)) for i, v in zip(ids, values)]
 
 
 def sample(
@@ -143,7 +153,4 @@ def sample(
         u = uniform_noise(params.seeds, params.positions, logits.shape[-1])
         sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)  # Gumbel-max
         tokens = sampled if rows is None else tokens.index_copy(0, rows, sampled)
-    logprobs = None
-    if need_logprobs:
-        logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
+    return tokens, token_logprobs(logits, tokens)[0] if need_logprobs else None

@@ -23,7 +23,7 @@ import torch
 from replayssm.config import EngineConfig
 from replayssm.engine.host_pack import HostPack
 from replayssm.engine.request import Request
-from replayssm.ops.sampling import top_logprobs
+from replayssm.ops.sampling import token_logprobs, top_pairs
 from replayssm.sampling_params import GREEDY_EPS
 from replayssm.spec.proposer import Drafts, Proposer
 from replayssm.spec.stats import SpecStats
@@ -87,14 +87,10 @@ class SpecDecoder:
         drafts[i]. Returns the emitted tokens per row (accepted drafts + one) and, when any
         request wants logprobs, their logprobs under the raw target distribution, and when any
         wants alternatives, per emitted token its most likely (id, logprob) pairs (else None)."""
-        out, acc, lps, top_ids, top_lps = self.verify_launch(logits, offsets, requests, drafts)
+        out, acc, *rest = self.verify_launch(logits, offsets, requests, drafts)
         both = torch.cat([out, acc[:, None]], dim=-1).tolist()  # the verify step's one host sync
-        tops = None
-        if top_ids is not None:
-            tops = [[list(zip(i, lp)) for i, lp in zip(row_i, row_lp)]
-                    for row_i, row_lp in zip(top_ids.tolist(), top_lps.tolist())]
         return self.verify_finish(drafts, [row[:-1] for row in both], [row[-1] for row in both],
-                                  lps.tolist() if lps is not None else None, tops)
+                                  *[t.tolist() if t is not None else None for t in rest])
 
     def verify_launch(self, logits: torch.Tensor, offsets: list[int], requests: list[Request],
                       drafts: list[Drafts]) -> tuple[torch.Tensor | None, ...]:
@@ -145,22 +141,25 @@ class SpecDecoder:
             any_top_k=any(k < V for k in top_k),
             any_top_p=any(x.top_p < 1.0 for x in p),
         )
-        lps = None
-        if any(x.logprobs is not None for x in p):
-            lps = padded.log_softmax(dim=-1).gather(-1, out[..., None]).squeeze(-1)
-        n = max(x.top_logprobs for x in p)
-        top_ids, top_lps = top_logprobs(padded, n) if n else (None, None)
-        return out, acc, lps, top_ids, top_lps
+        asked = [x.top_logprobs for x in p if x.logprobs is not None]
+        if not asked:
+            return out, acc, None, None, None
+        lps, top = token_logprobs(padded, out, max(asked))
+        return out, acc, lps, *(top or (None, None))
 
     def verify_finish(self, drafts: list[Drafts], out: list[list[int]], acc: list[int],
-                      lps: list[list[float]] | None, tops: list | None = None) -> tuple[list, ...]:
-        """`verify`'s result from `verify_launch`'s tensors as lists (tops: per row and position,
-        the alternatives as (id, logprob) pairs); records the acceptance."""
+                      lps: list[list[float]] | None, top_ids: list | None = None,
+                      top_lps: list | None = None) -> tuple[list, ...]:
+        """`verify`'s result from `verify_launch`'s tensors as lists: per row, the emitted tokens,
+        their logprobs and their alternatives as (id, logprob) pairs (None where not asked for);
+        records the acceptance."""
         emitted = [row[:a] for row, a in zip(out, acc)]
         for d, a in zip(drafts, acc):
             self.stats.record(len(d.tokens), a - 1)
-        return (emitted, None if lps is None else [row[:a] for row, a in zip(lps, acc)],
-                None if tops is None else [row[:a] for row, a in zip(tops, acc)])
+        tops = None
+        if top_ids is not None:
+            tops = [top_pairs(i[:a], v[:a]) for i, v, a in zip(top_ids, top_lps, acc)]
+        return emitted, None if lps is None else [row[:a] for row, a in zip(lps, acc)], tops
 
     def observe(self, requests: list[Request], row_index: list[int], starts: list[int],
                 num_computed: list[int]) -> None:
