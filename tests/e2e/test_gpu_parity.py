@@ -98,3 +98,37 @@ def test_cuda_bf16_tokens_are_transformers_choices(kind, replayssm):
         err = (torch.tensor(out.logprobs[:n]) - chosen).abs()
         assert err.mean() < 0.05 and err.max() < 0.6
     assert compared >= total / 2, f"only {compared} of {total} positions before a routing near-tie"
+
+
+def _tops_match(tops, values: torch.Tensor, ids: torch.Tensor, atol: float) -> None:
+    """(id, logprob) alternatives against transformers' top-k: values within atol, ids equal wherever
+    the reference's neighbouring values are more than 2 atol apart (closer ones may swap)."""
+    got = torch.tensor([[v for _, v in top] for top in tops])
+    torch.testing.assert_close(got, values, atol=atol, rtol=0)
+    gap = values[:, :-1] - values[:, 1:]
+    clear = torch.cat([gap[:, :1], torch.minimum(gap[:, 1:], gap[:, :-1]), gap[:, -1:]], 1) > 2 * atol
+    got_ids = torch.tensor([[i for i, _ in top] for top in tops])
+    assert torch.equal(got_ids[clear], ids[clear])
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_cuda_top_logprobs_match_transformers(spec):
+    """fp32 on CUDA with graph replay, plain or speculative (the checkpoint drafting for itself:
+    verify steps): each generated token's 5 most likely tokens and each prompt token's 4 are
+    transformers' log_softmax top-k."""
+    path, model = cached_checkpoint("nemotron_h")
+    model = model.float().cpu()
+    kw = dict(num_speculative_tokens=3, speculative_method="draft", draft_model=path) if spec else {}
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=128, cuda_graphs=True, replay_window=5,
+              **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5, prompt_logprobs=4)
+    outs = llm.generate(_prompts(), sp, use_tqdm=False)
+    for p, out in zip(_prompts(), outs):
+        seq = torch.tensor([p + out.token_ids])
+        with torch.no_grad():
+            full = model(seq).logits[0].float().log_softmax(-1)
+        values, ids = full[len(p) - 1 : -1].topk(5, dim=-1)
+        _tops_match(out.top_logprobs, values, ids, 2e-3)
+        values, ids = full[: len(p) - 1].topk(4, dim=-1)
+        assert out.prompt_top_logprobs[0] is None
+        _tops_match(out.prompt_top_logprobs[1:], values, ids, 2e-3)
