@@ -112,14 +112,15 @@ def _tops_match(tops, values: torch.Tensor, ids: torch.Tensor, atol: float) -> N
 
 
 @pytest.mark.parametrize("spec", [False, True])
-def test_cuda_top_logprobs_match_transformers(spec):
-    """fp32 on CUDA with graph replay, plain or speculative (the checkpoint drafting for itself:
-    verify steps): each generated token's 5 most likely tokens and each prompt token's 4 are
-    transformers' log_softmax top-k."""
-    path, model = cached_checkpoint("nemotron_h")
+@pytest.mark.parametrize("kind, graphs", [("mamba2", True), ("nemotron_h", False)])
+def test_cuda_top_logprobs_match_transformers(kind, graphs, spec):
+    """fp32 on CUDA, plain or speculative (the checkpoint drafting for itself: verify steps), with
+    graph replay where the model allows it in fp32 (no MoE layers): each generated token's 5 most
+    likely tokens and each prompt token's 4 are transformers' log_softmax top-k."""
+    path, model = cached_checkpoint(kind)
     model = model.float().cpu()
     kw = dict(num_speculative_tokens=3, speculative_method="draft", draft_model=path) if spec else {}
-    llm = LLM(path, device="cuda", dtype="float32", max_model_len=128, cuda_graphs=True, replay_window=5,
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=128, cuda_graphs=graphs, replay_window=5,
               **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5, prompt_logprobs=4)
     outs = llm.generate(_prompts(), sp, use_tqdm=False)

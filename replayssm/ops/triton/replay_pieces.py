@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.replay_step import gdc_wait
+from replayssm.ops.triton.replay_step import gdc_wait_zero
 from replayssm.ops.triton.rounding import stochastic_round
 from replayssm.ops.triton.tf32 import dot_bf16_split, dot_split
 
@@ -102,7 +102,7 @@ def _piece_mma(
     # CH (whole pieces only): C^T comes in Cs, its column chunks loaded once per program by the
     # caller (`c_chunks`: every piece of the program in one group), not once per piece.
     # WAIT (whole pieces of a launch programmatically dependent on the weights launch): the state
-    # products come first and `gdc_wait` only before the outputs read the weights' scratch, so the
+    # products come first and the PDL wait only before the outputs read the weights' scratch, so the
     # state stream overlaps the weights launch (the wait returns at once after its first call).
     TB: tl.constexpr = 16 if QB < 16 else QB
     JB: tl.constexpr = HB + QB
@@ -157,7 +157,9 @@ def _piece_mma(
             tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
     if SPLIT == 1:
         if WAIT:
-            gdc_wait()
+            zero = gdc_wait_zero()  # the scratch offsets depend on the wait
+            wbase += zero
+            scbase += zero
         _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr,
                        w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)
     elif part == SPLIT - 1:
