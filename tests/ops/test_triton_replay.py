@@ -37,13 +37,15 @@ STREAM_ROUTES = ["stream-list", "stream-list.s3.i16", "stream-list.s1", "stream-
                  "stream-list.c.y.b.t", "stream-list.c.y.b.t.p2.g128.r96"]
 # Options for several tokens only: flush pieces in column parts (.fN, .kN), the streaming launch
 # programmatically dependent on the weights launch (.l), the weights launch's warps (.vN), C loaded
-# once per streaming program (.h; the test shape's programs stay in one group, so it is taken).
+# once per streaming program (.h; the test shape's programs stay in one group, so it is taken), the
+# PDL wait after the first piece's state products (.w, with .l).
 SEVERAL_TOKEN_ROUTES = ["stream-list.f2", "stream-list.c.y.b.t.f2.g128.p4", "stream-list.c.y.b.t.f4.k2",
                         "stream-list.c.y.b.t.p2.l", "stream-list.c.y.b.t.f2.g128.p4.l", "stream-list.b.t.l",
                         "stream-list.c.y.b.t.p2.l.v1", "stream-list.c.y.b.t.f2.g128.p4.v1",
                         "stream-list.c.y.b.t.p2.l.v2", "stream-list.c.y.b.t.p2.l.v1.h",
                         "stream-list.c.y.b.t.f2.g128.p4.v1.h", "stream-list.c.t.h",
-                        "stream-list.c.y.b.t.p2.l.v1.h.i2"]
+                        "stream-list.c.y.b.t.p2.l.v1.h.i2", "stream-list.c.y.b.t.p2.l.v1.h.w",
+                        "stream-list.c.y.b.t.f2.g128.p4.l.v1.h.w", "stream-list.c.t.l.h.w.i2"]
 STREAM_CASES = ([(r, q) for r in STREAM_ROUTES for q in (1, 4)]
                 + [(r, q) for r in SEVERAL_TOKEN_ROUTES for q in (2, 4)])
 
@@ -126,6 +128,20 @@ def test_side_stream_routes_in_cuda_graph_gpu(route, block, q):
     from replayssm.ops.triton.ssu import LaunchConfig
 
     check_graph_replay(route, LaunchConfig(*block), q)
+
+
+@requires_cuda
+@pytest.mark.parametrize("route, base", [("stream-list.c.y.b.t.p2.l.v1.h.w", "stream-list.c.y.b.t.p2.l.v1.h"),
+                                         ("stream-list.c.y.b.t.f2.g128.p4.l.v1.h.w",
+                                          "stream-list.c.y.b.t.f2.g128.p4.v1.h")])
+def test_late_wait_same_bits_gpu(route, base):
+    """The PDL wait after a program's first piece's state products (.w) gives the bits of the route
+    that waits first, with the weights scratch NaN before each step (a piece reading it early shows)."""
+    from triton_cases import check_same_bits
+
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    check_same_bits(route, base, LaunchConfig(64, 4), 4)
 
 
 @requires_cuda

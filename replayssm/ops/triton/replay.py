@@ -191,7 +191,8 @@ _SPLIT_FLAGS = dict(c=("concurrent", True), o=("outputs_all", True), y=("priorit
 _OPTIONS = {
     "stream-list": ({**_SPLIT_NAMES, "r": "stream_maxnreg", "g": "flush_maxnreg", "f": "flush_parts",
                      "k": "flush_stages"},
-                    {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True)}),
+                    {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True),
+                     "w": ("late_wait", True)}),
     "lean": ({**_SPLIT_NAMES, "f": "flush_block_p", "w": "flush_warps", "h": "heads_per_program",
               "n": "few_flush_programs_per_sm"},
              {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
