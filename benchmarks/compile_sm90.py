@@ -69,7 +69,6 @@ def args_parse():
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (flush launch)")
     a.add_argument("--pdl", action="store_true", help="PDL constexpr (streaming / weights launch)")
     a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
-    a.add_argument("--peel", action="store_true", help="PEEL = 1 (streaming launch with .l, option .w)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -134,8 +133,6 @@ def build(a):
             meta.update(PDL=True)
         if a.hoist_c:
             meta.update(HOIST_C=True)
-        if a.peel:
-            meta.update(PEEL=1)
     elif a.kernel == "weights":
         from replayssm.ops.triton.replay_step import _weights_kernel as fn
 

@@ -29,7 +29,8 @@ Routes (all read S0 once per row and write it only on flush rows):
   runs one warp per program (.v1). Steps with a 16-bit state take the flush pieces in two column
   parts, 128 registers, four programs per SM instead ("stream-list.c.y.b.t.f2.g128.p4.v1.h"). Both
   load C once per streaming program (.h), so the pipeline stages only the state tiles, and take two
-  pieces per program instead of eight up to 16,384 pieces (.i2, `FEW_PIECES`). Steps
+  pieces per program instead of eight up to 16,384 pieces (.i2, `FEW_PIECES`; the 16-bit route with
+  .l there). Steps
   of up to 8,192 row-heads with fp32 state (1,024 with 16-bit) take "mono.t" (`auto_route`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
@@ -158,7 +159,10 @@ MONO_T_MAX_ROW_HEADS_16BIT = 1024  # "mono.t" with fp16 / bf16 state
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
 # three calls; fp16 TP8 b = 128 / 256 / 512 35.7 / 55.3 / 95.8 vs 37.9 / 59.2 / 107.4, 8B b = 128 182.3
 # vs 182.6; above, eight win or tie: 8B fp32 b = 256 393.0-394.5 vs 394.6-395.4, b = 512 779-791 vs
-# 769-773, fp16 b = 256 / 512 347-350 / 690 vs 335 / 657.
+# 769-773, fp16 b = 256 / 512 347-350 / 690 vs 335 / 657. There the 16-bit route also takes .l (session 19,
+# calls 2-4, µs, .i2.l vs .i2, side by side): TP8 fp16 b = 128 34.45-34.67 vs 35.65-35.69, b = 256
+# 53.80-53.93 vs 55.00-55.07, b = 512 94.31-95.00 vs 95.40-95.86; 8B fp16 b = 64 98.3 vs 99.2-99.4, b = 128
+# 181.9-184.1 vs 183.0-184.1 (a tie); without .i2 it still ties or loses (8B b = 256 335.4 vs 336.0).
 FEW_PIECES = 16384
 
 
@@ -180,7 +184,7 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     if not stream_supported(P, N, cfg.block_p):
         return None
     if q > 1 and b * H * (P // cfg.block_p) <= FEW_PIECES:
-        route += ".i2"
+        route += ".i2" if wide else ".i2.l"  # the fp32 route has .l already
     return route, cfg
 
 
@@ -191,8 +195,7 @@ _SPLIT_FLAGS = dict(c=("concurrent", True), o=("outputs_all", True), y=("priorit
 _OPTIONS = {
     "stream-list": ({**_SPLIT_NAMES, "r": "stream_maxnreg", "g": "flush_maxnreg", "f": "flush_parts",
                      "k": "flush_stages"},
-                    {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True),
-                     "w": ("late_wait", True)}),
+                    {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True)}),
     "lean": ({**_SPLIT_NAMES, "f": "flush_block_p", "w": "flush_warps", "h": "heads_per_program",
               "n": "few_flush_programs_per_sm"},
              {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),

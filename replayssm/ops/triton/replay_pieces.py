@@ -13,7 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.replay_step import gdc_wait_zero
 from replayssm.ops.triton.rounding import stochastic_round
 from replayssm.ops.triton.tf32 import dot_bf16_split, dot_split
 
@@ -84,7 +83,6 @@ def _piece_mma(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
     MAXV: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr, Cs=0, CH: tl.constexpr = False,
-    WAIT: tl.constexpr = False,
 ):
     # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
     # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
@@ -101,9 +99,6 @@ def _piece_mma(
     # last part adds the ring terms and writes; FOLD parts fold and write their own columns.
     # CH (whole pieces only): C^T comes in Cs, its column chunks loaded once per program by the
     # caller (`c_chunks`: every piece of the program in one group), not once per piece.
-    # WAIT (a whole piece outside any pipelined loop, in a launch programmatically dependent on the
-    # weights launch): the PDL wait comes after the state products, before the outputs read the
-    # weights' scratch, so this piece's state copies overlap the weights launch.
     TB: tl.constexpr = 16 if QB < 16 else QB
     JB: tl.constexpr = HB + QB
     NPT: tl.constexpr = P // BLOCK_P
@@ -156,10 +151,6 @@ def _piece_mma(
             S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
             tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
     if SPLIT == 1:
-        if WAIT:
-            zero = gdc_wait_zero()  # the scratch offsets depend on the wait
-            wbase += zero
-            scbase += zero
         _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr,
                        w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)
     elif part == SPLIT - 1:
@@ -235,14 +226,14 @@ def _any_piece(
     seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, Cs=0, CH: tl.constexpr = False, WAIT: tl.constexpr = False,
+    MAXV: tl.constexpr, Cs=0, CH: tl.constexpr = False,
 ):
     # MMA: 0 = CUDA cores, 1 = tensor-core outputs, 2 = the same with bf16 hi + lo state products.
-    # CH: C^T chunks preloaded in Cs; WAIT: the PDL wait after the state products (`_piece_mma`).
+    # CH: C^T chunks preloaded in Cs (`_piece_mma`).
     if MMA:
         _piece_mma(k, first, i, s64, valid, hc, o, 0.0, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                    w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA, 1, Cs, CH, WAIT)
+                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA, 1, Cs, CH)
     else:
         _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,

@@ -29,15 +29,6 @@ except ImportError:  # older Triton: the .l option is refused (`pdl_supported`)
     gdc_launch_dependents = gdc_wait = None
 
 
-@triton.jit
-def gdc_wait_zero():
-    """`gdc_wait` that returns 0 (int32): offsets that add it depend on the wait, so no compiler pass
-    can issue their loads before it. Not inside a pipelined loop: the H200's Triton 3.6 pipeliner
-    fails on it there (and a plain gdc_wait there let hoisted loads race; session 19)."""
-    return tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: a CUDA device of compute capability >= 9 and a Triton with it."""
     return (gdc_wait is not None and device.type == "cuda"

@@ -55,7 +55,7 @@ def _stream_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ALL: tl.constexpr,
-    PDL: tl.constexpr = False, HOIST_C: tl.constexpr = False, PEEL: tl.constexpr = 0,
+    PDL: tl.constexpr = False, HOIST_C: tl.constexpr = False,
 ):
     # Non-flush rows only (flush rows are the flush launch's), or with ALL every row's outputs
     # (a fold-only launch then folds the flush rows). ITEMS divides H * (P / BLOCK_P), so every
@@ -71,7 +71,7 @@ def _stream_kernel(
     hc = tl.where(valid, tl.load(committed_ptr + s64), 0)
     o = tl.load(ring_start_ptr + s64)
     flush = valid & (hc + Q > window)
-    if PDL and PEEL == 0:
+    if PDL:
         gdc_wait()  # launched programmatically dependent on the weights launch: its writes from here
     if ALL or flush == 0:
         # HOIST_C (tensor-core pieces whose ITEMS pieces share a group): C^T loaded once here, so the
@@ -79,13 +79,7 @@ def _stream_kernel(
         Cs = 0
         if HOIST_C:
             Cs = c_chunks(C_ptr, i, (first // (P // BLOCK_P)) // (H // G), sC_b, sC_t, sC_g, Q, QB, N, NS)
-        if PEEL:
-            # The first piece outside the pipelined loop, its state products before the PDL wait (the
-            # tensor-core pieces' WAIT): a wait inside the loop let the pipeliner's loads race.
-            _any_piece(0, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-                       w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                       Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV, Cs, HOIST_C, True)
-        for k in tl.range(PEEL, ITEMS, num_stages=STAGES):
+        for k in tl.range(0, ITEMS, num_stages=STAGES):
             _any_piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
                        w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
                        Q, QB, HB, P, N, BLOCK_P, NS, False, MMA, STATE_DTYPE, MAXV, Cs, HOIST_C)
@@ -180,7 +174,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, flush_parts: int = 1,
                   flush_stages: int = 3, pdl: bool = False, weights_warps: int = 4,
-                  hoist_c: bool = False, late_wait: bool = False) -> None:
+                  hoist_c: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -196,8 +190,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     `pdl_supported`; it waits for the weights' writes after loading its rows' slots and cursors).
     weights_warps: the weights launch's warps. hoist_c: the streaming launch loads C once per program
     (tensor-core pieces whose programs stay in one group; else ignored), so its pipeline stages
-    only state tiles. late_wait (with pdl, tensor-core pieces): a program's first piece forms its
-    state products before the wait for the weights launch, so its state copies overlap that launch.
+    only state tiles.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -235,7 +228,6 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         _stream_kernel[(b * H * (P // block_p) // k,)](
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, HOIST_C=hoist_c,
-            PEEL=int(bool(late_wait and pdl and mma)),
             **meta,
             **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
         )
