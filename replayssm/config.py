@@ -148,9 +148,10 @@ class EngineConfig:
         "auto", "weights: auto (the checkpoint's safetensors) or dummy (seeded random weights from "
         "config.json alone, for benchmarks)"
     )
-    cuda_graphs: bool = _doc(
-        False, "replay decode/verify steps as CUDA graphs (needs fp32 state and tensor_parallel_size 1; "
-        "tested against eager steps on an H200)"
+    cuda_graphs: bool | None = _doc(
+        None, "replay decode/verify steps as CUDA graphs (tested against eager steps on an H200). None = "
+        "on wherever they are supported: a CUDA device, tensor_parallel_size 1, state_dtype float32, "
+        "Triton installed and, with MoE layers, bfloat16; True refuses anything else, naming why"
     )
     host_threads: int = _doc(
         1, "CPU threads for PyTorch's host-side ops (torch.set_num_threads) in an engine on CUDA: a "
@@ -191,6 +192,8 @@ class EngineConfig:
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
             raise ValueError(f"async_scheduling must be True, False or None (auto), "
                              f"got {self.async_scheduling!r}")
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
+            raise ValueError(f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}")
         if self.tensor_parallel_size > 1 and self.cuda_graphs:
             raise ValueError("cuda_graphs=True does not support tensor_parallel_size > 1 yet "
                              "(graphs with NCCL collectives are untested)")

@@ -1,4 +1,5 @@
-"""CUDA graphs for pure decode / verify steps (``cuda_graphs=True``; not yet verified on a GPU).
+"""CUDA graphs for pure decode / verify steps (``cuda_graphs``: on by default where supported,
+`graphs_supported`; tested against eager steps on the H200, tests/engine/test_cuda_graph.py).
 
 One graph per (bucket size B, tokens per row q, baseline per-token destinations or not),
 captured lazily the first time a step needs it, all over ONE set of static input buffers
@@ -22,6 +23,7 @@ Anything else runs eagerly. Nothing here reads device memory.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -153,6 +155,8 @@ class CudaGraphRunner:
                 self.graphs[key] = self._capture(B, q, has_dst)
             except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError too
                 self.error = f"capture of bucket {key} failed: {type(e).__name__}: {e}"[:800]
+                warnings.warn(f"CUDA graphs off for this engine, steps run eagerly: {self.error}",
+                              stacklevel=2)
                 self.graphs.clear()
                 torch.cuda.synchronize()
                 return None

@@ -67,7 +67,7 @@ class ModelRunner:
                  state_dtype: str | torch.dtype = "float32", num_speculative_tokens: int = 0,
                  num_kv_blocks: int = 64, kv_block_size: int = 16, num_slots: int = 8, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
-                 cuda_graphs: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 cuda_graphs: bool | None = False, tp_rank: int = 0, tp_size: int = 1) -> None:
         for name, value, low in (("replay_window", replay_window, 1), ("num_speculative_tokens",
                                  num_speculative_tokens, 0), ("num_kv_blocks", num_kv_blocks, 1),
                                  ("kv_block_size", kv_block_size, 1), ("num_slots", num_slots, 1),
@@ -97,7 +97,9 @@ class ModelRunner:
         self.mamba_cache = MambaCache(local, num_slots=num_slots, act_dtype=self.dtype,
                                       state_dtype=self.state_dtype, replayssm=replayssm, window=replay_window,
                                       q_max=self.q_max, max_num_seqs=max_num_seqs, device=self.device)
-        # CUDA graphs pad rows onto one extra block past the engine's (see engine/cuda_graph.py).
+        # CUDA graphs (None: wherever supported) pad rows onto one extra block past the engine's
+        # (see engine/cuda_graph.py).
+        cuda_graphs = self._graphs_wanted(cuda_graphs)
         self.kv_cache = KVCache(local, num_blocks=num_kv_blocks + int(cuda_graphs), block_size=kv_block_size,
                                 dtype=self.dtype, device=self.device)
         self.mixers = [b.mixer for b, kind in zip(self.model.layers, cfg.layer_types) if kind == MAMBA]
@@ -111,12 +113,21 @@ class ModelRunner:
         self._row_offsets: dict[int, int] = {}
         self.graphs = None
         if cuda_graphs:
-            from replayssm.engine.cuda_graph import CudaGraphRunner, graphs_supported
+            from replayssm.engine.cuda_graph import CudaGraphRunner
 
-            why = graphs_supported(self)
-            if why is not None:
-                raise ValueError(f"cuda_graphs=True: {why}")
             self.graphs = CudaGraphRunner(self, dummy_block=num_kv_blocks)
+
+    def _graphs_wanted(self, wanted: bool | None) -> bool:
+        """Whether to replay CUDA graphs: False stays off, None takes them where `graphs_supported`
+        allows, True raises a ValueError saying why they cannot run."""
+        if wanted is False:
+            return False
+        from replayssm.engine.cuda_graph import graphs_supported
+
+        why = graphs_supported(self)
+        if why is not None and wanted:
+            raise ValueError(f"cuda_graphs=True: {why}")
+        return why is None
 
     # ---- sizes (static: usable by the planner before allocation) ---------------------------------
 

@@ -42,6 +42,35 @@ def test_cuda_graphs_need_cuda(tmp_path):
         ModelRunner(tmp_path, device="cpu", load_format="dummy", cuda_graphs=True)
 
 
+def test_cuda_graphs_auto_off_where_unsupported(tmp_path):
+    """The default (None) takes graphs only where `graphs_supported` allows: a CPU runner and an engine
+    on the CPU stay eager without an error; other values are refused."""
+    from replayssm import LLM
+    from replayssm.config import EngineConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "hybrid_override_pattern": "M*", "dtype":
+                                                      "float32"}))
+    assert ModelRunner(tmp_path, device="cpu", load_format="dummy", cuda_graphs=None).graphs is None
+    llm = LLM(str(tmp_path), device="cpu", load_format="dummy", max_model_len=32)
+    assert llm.engine.config.cuda_graphs is None and llm.engine.runner.graphs is None
+    with pytest.raises(ValueError, match="cuda_graphs must be True, False or None"):
+        EngineConfig.from_kwargs(str(tmp_path), cuda_graphs="yes")
+
+
+@requires_cuda
+def test_cuda_graphs_auto_on_cuda(tmp_path):
+    """On CUDA the default replays graphs where supported (bfloat16 with MoE layers) and runs eagerly
+    where not (fp32 with MoE layers: no error), while True there names the reason."""
+    config = {**BASE, "hybrid_override_pattern": "M*E", "dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kw = dict(device="cuda", load_format="dummy", num_slots=4, max_num_seqs=4, num_kv_blocks=16,
+              kv_block_size=4)
+    assert ModelRunner(tmp_path, dtype="bfloat16", cuda_graphs=None, **kw).graphs is not None
+    assert ModelRunner(tmp_path, dtype="float32", cuda_graphs=None, **kw).graphs is None
+    with pytest.raises(ValueError, match="MoE layers need bfloat16"):
+        ModelRunner(tmp_path, dtype="float32", cuda_graphs=True, **kw)
+
+
 def run_schedule(runner, q):
     """Prefill 5 requests on permuted slots, then decode steps with a shrinking, reordered batch."""
     slots = [9, 2, 7, 0, 11]
@@ -93,7 +122,8 @@ def test_graph_verify_rows_bf16_moe(tmp_path):
 
 
 def test_failed_capture_falls_back_to_eager_for_good(monkeypatch):
-    """A capture that raises RuntimeError makes run() return None (eager) now and on every later step."""
+    """A capture that raises RuntimeError makes run() return None (eager) now and on every later step,
+    with one warning."""
     from types import SimpleNamespace
 
     from replayssm.engine.batch_inputs import RowView, build_inputs
@@ -113,5 +143,7 @@ def test_failed_capture_falls_back_to_eager_for_good(monkeypatch):
     batch = build_inputs(rows, block_size=4, device=torch.device("cpu"), baseline=False)
     # No device here; the fallback synchronizes after a failure.
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    assert g.run(batch) is None and g.run(batch) is None
+    with pytest.warns(UserWarning, match="CUDA graphs off for this engine, steps run eagerly: capture"):
+        assert g.run(batch) is None
+    assert g.run(batch) is None  # no second warning: later steps skip the graphs silently
     assert calls == [(4, 1, False)] and "capture" in g.error and g.graphs == {}

@@ -55,6 +55,7 @@ def _warm_step_syncs(tmp_path, max_tokens: int, warm_steps: int = 1, **engine_kw
     from replayssm.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    engine_kw.setdefault("cuda_graphs", False)  # eager steps unless a test asks for graphs
     engine = LLMEngine(EngineConfig.from_kwargs(str(tmp_path), device="cuda", dtype="bfloat16",
                                                 load_format="dummy", max_num_seqs=4, memory_budget=1 << 28,
                                                 **engine_kw))
@@ -77,9 +78,11 @@ def _warm_step_syncs(tmp_path, max_tokens: int, warm_steps: int = 1, **engine_kw
 
 
 @requires_cuda
-def test_engine_decode_step_syncs_once(tmp_path):
-    """A warm greedy LLMEngine decode step syncs with the device once: reading the sampled tokens."""
-    outs, syncs = _warm_step_syncs(tmp_path, 8)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_decode_step_syncs_once(tmp_path, graphs):
+    """A warm greedy LLMEngine decode step syncs with the device once: reading the sampled tokens
+    (eager, or replaying the graph a warm-up step captured)."""
+    outs, syncs = _warm_step_syncs(tmp_path, 8, cuda_graphs=graphs, warm_steps=2 if graphs else 1)
     assert len(outs) == 3 and len(syncs) <= 1, syncs
 
 
