@@ -15,7 +15,7 @@ from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
 from replayssm.engine.request import Request
 from replayssm.engine.runner_setup import RunnerSetup, build_runner
 from replayssm.engine.scheduler import ScheduledChunk, Scheduler
-from replayssm.ops.sampling import SamplingTensors, sample, token_logprobs
+from replayssm.ops.sampling import SamplingTensors, sample, token_logprobs, top_pairs
 from replayssm.sampling_params import SamplingParams
 
 
@@ -246,7 +246,7 @@ class LLMEngine:
             vocab_size=logits.shape[-1],
             device=logits.device,
         )
-        tokens, _ = sample(logits, params)
+        tokens = sample(logits, params)
         asked = [r.params.top_logprobs for r in reqs if r.params.logprobs is not None]
         if not asked:
             return tokens, None, None
@@ -260,16 +260,14 @@ class LLMEngine:
         if stop <= first:
             return
         targets = torch.tensor(r.prompt_token_ids[first + 1 : stop + 1], device=logits.device)
-        full = logits[: stop - first].float().log_softmax(dim=-1)
-        lp = full.gather(-1, targets[:, None]).squeeze(-1).tolist()
+        lp, top = token_logprobs(logits[: stop - first], targets, r.params.prompt_logprobs)
         # Chunks arrive in order; a recompute after preemption starts over and overwrites.
         r.prompt_logprobs = (r.prompt_logprobs or [None])[: first + 1]
         assert len(r.prompt_logprobs) == first + 1, "prompt logprobs must arrive in order"
-        r.prompt_logprobs.extend(lp)
-        if n := r.params.prompt_logprobs:
-            values, ids = full.topk(n, dim=-1)
+        r.prompt_logprobs.extend(lp.tolist())
+        if top is not None:
             r.prompt_top_logprobs = (r.prompt_top_logprobs or [None])[: first + 1]
-            r.prompt_top_logprobs.extend(list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))
+            r.prompt_top_logprobs.extend(top_pairs(top[0].tolist(), top[1].tolist()))
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(r, reason)

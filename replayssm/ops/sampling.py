@@ -133,14 +133,9 @@ def top_pairs(ids: list[list[int]], values: list[list[float]]) -> list[list[tupl
     return [list(zip(i, v)) for i, v in zip(ids, values)]
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingTensors, need_logprobs: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sample one token per row. logits (b, V) fp32.
-
-    Returns (token_ids (b,) int64, logprobs (b,) fp32 or None): the logprob is of the chosen
-    token under the unmodified model distribution (log_softmax of the raw logits).
-    """
+def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Sample one token per row: logits (b, V) fp32 -> token ids (b,) int64 (their logprobs under the
+    unmodified model distribution: `token_logprobs`)."""
     tokens = logits.argmax(dim=-1)
     if not params.all_greedy:
         rows = params.random_rows
@@ -153,4 +148,4 @@ def sample(
         u = uniform_noise(params.seeds, params.positions, logits.shape[-1])
         sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)  # Gumbel-max
         tokens = sampled if rows is None else tokens.index_copy(0, rows, sampled)
-    return tokens, token_logprobs(logits, tokens)[0] if need_logprobs else None
+    return tokens
