@@ -200,7 +200,6 @@ _OPTIONS = {
               "n": "few_flush_programs_per_sm"},
              {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
     "weights": (dict(v="weights_warps"), dict(t=("bc_dot", True))),
-    "mono": (dict(e="early"), dict(t=("_", True), x=("exact", True))),
 }
 
 
@@ -218,10 +217,8 @@ def _parse_route(route: str) -> tuple:
     bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
     if bad:
         raise ValueError(f"route {route!r}: unknown options {bad}")
-    kw = {**{names[o[0]]: int(o[1:]) for o in opts if o not in flags},
-          **dict(flags[o] for o in opts if o in flags)}
-    kw.pop("_", None)  # "mono.t": the family's tensor-core member, not an option
-    return tuple(kw.items())
+    return tuple({**{names[o[0]]: int(o[1:]) for o in opts if o not in flags},
+                  **dict(flags[o] for o in opts if o in flags)}.items())
 
 
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
@@ -283,11 +280,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
         return y
-    if route == "mono.t" or route.startswith("mono.t."):
+    if route in ("mono.t", "mono.t.x"):
         cfg = config or CONFIG
         launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        **route_options(route))
+                        exact=route == "mono.t.x")
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:

@@ -36,37 +36,23 @@ def _mono_mma_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, EARLY: tl.constexpr = 0,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
+    s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    sbase = (s64 * H + h) * (P * N)
     X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32  # activations (and ring rows) 16-bit
     RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
-    t = tl.arange(0, QB)
-    tm = t < Q
-    acc = tl.zeros((QB, BLOCK_P), dtype=tl.float32)
-    if EARLY:
-        # C S0ᵀ first, in its own loop pipelined EARLY deep: the state tiles' copies need only the
-        # slot, so they are in flight one load after the program starts, before the cursors, the
-        # history and the decays (which wait on the cursors) are read.
-        s0 = tl.load(idx_ptr + i)
-        sbase0 = (tl.maximum(s0, 0).to(tl.int64) * H + h) * (P * N)
-        gg = h // (H // G)
-        for c in tl.range(0, N // NS, num_stages=EARLY):
-            ncs = c * NS + tl.arange(0, NS)
-            S0t = tl.load(state_ptr + sbase0 + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
-            Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + gg * sC_g + ncs[None, :], mask=tm[:, None],
-                         other=0.0).to(tl.float32)  # (QB, NS)
-            acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
-    s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
-    sbase = (s64 * H + h) * (P * N)
 
     n = tl.arange(0, BLOCK_N)
     nm = n < N
     j = tl.arange(0, HB)
     jm = j < hc
+    t = tl.arange(0, QB)
+    tm = t < Q
     rows = (o + j) % R
     Brow0 = s64 * G * R + g * R
     xrow0 = s64 * H * R + h * R
@@ -77,6 +63,7 @@ def _mono_mma_kernel(
     # step, and C S0ᵀ (the state tile read as (NS, BLOCK_P) pieces).
     cb_h = tl.zeros((QB, HB), dtype=tl.float32)
     cb_n = tl.zeros((QB, QB), dtype=tl.float32)
+    acc = tl.zeros((QB, BLOCK_P), dtype=tl.float32)
     for c in range(N // NS):
         ncs = c * NS + tl.arange(0, NS)
         Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
@@ -85,12 +72,10 @@ def _mono_mma_kernel(
                       other=0.0).to(tl.float32)  # (NS, HB)
         Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
                       other=0.0).to(tl.float32)  # (NS, QB)
-        if not EARLY:
-            S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
+        S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
         cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
         cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
-        if not EARLY:
-            acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
+        acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
     wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * cb_h  # zero past hc: Δ = 0
     wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
     wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
@@ -118,7 +103,7 @@ def _mono_mma_kernel(
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, early: int = 0) -> None:
+                    exact: bool = False) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements).
     exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there)."""
     S, H, P, N = state.shape
@@ -134,6 +119,6 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
-        STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact, EARLY=early,
+        STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
         num_warps=num_warps,
     )  # fmt: skip
