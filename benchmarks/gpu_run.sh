@@ -18,11 +18,11 @@ FI=""
 if [ "$2" = fi ]; then
   timeout 60 python3 benchmarks/flashinfer_build.py --bundle .fi --workspace /tmp/fiws --out /tmp/fi-out \
     --restore .fi/fiws.tgz > "$OUT/fi-restore.log" 2>&1
-  FI="--flashinfer --fi-shapes nemotron-h-8b"  # .fi/fiws.tgz holds the 8B modules
+  FI="--flashinfer"  # .fi/fiws*.tgz hold the modules of both shapes (the TP8 ones from session 15)
 fi
 # The table takes route "auto" (what the public op runs: mono / mono.t for small steps, lean.a.y.v1 for
-# one token, stream-list.c.y.b.t.p2.l.v1.h or .f2.g128.p4.v1.h for several by state dtype, .i2 on small
-# steps; replay.auto_route).
+# one token, stream-list.c.y.b.t.p2.l.v1.h.g160.r72 or .f2.g96.p4.v1.h.r80 for several by state dtype,
+# .i2 on small steps; replay.auto_route).
 # EXTRA (replay tiles timed beside it at the headline case, both q) is empty: the one-token options
 # (.p2, .nN) need the lock-step mix to judge them (bench_kernels.py --lockstep; NOTES-kernels.md,
 # session 16), and a one-token route's q = 4 row means nothing.

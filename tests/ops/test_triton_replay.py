@@ -43,7 +43,9 @@ SEVERAL_TOKEN_ROUTES = ["stream-list.f2", "stream-list.c.y.b.t.f2.g128.p4", "str
                         "stream-list.c.y.b.t.p2.l.v1", "stream-list.c.y.b.t.f2.g128.p4.v1",
                         "stream-list.c.y.b.t.p2.l.v2", "stream-list.c.y.b.t.p2.l.v1.h",
                         "stream-list.c.y.b.t.f2.g128.p4.v1.h", "stream-list.c.t.h",
-                        "stream-list.c.y.b.t.p2.l.v1.h.i2", "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"]
+                        "stream-list.c.y.b.t.p2.l.v1.h.i2", "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l",
+                        "stream-list.c.y.b.t.p2.l.v1.h.g160.r72", "stream-list.c.y.b.t.p2.l.v1.h.g160.r72.i2",
+                        "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"]
 STREAM_CASES = ([(r, q) for r in STREAM_ROUTES for q in (1, 4)]
                 + [(r, q) for r in SEVERAL_TOKEN_ROUTES for q in (2, 4)])
 
@@ -198,18 +200,21 @@ def test_auto_route_policy():
     assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"  # 4,096 row-heads
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
-    assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"
-    assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 2,048 row-heads
-    assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t"  # 4,096 row-heads
-    assert auto_route(512, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 8,192
-    assert auto_route(128, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1.h.i2"  # 16,384 row-heads
-    assert auto_route(256, 4, 128, 64, 128)[0] == "stream-list.c.y.b.t.p2.l.v1.h"
+    assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"  # 1,024 row-heads
+    assert auto_route(64, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 1,024
+    fp32 = "stream-list.c.y.b.t.p2.l.v1.h.g160.r72"
+    assert auto_route(128, 4, 16, 64, 128)[0] == fp32 + ".i2"  # TP8 shape, 2,048 row-heads
+    assert auto_route(32, 4, 128, 64, 128)[0] == fp32 + ".i2"  # 4,096 row-heads
+    assert auto_route(64, 4, 128, 64, 128)[0] == fp32 + ".i2"  # 8,192 pieces
+    assert auto_route(128, 4, 128, 64, 128)[0] == fp32  # 16,384
+    assert auto_route(256, 4, 128, 64, 128)[0] == fp32
     # 16-bit states: mono.t up to 1,024 row-heads, then the flush pieces in column parts, .l only with .i2.
     f16 = torch.float16
     assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t"
     assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
-    assert auto_route(128, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
-    assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h"
+    assert auto_route(64, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
+    assert auto_route(128, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
+    assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
     assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
     assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
@@ -221,7 +226,10 @@ def test_auto_route_policy():
     assert auto_route(32, 1, 16, 64, 128, f16)[1] == L(32, 2)
     assert auto_route(8, 1, 16, 64, 128, f16)[1] == L(32, 4)
     assert auto_route(8, 4, 16, 64, 128)[1] == L(32, 4) and auto_route(32, 4, 16, 64, 128)[1] == L(32, 2)
-    assert auto_route(128, 4, 16, 64, 128)[1] == L(64, 2) and auto_route(128, 4, 16, 32, 128)[1] == L(32, 2)
+    assert auto_route(64, 4, 16, 64, 128)[1] == L(64, 2) and auto_route(64, 4, 16, 32, 128)[1] == L(32, 2)
+    # No streaming tile (P = 32): fp32 steps keep mono.t up to 8,192 row-heads.
+    assert auto_route(128, 4, 16, 32, 128) == ("mono.t", L(32, 2))
+    assert auto_route(1024, 4, 16, 32, 128) is None
     assert auto_route(64, 4, 16, 64, 128, f16)[1] == L(32, 2)
 
 

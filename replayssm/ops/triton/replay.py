@@ -27,11 +27,13 @@ Routes (all read S0 once per row and write it only on flush rows):
   flush programs per SM (as many as its registers let an SM hold at once), and with fp32 state
   the streaming launch programmatically dependent on the weights launch (.l); the weights launch
   runs one warp per program (.v1). Steps with a 16-bit state take the flush pieces in two column
-  parts, 128 registers, four programs per SM instead ("stream-list.c.y.b.t.f2.g128.p4.v1.h"). Both
-  load C once per streaming program (.h), so the pipeline stages only the state tiles, and take two
-  pieces per program instead of eight up to 16,384 pieces (.i2, `FEW_PIECES`; the 16-bit route with
-  .l there). Steps
-  of up to 8,192 row-heads with fp32 state (1,024 with 16-bit) take "mono.t" (`auto_route`).
+  parts, four programs per SM instead ("stream-list.c.y.b.t.f2.g96.p4.v1.h"). Both load C once per
+  streaming program (.h), so the pipeline stages only the state tiles, and cap the registers of
+  the flush and streaming launches so that an SM holds programs of both while the flush rows fold
+  (fp32 .g160.r72, 16-bit .g96.r80). Up to 8,192 pieces they take two pieces per program instead
+  of eight (.i2, `FEW_PIECES`; the 16-bit route then as before the caps, with .l:
+  "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"). Steps of up to 1,024 row-heads take "mono.t"
+  (`auto_route`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -60,8 +62,8 @@ from replayssm.ops.triton.ssu import LaunchConfig
 __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
 
 # Routes and tiles from the H200 runs of benchmarks/bench_kernels.py (NOTES-kernels.md), where
-# their whole tiles fit: one token takes "lean.a.y.v1" at 32x4, several "stream-list.c.y.b.t.p2.l.v1.h"
-# at 64x4 (VERIFY_16BIT_ROUTE with a 16-bit state);
+# their whole tiles fit: one token takes "lean.a.y.v1" at 32x4, several
+# "stream-list.c.y.b.t.p2.l.v1.h.g160.r72" at 64x4 (VERIFY_16BIT_ROUTE with a 16-bit state);
 # else replay_step.py (q = 1) or the tensor-core route (q > 1). 8B shape, b = 256, fp32 state:
 #   q = 1: lean.a.y 314.3 us vs lean.c 320.1 (small launches beside the output launch on a
 #          high-priority stream; lean.a on a normal one 320.8), stream-list 380 (sessions 4, 11);
@@ -109,8 +111,9 @@ __all__ = ["replay_commit_triton", "replay_forward_triton", "replay_materialize_
 # 397.8 / 396.7 (three timings each), b = 128 210.7 vs 210.3, b = 512 771.7 vs 768.6.
 CONFIG = LaunchConfig(block_p=32, num_warps=4)
 AUTO_ROUTES = (("lean.a.y.v1", LaunchConfig(block_p=32, num_warps=4)),
-               ("stream-list.c.y.b.t.p2.l.v1.h", LaunchConfig(block_p=64, num_warps=4)))
-VERIFY_16BIT_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1.h"  # several tokens, 16-bit state, above mono.t
+               ("stream-list.c.y.b.t.p2.l.v1.h.g160.r72", LaunchConfig(block_p=64, num_warps=4)))
+VERIFY_16BIT_ROUTE = "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"  # several tokens, 16-bit state, above mono.t
+VERIFY_16BIT_FEW_ROUTE = "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"  # the same up to FEW_PIECES
 FOLD_CONFIG = LaunchConfig(block_p=32, num_warps=4)
 # Small steps take "mono", one launch: the split routes' four or five launches cost more than their
 # bytes there. H200, fp32 state, session 6 call 3 (benchmarks/NOTES-kernels.md), mono vs split:
@@ -153,8 +156,13 @@ MONO_T_CONFIGS = {
            (None, LaunchConfig(block_p=64, num_warps=2))),
     False: ((128, LaunchConfig(block_p=32, num_warps=4)), (None, LaunchConfig(block_p=32, num_warps=2))),
 }
-MONO_MAX_ROW_HEADS = (2048, 8192)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
-MONO_T_MAX_ROW_HEADS_16BIT = 1024  # "mono.t" with fp16 / bf16 state
+# Session 20 (calls 4-5): with the streaming routes' register caps (below) they beat mono.t from 2,048
+# row-heads on (fp32, µs, mono.t vs .i2.g160.r72): TP8 b = 128 39.4-39.6 vs 36.9-37.0, b = 256 63.7-64.5
+# vs 61.0-61.1, b = 512 112.5-114.0 vs 108.2-108.5; 8B b = 32 (4,096) 62.0-62.6 vs 62.0, b = 64 110.7-111.5
+# vs 108.6-108.8; at 1,024 mono.t still wins (TP8 b = 64 23.5 vs 25.7-25.9). 16-bit states already
+# stopped at 1,024.
+MONO_MAX_ROW_HEADS = (2048, 1024)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
+MONO_T_NO_STREAM_ROW_HEADS = 8192  # "mono.t" with fp32 state where the streaming tile does not fit
 # Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
 # three calls; fp16 TP8 b = 128 / 256 / 512 35.7 / 55.3 / 95.8 vs 37.9 / 59.2 / 107.4, 8B b = 128 182.3
@@ -163,7 +171,21 @@ MONO_T_MAX_ROW_HEADS_16BIT = 1024  # "mono.t" with fp16 / bf16 state
 # calls 2-4, µs, .i2.l vs .i2, side by side): TP8 fp16 b = 128 34.45-34.67 vs 35.65-35.69, b = 256
 # 53.80-53.93 vs 55.00-55.07, b = 512 94.31-95.00 vs 95.40-95.86; 8B fp16 b = 64 98.3 vs 99.2-99.4, b = 128
 # 181.9-184.1 vs 183.0-184.1 (a tie); without .i2 it still ties or loses (8B b = 256 335.4 vs 336.0).
-FEW_PIECES = 16384
+# Session 20 (calls 3-5, µs): the register caps .g160.r72 (fp32) and .g96.r80 (16-bit; below) moved the
+# crossover to 8,192 pieces: at 16,384 (8B b = 128) fp32 .g160.r72 198.8-199.0 vs .i2.g160.r72
+# 202.2-202.6, fp16 .g96.r80 178.3-178.8 vs .i2.l 181.7-181.8; at 8,192 .i2 still wins or ties (8B fp32
+# b = 64 108.6-108.8 vs 109.4-110.0; TP8 b = 512 108.2-108.5 vs 107.9-108.1; fp16 TP8 b = 512 .i2.l
+# 93.4-94.3 vs 103.1-103.4).
+FEW_PIECES = 8192
+# The caps (session 20; benchmarks/NOTES-kernels.md): the flush launch (172 registers) and the streaming
+# launch (89) share the SMs while the flush rows fold, and an SM's 64 K registers held two flush
+# programs and ONE streaming program (of five alone), so the flush rows' 30% of the step's bytes moved
+# at 2.3 TB/s beside a starved stream (Nsight Compute, 8B b = 256: flush alone 400 MB in 176 µs, stream
+# 950 MB in 251 µs). Flush capped at 160 and stream at 72 registers fit two of each (µs, 8B fp32 q = 4,
+# side by side in calls 3-5): b = 256 375.2-375.7 vs 394.4-395.2 for the uncapped route (.g160 375.5-376.7,
+# .r72 376.2-378.2), b = 512 736.2-748.5 vs 769.2-780.8, b = 128 198.8-199.0 vs 204.6-205.7 (.i2). With
+# 16-bit state the flush launch held whole SMs (four programs at 128); at 96 the stream capped at 80 gains
+# 1.4-2%: 8B fp16 b = 256 330.0-330.3 vs 334.2-335.5, b = 512 642.4-644.3 vs 655.7-657.2.
 
 
 def auto_route(b: int, q: int, H: int, P: int, N: int,
@@ -171,20 +193,24 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     """The route and tile "auto" takes for b rows of q tokens with that state dtype; None where no
     whole-tile route fits."""
     wide = state_dtype == torch.float32
-    mono_max = MONO_MAX_ROW_HEADS[q > 1] if q == 1 or wide else MONO_T_MAX_ROW_HEADS_16BIT
+    route, cfg = AUTO_ROUTES[q > 1]
+    mono_max = MONO_MAX_ROW_HEADS[q > 1]
+    if q > 1 and wide and not stream_supported(P, N, cfg.block_p):
+        mono_max = MONO_T_NO_STREAM_ROW_HEADS  # no streaming tile: mono.t as far as it beat the others
     if b * H <= mono_max:
         route, sizes = ("mono.t", MONO_T_CONFIGS[wide]) if q > 1 else ("mono", MONO_CONFIGS[wide])
         cfg = next(c for most, c in sizes if most is None or b * H <= most)
         for c in (cfg, LaunchConfig(32, cfg.num_warps)):
             if stream_supported(P, N, c.block_p):
                 return route, c
-    route, cfg = AUTO_ROUTES[q > 1]
-    if q > 1 and not wide:
-        route = VERIFY_16BIT_ROUTE
+        route, cfg = AUTO_ROUTES[q > 1]
     if not stream_supported(P, N, cfg.block_p):
         return None
-    if q > 1 and b * H * (P // cfg.block_p) <= FEW_PIECES:
-        route += ".i2" if wide else ".i2.l"  # the fp32 route has .l already
+    few = q > 1 and b * H * (P // cfg.block_p) <= FEW_PIECES
+    if q > 1 and not wide:
+        route = VERIFY_16BIT_FEW_ROUTE if few else VERIFY_16BIT_ROUTE
+    elif few:
+        route += ".i2"
     return route, cfg
 
 

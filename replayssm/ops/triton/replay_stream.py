@@ -1,6 +1,6 @@
 """ReplaySSM forward step, row-streaming launches (route "stream-list"; several tokens take
-"stream-list.c.y.b.t.p2.l.v1.h" or "stream-list.c.y.b.t.f2.g128.p4.v1.h" by size and state dtype,
-`replay.auto_route`).
+"stream-list.c.y.b.t.p2.l.v1.h.g160.r72" or "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80" by state dtype,
+with .i2 on small steps, `replay.auto_route`).
 
 Same weights launch and arithmetic as `replay_step.py`; the output launches differ in shape. A
 grid-per-tile launch gives every program one 16 KiB (P tile, head) piece of the state behind a
@@ -33,7 +33,10 @@ state take the flush pieces in two column parts under a 128-register cap, four p
 The weights launch takes one warp per program (.v1: 8B fp32 b = 256 397.3 vs 409.7 us; session 14).
 Each streaming program loads C once for its pieces, which share a group (.h: the pipeline then
 stages only the state tiles, five programs per SM instead of four; fp16 state 8B b = 256 335.6 vs
-344.5 us, fp32 395-396 vs 397-398; session 18).
+344.5 us, fp32 395-396 vs 397-398; session 18). Both launches run under register caps (.gN flush,
+.rN streaming) chosen so that an SM holds two programs of each while the flush rows fold: uncapped,
+two flush programs (172 registers) left room for one streaming program of five (fp32 8B b = 256
+375-376 vs 394-395 us; session 20, `replay.FEW_PIECES`).
 """
 
 from __future__ import annotations
