@@ -45,8 +45,7 @@ SEVERAL_TOKEN_ROUTES = ["stream-list.f2", "stream-list.c.y.b.t.f2.g128.p4", "str
                         "stream-list.c.y.b.t.f2.g128.p4.v1.h", "stream-list.c.t.h",
                         "stream-list.c.y.b.t.p2.l.v1.h.i2", "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l",
                         "stream-list.c.y.b.t.p2.l.v1.h.g160.r72", "stream-list.c.y.b.t.p2.l.v1.h.g160.r72.i2",
-                        "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80", "stream-list.c.y.b.t.p2.l.v1.h.g160.r72.a",
-                        "stream-list.c.y.b.t.p2.v1.h.g160.r72.a"]
+                        "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"]
 STREAM_CASES = ([(r, q) for r in STREAM_ROUTES for q in (1, 4)]
                 + [(r, q) for r in SEVERAL_TOKEN_ROUTES for q in (2, 4)])
 
@@ -120,7 +119,6 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
                                              ("stream-list.c.y.b.t.p2.f2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.f2.g128.p4.l", (64, 4), 4),
                                              ("stream-list.c.y.b.t.p2.l.v1", (64, 4), 4),
-                                             ("stream-list.c.y.b.t.p2.l.v1.h.g160.r72.a", (64, 4), 4),
                                              ("stream-list.c", (64, 4), 4)])
 def test_side_stream_routes_in_cuda_graph_gpu(route, block, q):
     """Routes with launches on a side stream give the same bits replayed from a CUDA graph as run

@@ -221,8 +221,7 @@ _SPLIT_FLAGS = dict(c=("concurrent", True), o=("outputs_all", True), y=("priorit
 _OPTIONS = {
     "stream-list": ({**_SPLIT_NAMES, "r": "stream_maxnreg", "g": "flush_maxnreg", "f": "flush_parts",
                      "k": "flush_stages"},
-                    {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True),
-                     "a": ("list_first", True)}),
+                    {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True)}),
     "lean": ({**_SPLIT_NAMES, "f": "flush_block_p", "w": "flush_warps", "h": "heads_per_program",
               "n": "few_flush_programs_per_sm"},
              {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
@@ -288,8 +287,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # tensor-core products), .rN / .gN (register caps of the streaming / flush launch), .fN (the
         # flush pieces in N column parts), .kN (the flush loop's pipeline stages with .fN), .l (the
         # streaming launch programmatically dependent on the weights launch), .vN (the weights
-        # launch's warps; lean takes it too), .a (the flush rows listed on the side stream before the
-        # weights launch). The benchmarks sweep them.
+        # launch's warps; lean takes it too). The benchmarks sweep them.
         lean = route.startswith("lean")
         kw = route_options(route)
         cfg = config or CONFIG

@@ -177,7 +177,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                   bf16_products: bool = False, bc_dot: bool = False, stream_maxnreg: int = 0,
                   flush_maxnreg: int = 0, flush_parts: int = 1,
                   flush_stages: int = 3, pdl: bool = False, weights_warps: int = 4,
-                  hoist_c: bool = False, list_first: bool = False) -> None:
+                  hoist_c: bool = False) -> None:
     """Weights launch (`replay_step.py`), the streaming launch over non-flush rows, then the flush
     rows listed on the device and folded by a persistent launch (concurrent, on CUDA: the flush
     launches run on a side stream beside the streaming launch). outputs_all (tiles of >= 16 rows):
@@ -193,9 +193,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     `pdl_supported`; it waits for the weights' writes after loading its rows' slots and cursors).
     weights_warps: the weights launch's warps. hoist_c: the streaming launch loads C once per program
     (tensor-core pieces whose programs stay in one group; else ignored), so its pipeline stages
-    only state tiles. list_first (concurrent, on CUDA): the flush rows are listed on the side stream
-    before the weights launch (the list reads only slots and cursors), so the flush launch is
-    queued the moment the weights are written instead of a list launch later.
+    only state tiles.
     """
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -203,12 +201,6 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     assert stream_supported(P, N, block_p)
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     pdl = bool(pdl and not outputs_all and pdl_supported(x.device))
-    listed = None  # (rows, count) when listed ahead of the weights launch
-    if list_first and concurrent and not outputs_all and x.device.type == "cuda":
-        side = _side_stream(x.device, priority)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            listed = _list_flush_rows(state_indices, committed, window, q)
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                            state_indices, window, dt_softplus, bc_dot=bc_dot, pdl=pdl,
                            num_warps=weights_warps)
@@ -222,8 +214,11 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
     def flush_launches() -> None:
-        # Flush rows listed on the device (unless listed first), then folded by a persistent launch.
-        rows, count = listed if listed is not None else _list_flush_rows(state_indices, committed, window, q)
+        # Flush rows listed on the device, then folded by a persistent launch.
+        rows = torch.empty(b, device=x.device, dtype=torch.int32)
+        count = torch.empty(1, device=x.device, dtype=torch.int32)
+        _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
+                                 BLOCK=LIST_BLOCK, num_warps=4)
         programs = min(b * H * (P // block_p), flush_programs(x.device, flush_programs_per_sm))
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
                                    state_indices, y, w, sc, *common, **meta, SPLIT=flush_parts,
@@ -250,16 +245,6 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
     # weights scratch, so the latency-bound flush launch may run beside the bandwidth-bound one.
     run_beside(x.device, flush_launches, stream_launch, concurrent, priority)
-
-
-def _list_flush_rows(state_indices, committed, window, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows that flush this step, in row order, and their count, listed by one program."""
-    b = state_indices.shape[0]
-    rows = torch.empty(b, device=state_indices.device, dtype=torch.int32)
-    count = torch.empty(1, device=state_indices.device, dtype=torch.int32)
-    _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q, BLOCK=LIST_BLOCK,
-                             num_warps=4)
-    return rows, count
 
 
 def _regs(maxnreg: int) -> dict:
