@@ -98,7 +98,7 @@ class Workload:
     spec_gpu_memory_utilization: float = 0.8
     kv_block_size: int = 16
     window: int = 16
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None  # the engine's default (graphs wherever supported) unless set
     async_scheduling: bool | None = None  # the engine's default (on with CUDA) unless set
     # One untimed warm-up run per (mode, setting, batch) before the timed ones (see warmup_sizes).
     warmup: bool = True
@@ -316,6 +316,7 @@ def _run_engine(engine_cls, config, workload, rng: random.Random, sizes: Workloa
     wall = time.perf_counter() - t0
     graphs = getattr(engine.runner, "graphs", None)
     out = {"build_s": build_s, "wall": wall, "trace": trace, "metrics": engine.get_metrics(),
+           "cuda_graphs": graphs is not None,
            "graph_replays": graphs.num_replays if graphs is not None else 0,
            "async_scheduling": engine.async_scheduling, "interleave": engine.interleave,
            "graph_error": graphs.error if graphs is not None else None}
@@ -363,8 +364,9 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
             row = {"mode": mode, "setting": setting, "batch": batch, "rep": rep, "order": order,
                    "build_s": run["build_s"], "num_requests_fit": m.get("num_requests_fit"),
                    "num_slots": m.get("num_slots"), **mode_sizes(mode, w),
-                   # Graphs asked for, replays done, and why they were turned off (eager fallback).
-                   "cuda_graphs": bool(kw["cuda_graphs"]), "graph_replays": run["graph_replays"],
+                   # Graphs on (asked for, or the engine's default where supported), replays done, and
+                   # why they were turned off (eager fallback).
+                   "cuda_graphs": run["cuda_graphs"], "graph_replays": run["graph_replays"],
                    "graph_error": run["graph_error"],
                    # Steps launched ahead of the previous step's read-back (LLMEngine.step).
                    "async_scheduling": run["async_scheduling"], "ahead_steps": m.get("num_ahead_steps", 0),

@@ -76,7 +76,7 @@ run_mode() {  # $1 = a | b | c
   esac
   t=$(budget "$m"); t0=$(date +%s); local s0=$SECONDS
   local flags="--modes $m --merge --scale $scale"
-  [ "$GRAPHS" = 1 ] && flags="$flags --cuda-graphs"
+  if [ "$GRAPHS" = 1 ]; then flags="$flags --cuda-graphs"; else flags="$flags --no-cuda-graphs"; fi
   log "mode $m: budget ${t}s: replayssm bench $flags"
   [ "$t" = 0 ] && return
   timeout -k 5 "$t" python3 -m replayssm bench $flags > "$OUT/e2e-$m.log" 2>&1
@@ -100,7 +100,7 @@ run_profile() {
   log "profile: budget ${t}s"
   [ "$t" = 0 ] && return
   local flags="--profile --profile-steps 16"
-  [ "$GRAPHS" = 1 ] && flags="$flags --cuda-graphs"
+  if [ "$GRAPHS" = 1 ]; then flags="$flags --cuda-graphs"; else flags="$flags --no-cuda-graphs"; fi
   timeout -k 5 "$t" python3 -m replayssm bench $flags > "$OUT/e2e-profile.log" 2>&1
   log "profile: rc $?"
   save
@@ -111,7 +111,7 @@ run_prefill_profile() {  # one (c) ON prefix-hit prefill step under the profiler
   log "prefill-profile: budget ${t}s"
   [ "$t" = 0 ] && return
   local flags="--profile-prefill --scale ${C_SCALE:-1.0}"
-  [ "$GRAPHS" = 1 ] && flags="$flags --cuda-graphs"
+  if [ "$GRAPHS" = 1 ]; then flags="$flags --cuda-graphs"; else flags="$flags --no-cuda-graphs"; fi
   timeout -k 5 "$t" python3 -m replayssm bench $flags > "$OUT/e2e-prefill-profile.log" 2>&1
   log "prefill-profile: rc $?"
   save

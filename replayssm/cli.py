@@ -222,11 +222,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge", action="store_true",
                         help="keep the other modes' rows of an existing e2e.json (split one benchmark over "
                         "several commands)")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="replay decode/verify steps as CUDA graphs")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="replay decode/verify steps as CUDA graphs (default: the engine's, on wherever "
+                        "supported; --no-cuda-graphs: eager steps)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="run every engine with async scheduling off (default: the engine's, on with "
-                        "CUDA except speculative decoding)")
+                        "CUDA)")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the modes: profile mode (a)'s decode step, OFF and ON (time per "
                         "layer part, SSM bytes against bandwidth) into e2e-profile.{json,md}")
@@ -251,8 +252,8 @@ def run_bench(args: argparse.Namespace) -> int:
         workload = bench.h200_workload(args.scale)
     else:
         raise ValueError("the full benchmark needs a CUDA GPU; use --quick for the CPU smoke run")
-    if args.cuda_graphs:
-        workload = dataclasses.replace(workload, cuda_graphs=True)
+    if args.cuda_graphs is not None:
+        workload = dataclasses.replace(workload, cuda_graphs=args.cuda_graphs)
     if args.no_async_scheduling:
         workload = dataclasses.replace(workload, async_scheduling=False)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

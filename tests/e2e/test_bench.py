@@ -127,3 +127,19 @@ def test_each_engine_is_released_before_the_next_is_built(monkeypatch):
     w = dataclasses.replace(bench.quick_workload(), decode_output=3)
     doc = bench.run_benchmark(w, "a", log=lambda msg: None)
     assert len(runners) == 6 and len(doc["rows"]) == 4 and len(doc["warmups"]) == 2
+
+
+def test_bench_cuda_graphs_flag_reaches_the_engines(tmp_path, capsys):
+    """Graphs follow the engine's default (None: wherever supported) unless the flag says otherwise:
+    --no-cuda-graphs asks for eager steps; --cuda-graphs insists, so a CPU run is refused with the
+    engine's reason (at the first engine's build, before any row)."""
+    for flags, wanted in (([], None), (["--no-cuda-graphs"], False)):
+        out = tmp_path / str(wanted)
+        assert main(["bench", "--quick", "--modes", "a", "--scale", "0.5", "--out", str(out), *flags]) == 0
+        doc = json.loads((out / "e2e.json").read_text())
+        assert doc["workload"]["cuda_graphs"] is wanted
+        assert doc["rows"] and all(r["cuda_graphs"] is False for r in doc["rows"])  # the CPU: eager
+    assert main(["bench", "--quick", "--modes", "a", "--cuda-graphs", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "replayssm bench: error:" in err and "cuda_graphs" in err
+    assert not (tmp_path / "e2e.json").exists() or not json.loads((tmp_path / "e2e.json").read_text())["rows"]
