@@ -3,8 +3,10 @@
 
 Kernels: replay_stream.py's `_stream_kernel` (default) and `_flush_kernel`, replay_step.py's
 `_weights_kernel`, replay_flush.py's fold-only `_lean_flush_kernel` ("fold"), replay_mono.py's
-`_mono_kernel`. Triton ships ptxas and cuobjdump, so registers, shared memory, spills, layout
-conversions, async copies, MMA instructions and barriers can be read off before a device call
+`_mono_kernel`, replay_lean.py's output launch `_lean_kernel` ("lean", bare products) and
+replay_ring.py's `_ring_term_kernel` ("ring"). Triton ships ptxas and cuobjdump, so registers, shared
+memory, spills, layout conversions, async copies, MMA instructions and barriers can be read off
+before a device call
 (benchmarks/NOTES-kernels.md, session 12). Private Triton APIs (native_specialize_impl): written
 against Triton 3.9; the device's 3.6 compiles the same kernels with somewhat different counts.
 
@@ -50,7 +52,8 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def args_parse():
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("--kernel", choices=["stream", "flush", "weights", "fold", "mono"], default="stream")
+    a.add_argument("--kernel", choices=["stream", "flush", "weights", "fold", "mono", "lean", "ring"],
+                   default="stream")
     a.add_argument("--H", type=int, default=128)
     a.add_argument("--P", type=int, default=64)
     a.add_argument("--N", type=int, default=128)
@@ -158,13 +161,22 @@ def build(a):
 
         del meta["MMA"]
         meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True)
+    elif a.kernel == "lean":  # replay_lean.py's output launch, bare products (lean.a: RAW)
+        from replayssm.ops.triton.replay_lean import _lean_kernel as fn
+
+        meta = dict(Q=q, QB=QB, P=P, N=N, BLOCK_P=a.block_p, NS=min(N, 32), ITEMS=a.items, STAGES=a.stages,
+                    MMA=mma, ALL=bool(a.all), RAW=True)
+    elif a.kernel == "ring":  # replay_ring.py's ring-term launch, CUDA-core form (one token)
+        from replayssm.ops.triton.replay_ring import _ring_term_kernel as fn
+
+        meta = dict(Q=q, QB=QB, HB=HB, HT=4, P=P, BP=triton.next_power_of_2(P))
     else:
         fn = _flush_kernel
         meta.update(SPLIT=a.split, STAGES=a.stages)
     # Pointer arguments by name: activations (x, B, C, y, ring rows), the state, fp32 scratch and
     # parameters, int32 indices.
     kinds = dict(x=act, B=act, C=act, y=act, rx=act, rB=act, state=sdt_t, list=i32, count=i32, ring_start=i32,
-                 committed=i32, idx=i32)
+                 committed=i32, idx=i32, flag=i32)
     ptrs = {kp.name: kinds.get(kp.name[:-4], f32) for kp in fn.params if kp.name.endswith("_ptr")}
     # Scalars by name: contiguous (b, q, H, P) x / y, (b, q, G, N) B / C and (b, q, H) dt.
     scalars = dict(sx_b=sx[0], sx_t=sx[1], sx_h=sx[2], sy_b=sx[0], sy_t=sx[1], sy_h=sx[2], sC_b=sC[0],
