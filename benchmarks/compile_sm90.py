@@ -6,8 +6,8 @@ Kernels: replay_stream.py's `_stream_kernel` (default) and `_flush_kernel`, repl
 `_mono_kernel`, replay_lean.py's output launch `_lean_kernel` ("lean", bare products) and
 replay_ring.py's `_ring_term_kernel` ("ring"). Triton ships ptxas and cuobjdump, so registers, shared
 memory, spills, layout conversions, async copies, MMA instructions and barriers can be read off
-before a device call
-(benchmarks/NOTES-kernels.md, session 12). Private Triton APIs (native_specialize_impl): written
+before a device call (benchmarks/NOTES-kernels.md, session 12). Private Triton APIs
+(native_specialize_impl): written
 against Triton 3.9; the device's 3.6 compiles the same kernels with somewhat different counts.
 
 Mirrors `launch_stream`'s specialization for a contiguous (b, q, H, P) x / y and (b, q, G, N) C:
