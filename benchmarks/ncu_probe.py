@@ -13,8 +13,8 @@ launch order so the report reads.
 
 instead times each kernel of each route at full clocks (torch.profiler over 20 eager steps, after
 2 untimed ones) and prints microseconds per step per kernel, so a route's launches can be split
-without Nsight Compute's locked clocks. "fi:1x1" / "fi:2x1" run FlashInfer's checkpointing_ssu
-(monolith / two-kernel) on the same pools.
+without Nsight Compute's locked clocks. "fi:monolith" / "fi:two-kernel" run FlashInfer's
+checkpointing_ssu (that algorithm) on the same pools.
 """
 
 from __future__ import annotations
@@ -30,9 +30,14 @@ from replayssm.ops.triton import ssu as tssu
 _FI = {}
 
 
+def _tile(text: str) -> Tile:
+    """A route:tile of bench_kernels, or "fi:ALGORITHM" (FlashInfer's checkpointing_ssu)."""
+    return Tile(text, None) if text.startswith("fi:") else Tile.parse(text)
+
+
 def _fi_step(bench: Bench, algo: str, start, comm) -> None:
-    """FlashInfer's checkpointing_ssu on the same pools ("fi:monolith" / "fi:two-kernel"; FlashInfer
-    installed by flashinfer_build.py at /tmp/fi, as bench_kernels --flashinfer)."""
+    """FlashInfer's checkpointing_ssu with that algorithm on the same pools (FlashInfer installed by
+    flashinfer_build.py at /tmp/fi, as bench_kernels --flashinfer)."""
     import fi_kernels as fk
 
     if not _FI:
@@ -54,8 +59,8 @@ def _fi_step(bench: Bench, algo: str, start, comm) -> None:
 
 
 def _step(bench: Bench, tile: Tile, start, comm) -> None:
-    if tile.route == "fi":
-        _fi_step(bench, {1: "monolith", 2: "two-kernel"}[tile.config.block_p], start, comm)
+    if tile.route.startswith("fi:"):
+        _fi_step(bench, tile.route[3:], start, comm)
     elif not tile.route:
         tssu.launch_ssu(bench.state, bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D,
                         bench.dt_bias, bench.idx[0], None, True, 0, bench.y, tile.config)
@@ -72,7 +77,7 @@ def times(bench: Bench, tiles: list[str], steps: int = 20) -> None:
 
     start, comm = bench.cursors[0]
     for text in tiles:
-        tile = Tile.parse(text)
+        tile = _tile(text)
         for _ in range(2):
             _step(bench, tile, start, comm)
         torch.cuda.synchronize()
@@ -106,7 +111,7 @@ def main() -> None:
         return
     start, comm = bench.cursors[0]
     for text in tiles:
-        tile = Tile.parse(text)
+        tile = _tile(text)
         for k in range(2):  # the first call compiles; the second is in an NVTX range "probe"
             if k:
                 torch.cuda.nvtx.range_push("probe")  # ncu --nvtx --nvtx-include "probe/": this step only

@@ -198,12 +198,11 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     if q > 1 and wide and not stream_supported(P, N, cfg.block_p):
         mono_max = MONO_T_NO_STREAM_ROW_HEADS  # no streaming tile: mono.t as far as it beat the others
     if b * H <= mono_max:
-        route, sizes = ("mono.t", MONO_T_CONFIGS[wide]) if q > 1 else ("mono", MONO_CONFIGS[wide])
-        cfg = next(c for most, c in sizes if most is None or b * H <= most)
-        for c in (cfg, LaunchConfig(32, cfg.num_warps)):
+        one, sizes = ("mono.t", MONO_T_CONFIGS[wide]) if q > 1 else ("mono", MONO_CONFIGS[wide])
+        tile = next(c for most, c in sizes if most is None or b * H <= most)
+        for c in (tile, LaunchConfig(32, tile.num_warps)):
             if stream_supported(P, N, c.block_p):
-                return route, c
-        route, cfg = AUTO_ROUTES[q > 1]
+                return one, c
     if not stream_supported(P, N, cfg.block_p):
         return None
     few = q > 1 and b * H * (P // cfg.block_p) <= FEW_PIECES
