@@ -3,11 +3,11 @@
 
 Kernels: replay_stream.py's `_stream_kernel` (default) and `_flush_kernel`, replay_step.py's
 `_weights_kernel`, replay_flush.py's fold-only `_lean_flush_kernel` ("fold"), replay_mono.py's
-`_mono_kernel`, replay_lean.py's output launch `_lean_kernel` ("lean", bare products) and
-replay_ring.py's `_ring_term_kernel` ("ring"). Triton ships ptxas and cuobjdump, so registers, shared
-memory, spills, layout conversions, async copies, MMA instructions and barriers can be read off
-before a device call (benchmarks/NOTES-kernels.md, session 12). Private Triton APIs
-(native_specialize_impl): written
+`_mono_kernel`, replay_mono_mma.py's `_mono_mma_kernel` ("monot"), replay_lean.py's output launch
+`_lean_kernel` ("lean", bare products) and replay_ring.py's `_ring_term_kernel` ("ring"). Triton ships
+ptxas and cuobjdump, so registers, shared memory, spills, layout conversions, async copies, MMA
+instructions and barriers can be read off before a device call (benchmarks/NOTES-kernels.md, session
+12). Private Triton APIs (native_specialize_impl): written
 against Triton 3.9; the device's 3.6 compiles the same kernels with somewhat different counts.
 
 Mirrors `launch_stream`'s specialization for a contiguous (b, q, H, P) x / y and (b, q, G, N) C:
@@ -52,8 +52,8 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def args_parse():
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("--kernel", choices=["stream", "flush", "weights", "fold", "mono", "lean", "ring"],
-                   default="stream")
+    a.add_argument("--kernel", default="stream",
+                   choices=["stream", "flush", "weights", "fold", "mono", "monot", "lean", "ring"])
     a.add_argument("--H", type=int, default=128)
     a.add_argument("--P", type=int, default=64)
     a.add_argument("--N", type=int, default=128)
@@ -72,6 +72,10 @@ def args_parse():
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (flush launch)")
     a.add_argument("--pdl", action="store_true", help="PDL constexpr (streaming / weights launch)")
     a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
+    a.add_argument("--whole", action="store_true", help="WHOLE constexpr (mono.t, option .w)")
+    a.add_argument("--columns", type=int, default=32, help="NS (mono.t, option .cN)")
+    a.add_argument("--mono-stages", type=int, default=0, help="STAGES (mono.t, option .sN)")
+    a.add_argument("--fold-stages", type=int, default=0, help="FOLD_STAGES (mono.t, option .kN)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -161,6 +165,13 @@ def build(a):
 
         del meta["MMA"]
         meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True)
+    elif a.kernel == "monot":  # replay_mono_mma.py (route mono.t; --whole: .w)
+        from replayssm.ops.triton.replay_mono_mma import _mono_mma_kernel as fn
+
+        del meta["MMA"]
+        meta.update(QB=max(16, QB), HB=max(16, HB), BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True,
+                    OUT16=a.act_dtype != "fp32", WHOLE=bool(a.whole), NS=min(N, a.columns),
+                    STAGES=a.mono_stages, FOLD_STAGES=a.fold_stages)
     elif a.kernel == "lean":  # replay_lean.py's output launch, bare products (lean.a: RAW)
         from replayssm.ops.triton.replay_lean import _lean_kernel as fn
 

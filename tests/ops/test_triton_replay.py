@@ -86,6 +86,18 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 
 
 @requires_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block", [(64, 4), (64, 2)])
+@pytest.mark.parametrize("route", ["mono.t.w", "mono.t.s5.k3", "mono.t.c64.k2", "mono.t.x.w"])
+def test_replay_cycle_mono_t_options_gpu(state_dtype, block, route):
+    """On the GPU: mono.t's options (the state tile whole and folded from registers, the chunk loop's
+    and the flush fold's pipeline stages, chunk width) match the reference at several tokens."""
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    _cycle_gpu(q=4, state_dtype=state_dtype, route=route, config=LaunchConfig(*block))
+
+
+@requires_cuda
 @pytest.mark.parametrize("q, block", [(1, (64, 4)), (1, (64, 8)), (4, (32, 4)), (4, (64, 4))])
 def test_replay_cycle_lean_tiles_gpu(q, block):
     """On the GPU: the lean route's other tiles match the reference."""
@@ -235,7 +247,7 @@ def test_auto_route_policy():
 
 
 @pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e", "stream-list.a",
-                                   "lean.f", "lean.t", "weights.x", "weights.t.w2"])
+                                   "lean.f", "lean.t", "weights.x", "weights.t.w2", "mono.t.y", "mono.t.w.c"])
 def test_route_options_are_checked(route):
     """A route option the route does not take, or an unknown route, is refused (no silent default)."""
     from replayssm.ops.triton.replay import launch_replay_forward

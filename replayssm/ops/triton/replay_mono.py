@@ -152,11 +152,11 @@ def _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n
 @triton.jit
 def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
           P: tl.constexpr, N: tl.constexpr, R, HB: tl.constexpr, NS: tl.constexpr, STATE_DTYPE: tl.constexpr,
-          MAXV: tl.constexpr):
+          MAXV: tl.constexpr, STAGES: tl.constexpr = 0):
     """A flush row's fold: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, an NS-column chunk at a time as one
     (BLOCK_P, KB) x (KB, NS) 3xTF32 product onto the decayed chunk (as the lean fold-only launch), the
     chunk read again (an L2 hit): the whole-tile fold's registers would cut the occupancy of every
-    program, flush or not."""
+    program, flush or not. STAGES: as `fold_chunks`."""
     KB: tl.constexpr = 16 if HB < 16 else HB
     jk = tl.arange(0, KB)
     jkm = jk < hc
@@ -167,7 +167,7 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
                  other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
     FNS: tl.constexpr = 16 if NS > 16 else NS  # narrow chunks: few registers live in the fold
     fold_chunks(state_ptr, rB_ptr, xf, tl.exp(lam_h), krows, jkm, p, sbase, Brow0, seed_mix, N, FNS,
-                STATE_DTYPE, MAXV)
+                STATE_DTYPE, MAXV, STAGES)
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,

@@ -25,8 +25,29 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _row_head
 from replayssm.ops.triton.replay_stream import stream_supported
-from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
-from replayssm.ops.triton.tf32 import dot_out
+from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.tf32 import dot_out, dot_split
+
+
+@triton.jit
+def _chunk_products(C_ptr, rB_ptr, B_ptr, state_ptr, i, t, tm, g, rows, jm, Brow0, sbase, p, ncs,
+                    sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, N: tl.constexpr,
+                    STATE_DTYPE: tl.constexpr, OUT16: tl.constexpr):
+    """One NS-column chunk ncs of the pass over N (no (rows, N) tile live): C·B of the history and of
+    this step, and C S0ᵀ (the state tile read as an (NS, BLOCK_P) piece)."""
+    X16: tl.constexpr = C_ptr.dtype.element_ty != tl.float32
+    RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
+    Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
+                 other=0.0).to(tl.float32)  # (QB, NS)
+    Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
+                  other=0.0).to(tl.float32)  # (NS, HB)
+    Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
+                  other=0.0).to(tl.float32)  # (NS, QB)
+    S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
+    cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
+    cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
+    acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
+    return cb_h, cb_n, acc
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -36,7 +57,8 @@ def _mono_mma_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, WHOLE: tl.constexpr,
+    STAGES: tl.constexpr, FOLD_STAGES: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -59,23 +81,35 @@ def _mono_mma_kernel(
     A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
                                              i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
 
-    # One pass over N in NS-column chunks (no (rows, N) tile live): C·B of the history and of this
-    # step, and C S0ᵀ (the state tile read as (NS, BLOCK_P) pieces).
     cb_h = tl.zeros((QB, HB), dtype=tl.float32)
     cb_n = tl.zeros((QB, QB), dtype=tl.float32)
     acc = tl.zeros((QB, BLOCK_P), dtype=tl.float32)
-    for c in range(N // NS):
-        ncs = c * NS + tl.arange(0, NS)
-        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
-                     other=0.0).to(tl.float32)  # (QB, NS)
-        Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
-                      other=0.0).to(tl.float32)  # (NS, HB)
-        Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
-                      other=0.0).to(tl.float32)  # (NS, QB)
-        S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
+    if WHOLE:
+        # Every operand at once (the state tile whole, (N, BLOCK_P)): all loads in flight together,
+        # and a flush row folds from these registers below.
+        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + n[None, :],
+                     mask=tm[:, None] & nm[None, :], other=0.0).to(tl.float32)  # (QB, BLOCK_N)
+        Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + n[:, None], mask=jm[None, :] & nm[:, None],
+                      other=0.0).to(tl.float32)  # (BLOCK_N, HB)
+        Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + n[:, None],
+                      mask=tm[None, :] & nm[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, QB)
+        tileT = p[None, :] * N + n[:, None]  # the tile transposed: (BLOCK_N, BLOCK_P)
+        S0t = tl.load(state_ptr + sbase + tileT, mask=nm[:, None], other=0.0).to(tl.float32)
         cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
         cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
         acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
+    elif STAGES > 0:
+        for c in tl.range(0, N // NS, num_stages=STAGES):
+            cb_h, cb_n, acc = _chunk_products(
+                C_ptr, rB_ptr, B_ptr, state_ptr, i, t, tm, g, rows, jm, Brow0, sbase, p,
+                c * NS + tl.arange(0, NS), sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, N,
+                STATE_DTYPE, OUT16)
+    else:
+        for c in range(N // NS):
+            cb_h, cb_n, acc = _chunk_products(
+                C_ptr, rB_ptr, B_ptr, state_ptr, i, t, tm, g, rows, jm, Brow0, sbase, p,
+                c * NS + tl.arange(0, NS), sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, N,
+                STATE_DTYPE, OUT16)
     wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * cb_h  # zero past hc: Δ = 0
     wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
     wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
@@ -97,15 +131,26 @@ def _mono_mma_kernel(
     _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
              xrow0, Brow0, P, N, R)
     if valid & (hc + Q > window):
-        _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
-              P, N, R, HB, NS, STATE_DTYPE, MAXV)
+        if WHOLE:
+            # S0ᵀ <- e^{Λ_h} S0ᵀ + B_hᵀ (f x_h): the history's B and x and the tile are in registers.
+            fk = dth * tl.exp(tl.minimum(lam_h - cumh, 0.0))  # fold coefficients, zero past h_c
+            S = dot_split(Bhc, xh * fk[:, None], S0t * tl.exp(lam_h), RING16, False)
+            S = stochastic_round(S, sbase + tileT, seed_mix, STATE_DTYPE, MAXV)
+            tl.store(state_ptr + sbase + tileT, S, mask=nm[:, None])
+        else:
+            _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
+                  P, N, R, HB, NS, STATE_DTYPE, MAXV, FOLD_STAGES)
 
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False) -> None:
+                    exact: bool = False, whole: bool = False, columns: int = 32, stages: int = 0,
+                    fold_stages: int = 0) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements).
-    exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there)."""
+    exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there); whole: the
+    state tile read whole and folded from registers (route option .w), not in column chunks; columns:
+    the chunk width (.cN); stages / fold_stages: pipeline stages of the chunk loop / of the flush fold's
+    loop (.sN / .kN; 0: the compiler's default / an unrolled fold)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -118,7 +163,8 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
         *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
-        STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, columns), DT_SOFTPLUS=bool(dt_softplus),
+        STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact, WHOLE=whole,
+        STAGES=stages, FOLD_STAGES=fold_stages,
         num_warps=num_warps,
     )  # fmt: skip
