@@ -50,6 +50,16 @@ def _chunk_products(C_ptr, rB_ptr, B_ptr, state_ptr, i, t, tm, g, rows, jm, Brow
     return cb_h, cb_n, acc
 
 
+@triton.jit
+def _step_rows(x_ptr, rx_ptr, i, t, tm, h, p, rows, jm, xrow0, sx_b, sx_t, sx_h, P: tl.constexpr):
+    """The history's x rows of this P tile (fp32, zero past h_c) and the step's x rows as given."""
+    xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
+    xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None],
+                     other=0.0)
+    return xh, xn_raw
+
+
 @triton.jit(do_not_specialize=["seed_mix"])
 def _mono_mma_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
@@ -58,7 +68,7 @@ def _mono_mma_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, WHOLE: tl.constexpr,
-    STAGES: tl.constexpr, FOLD_STAGES: tl.constexpr,
+    STAGES: tl.constexpr, FOLD_STAGES: tl.constexpr, EARLY: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -81,6 +91,12 @@ def _mono_mma_kernel(
     A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
                                              i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
 
+    if EARLY:
+        xh, xn_raw = _step_rows(x_ptr, rx_ptr, i, t, tm, h, p, rows, jm, xrow0, sx_b, sx_t, sx_h, P)
+        Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :],
+                         mask=tm[:, None] & nm[None, :], other=0.0)
+        _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
+                 xrow0, Brow0, P, N, R)
     cb_h = tl.zeros((QB, HB), dtype=tl.float32)
     cb_n = tl.zeros((QB, QB), dtype=tl.float32)
     acc = tl.zeros((QB, BLOCK_P), dtype=tl.float32)
@@ -114,10 +130,8 @@ def _mono_mma_kernel(
     wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
     wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
     acc = tl.exp(cumn)[:, None] * acc
-    xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
-                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
-    xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
-    xn_raw = tl.load(xrows, mask=tm[:, None], other=0.0)
+    if not EARLY:
+        xh, xn_raw = _step_rows(x_ptr, rx_ptr, i, t, tm, h, p, rows, jm, xrow0, sx_b, sx_t, sx_h, P)
     xn = xn_raw.to(tl.float32)
     acc = dot_out(wh, xh, acc, False, RING16, OUT16)
     acc = dot_out(wn, xn, acc, False, X16, OUT16)
@@ -126,10 +140,11 @@ def _mono_mma_kernel(
     tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + p[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=tm[:, None])
 
-    Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :],
-                     mask=tm[:, None] & nm[None, :], other=0.0)  # read again for the append (an L1/L2 hit)
-    _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
-             xrow0, Brow0, P, N, R)
+    if not EARLY:
+        Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :],
+                         mask=tm[:, None] & nm[None, :], other=0.0)  # again for the append (an L1/L2 hit)
+        _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
+                 xrow0, Brow0, P, N, R)
     if valid & (hc + Q > window):
         if WHOLE:
             # S0ᵀ <- e^{Λ_h} S0ᵀ + B_hᵀ (f x_h): the history's B and x and the tile are in registers.
@@ -145,12 +160,13 @@ def _mono_mma_kernel(
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                     exact: bool = False, whole: bool = False, columns: int = 32, stages: int = 0,
-                    fold_stages: int = 0) -> None:
+                    fold_stages: int = 0, early: bool = False) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements).
     exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there); whole: the
     state tile read whole and folded from registers (route option .w), not in column chunks; columns:
     the chunk width (.cN); stages / fold_stages: pipeline stages of the chunk loop / of the flush fold's
-    loop (.sN / .kN; 0: the compiler's default / an unrolled fold)."""
+    loop (.sN / .kN; 0: the compiler's default / an unrolled fold); early: the step's x and B rows and
+    the history's x rows read, and the ring appends written, before the pass over N (.a)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -165,6 +181,6 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, columns), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact, WHOLE=whole,
-        STAGES=stages, FOLD_STAGES=fold_stages,
+        STAGES=stages, FOLD_STAGES=fold_stages, EARLY=early,
         num_warps=num_warps,
     )  # fmt: skip
