@@ -74,6 +74,7 @@ def args_parse():
     a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
     a.add_argument("--whole", action="store_true", help="WHOLE constexpr (mono.t, option .w)")
     a.add_argument("--early", action="store_true", help="EARLY constexpr (mono.t, option .a)")
+    a.add_argument("--fold-in-pass", action="store_true", help="FOLD constexpr (mono.t, option .f)")
     a.add_argument("--columns", type=int, default=32, help="NS (mono.t, option .cN)")
     a.add_argument("--mono-stages", type=int, default=0, help="STAGES (mono.t, option .sN)")
     a.add_argument("--fold-stages", type=int, default=0, help="FOLD_STAGES (mono.t, option .kN)")
@@ -172,7 +173,8 @@ def build(a):
         del meta["MMA"]
         meta.update(QB=max(16, QB), HB=max(16, HB), BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True,
                     OUT16=a.act_dtype != "fp32", WHOLE=bool(a.whole), NS=min(N, a.columns),
-                    STAGES=a.mono_stages, FOLD_STAGES=a.fold_stages, EARLY=bool(a.early))
+                    STAGES=a.mono_stages, FOLD_STAGES=a.fold_stages, EARLY=bool(a.early),
+                    FOLD=bool(a.fold_in_pass))
     elif a.kernel == "lean":  # replay_lean.py's output launch, bare products (lean.a: RAW)
         from replayssm.ops.triton.replay_lean import _lean_kernel as fn
 

@@ -88,7 +88,8 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block", [(64, 4), (64, 2)])
-@pytest.mark.parametrize("route", ["mono.t.w", "mono.t.s5.k3", "mono.t.c64.k2", "mono.t.x.w", "mono.t.a"])
+@pytest.mark.parametrize("route", ["mono.t.w", "mono.t.s5.k3", "mono.t.c64.k2", "mono.t.x.w", "mono.t.a",
+                                   "mono.t.f", "mono.t.f.c16"])
 def test_replay_cycle_mono_t_options_gpu(state_dtype, block, route):
     """On the GPU: mono.t's options (the state tile whole and folded from registers, the chunk loop's
     and the flush fold's pipeline stages, chunk width) match the reference at several tokens."""

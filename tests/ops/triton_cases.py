@@ -557,6 +557,11 @@ def _replay_mono(small) -> None:
                        state_dtype=torch.float16)
     check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x.w", steps=6,
                        act=torch.bfloat16)
+    # mono.t.f: flush rows fold each column chunk in the pass over N (fp32 and 16-bit pools).
+    check_replay_cycle("cpu", q=4, P=32, N=64, W=8, config=LaunchConfig(16, 1), route="mono.t.f", steps=8,
+                       act=torch.bfloat16)
+    check_replay_cycle("cpu", q=3, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.f.c16", steps=8,
+                       state_dtype=torch.float16)
     # mono.t.a: the row loads and ring appends ahead of the pass over N.
     check_replay_cycle("cpu", q=4, P=32, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.a", steps=8,
                        state_dtype=torch.float16, act=torch.bfloat16)

@@ -31,10 +31,13 @@ from replayssm.ops.triton.tf32 import dot_out, dot_split
 
 @triton.jit
 def _chunk_products(C_ptr, rB_ptr, B_ptr, state_ptr, i, t, tm, g, rows, jm, Brow0, sbase, p, ncs,
-                    sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, N: tl.constexpr,
-                    STATE_DTYPE: tl.constexpr, OUT16: tl.constexpr):
+                    sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, flush, xf, decay, seed_mix,
+                    N: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr,
+                    FOLD: tl.constexpr):
     """One NS-column chunk ncs of the pass over N (no (rows, N) tile live): C·B of the history and of
-    this step, and C S0ᵀ (the state tile read as an (NS, BLOCK_P) piece)."""
+    this step, and C S0ᵀ (the state tile read as an (NS, BLOCK_P) piece). FOLD: a flush row also folds
+    the piece, S0ᵀ <- decay S0ᵀ + B_hᵀ xf (xf: the history's x rows times the fold coefficients), from
+    the operands just loaded, and writes it."""
     X16: tl.constexpr = C_ptr.dtype.element_ty != tl.float32
     RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
     Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
@@ -47,6 +50,11 @@ def _chunk_products(C_ptr, rB_ptr, B_ptr, state_ptr, i, t, tm, g, rows, jm, Brow
     cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
     cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
     acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
+    if FOLD:
+        if flush:
+            tile = p[None, :] * N + ncs[:, None]
+            S = dot_split(Bhc, xf, S0t * decay, RING16, False)
+            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
     return cb_h, cb_n, acc
 
 
@@ -68,7 +76,7 @@ def _mono_mma_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, WHOLE: tl.constexpr,
-    STAGES: tl.constexpr, FOLD_STAGES: tl.constexpr, EARLY: tl.constexpr,
+    STAGES: tl.constexpr, FOLD_STAGES: tl.constexpr, EARLY: tl.constexpr, FOLD: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -91,8 +99,13 @@ def _mono_mma_kernel(
     A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
                                              i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
 
-    if EARLY:
+    flush = valid & (hc + Q > window)
+    xf = 0.0
+    if EARLY or FOLD:
         xh, xn_raw = _step_rows(x_ptr, rx_ptr, i, t, tm, h, p, rows, jm, xrow0, sx_b, sx_t, sx_h, P)
+    if FOLD:
+        xf = xh * (dth * tl.exp(tl.minimum(lam_h - cumh, 0.0)))[:, None]  # fold coefficients, zero past h_c
+    if EARLY:
         Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :],
                          mask=tm[:, None] & nm[None, :], other=0.0)
         _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
@@ -118,19 +131,19 @@ def _mono_mma_kernel(
         for c in tl.range(0, N // NS, num_stages=STAGES):
             cb_h, cb_n, acc = _chunk_products(
                 C_ptr, rB_ptr, B_ptr, state_ptr, i, t, tm, g, rows, jm, Brow0, sbase, p,
-                c * NS + tl.arange(0, NS), sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, N,
-                STATE_DTYPE, OUT16)
+                c * NS + tl.arange(0, NS), sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, flush, xf,
+                tl.exp(lam_h), seed_mix, N, STATE_DTYPE, MAXV, OUT16, FOLD)
     else:
         for c in range(N // NS):
             cb_h, cb_n, acc = _chunk_products(
                 C_ptr, rB_ptr, B_ptr, state_ptr, i, t, tm, g, rows, jm, Brow0, sbase, p,
-                c * NS + tl.arange(0, NS), sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, N,
-                STATE_DTYPE, OUT16)
+                c * NS + tl.arange(0, NS), sC_b, sC_t, sC_g, sB_b, sB_t, sB_g, cb_h, cb_n, acc, flush, xf,
+                tl.exp(lam_h), seed_mix, N, STATE_DTYPE, MAXV, OUT16, FOLD)
     wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * cb_h  # zero past hc: Δ = 0
     wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
     wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
     acc = tl.exp(cumn)[:, None] * acc
-    if not EARLY:
+    if not (EARLY or FOLD):
         xh, xn_raw = _step_rows(x_ptr, rx_ptr, i, t, tm, h, p, rows, jm, xrow0, sx_b, sx_t, sx_h, P)
     xn = xn_raw.to(tl.float32)
     acc = dot_out(wh, xh, acc, False, RING16, OUT16)
@@ -145,7 +158,7 @@ def _mono_mma_kernel(
                          mask=tm[:, None] & nm[None, :], other=0.0)  # again for the append (an L1/L2 hit)
         _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
                  xrow0, Brow0, P, N, R)
-    if valid & (hc + Q > window):
+    if flush and not FOLD:
         if WHOLE:
             # S0ᵀ <- e^{Λ_h} S0ᵀ + B_hᵀ (f x_h): the history's B and x and the tile are in registers.
             fk = dth * tl.exp(tl.minimum(lam_h - cumh, 0.0))  # fold coefficients, zero past h_c
@@ -160,13 +173,14 @@ def _mono_mma_kernel(
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                     exact: bool = False, whole: bool = False, columns: int = 32, stages: int = 0,
-                    fold_stages: int = 0, early: bool = False) -> None:
+                    fold_stages: int = 0, early: bool = False, fold_in_pass: bool = False) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements).
     exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there); whole: the
     state tile read whole and folded from registers (route option .w), not in column chunks; columns:
     the chunk width (.cN); stages / fold_stages: pipeline stages of the chunk loop / of the flush fold's
     loop (.sN / .kN; 0: the compiler's default / an unrolled fold); early: the step's x and B rows and
-    the history's x rows read, and the ring appends written, before the pass over N (.a)."""
+    the history's x rows read, and the ring appends written, before the pass over N (.a); fold_in_pass:
+    flush rows fold each column chunk in the pass over N, from the operands it loaded (.f)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -181,6 +195,6 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, columns), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact, WHOLE=whole,
-        STAGES=stages, FOLD_STAGES=fold_stages, EARLY=early,
+        STAGES=stages, FOLD_STAGES=fold_stages, EARLY=early, FOLD=fold_in_pass and not whole,
         num_warps=num_warps,
     )  # fmt: skip
