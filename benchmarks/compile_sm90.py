@@ -72,12 +72,7 @@ def args_parse():
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (flush launch)")
     a.add_argument("--pdl", action="store_true", help="PDL constexpr (streaming / weights launch)")
     a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
-    a.add_argument("--whole", action="store_true", help="WHOLE constexpr (mono.t, option .w)")
-    a.add_argument("--early", action="store_true", help="EARLY constexpr (mono.t, option .a)")
-    a.add_argument("--fold-in-pass", action="store_true", help="FOLD constexpr (mono.t, option .f)")
-    a.add_argument("--columns", type=int, default=32, help="NS (mono.t, option .cN)")
-    a.add_argument("--mono-stages", type=int, default=0, help="STAGES (mono.t, option .sN)")
-    a.add_argument("--fold-stages", type=int, default=0, help="FOLD_STAGES (mono.t, option .kN)")
+    a.add_argument("--side", action="store_true", help="SIDE constexpr (mono.t, option .y)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -167,14 +162,12 @@ def build(a):
 
         del meta["MMA"]
         meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True)
-    elif a.kernel == "monot":  # replay_mono_mma.py (route mono.t; --whole: .w)
+    elif a.kernel == "monot":  # replay_mono_mma.py (route mono.t; --side: .y)
         from replayssm.ops.triton.replay_mono_mma import _mono_mma_kernel as fn
 
         del meta["MMA"]
         meta.update(QB=max(16, QB), HB=max(16, HB), BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True,
-                    OUT16=a.act_dtype != "fp32", WHOLE=bool(a.whole), NS=min(N, a.columns),
-                    STAGES=a.mono_stages, FOLD_STAGES=a.fold_stages, EARLY=bool(a.early),
-                    FOLD=bool(a.fold_in_pass))
+                    OUT16=a.act_dtype != "fp32", SIDE=bool(a.side))
     elif a.kernel == "lean":  # replay_lean.py's output launch, bare products (lean.a: RAW)
         from replayssm.ops.triton.replay_lean import _lean_kernel as fn
 

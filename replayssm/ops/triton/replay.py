@@ -225,8 +225,8 @@ _OPTIONS = {
               "n": "few_flush_programs_per_sm"},
              {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
     "weights": (dict(v="weights_warps"), dict(t=("bc_dot", True))),
-    "mono.t": (dict(c="columns", s="stages", k="fold_stages"),
-               dict(x=("exact", True), w=("whole", True), a=("early", True), f=("fold_in_pass", True))),
+    "mono.t": (dict(p="flush_programs_per_sm", g="flush_maxnreg", f="flush_parts", v="weights_warps"),
+               dict(x=("exact", True), y=("side_flush", True), b=("bf16_products", True))),
 }
 
 
@@ -311,9 +311,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
         return y
     if route.split(".")[:2] == ["mono", "t"]:
-        # "mono.t[.x][.w][.cN][.sN][.kN][.a][.f]": fp32-accurate products where y is 16-bit too; the
-        # state tile whole; N-column chunks; the chunk loop's / the flush fold's pipeline stages; row
-        # loads and ring appends ahead of the pass over N; flush rows folded in that pass.
+        # "mono.t[.x][.y[.b][.pN][.gN][.fN][.vN]]": fp32-accurate products where y is 16-bit too; the
+        # flush rows beside it as "stream-list" takes them (its flush launch's options; `launch_mono_mma`).
         cfg = config or CONFIG
         launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,

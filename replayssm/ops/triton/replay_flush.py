@@ -27,32 +27,19 @@ LIST_BLOCK = 1024
 
 
 @triton.jit
-def _fold_chunk(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix, n, N: tl.constexpr,
-                STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr):
-    tile = p[:, None] * N + n[None, :]
-    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
-    Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
-                 other=0.0).to(tl.float32)  # (KB, CW)
-    S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
-    tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
-
-
-@triton.jit
 def fold_chunks(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix, N: tl.constexpr,
-                CW: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, STAGES: tl.constexpr = 0):
+                CW: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr):
     """S0 <- decay S0 + xf B_rowsᵀ over a (BLOCK_P, N) tile, CW columns at a time: one (BLOCK_P, KB) x
     (KB, CW) 3xTF32 product per chunk onto the decayed chunk, rounded and stored (xf: the history x
-    scaled by the fold coefficients, zero past h_c; jm masks the history B rows). STAGES > 0: a
-    pipelined loop (the next chunks' loads issued before this chunk's store), else unrolled, where a
-    chunk's load waits for the previous chunk's store."""
-    if STAGES > 0:
-        for c in tl.range(0, N // CW, num_stages=STAGES):
-            _fold_chunk(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix,
-                        c * CW + tl.arange(0, CW), N, STATE_DTYPE, MAXV)
-    else:
-        for c in tl.static_range(N // CW):
-            _fold_chunk(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix,
-                        c * CW + tl.arange(0, CW), N, STATE_DTYPE, MAXV)
+    scaled by the fold coefficients, zero past h_c; jm masks the history B rows)."""
+    for c in tl.static_range(N // CW):
+        n = c * CW + tl.arange(0, CW)
+        tile = p[:, None] * N + n[None, :]
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+        Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
+                     other=0.0).to(tl.float32)  # (KB, CW)
+        S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
+        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
 
 
 @triton.jit

@@ -136,27 +136,29 @@ def _mono_kernel(
 
 @triton.jit
 def _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
-             xrow0, Brow0, P: tl.constexpr, N: tl.constexpr, R):
+             xrow0, Brow0, P: tl.constexpr, N: tl.constexpr, R, X_ONLY: tl.constexpr = False):
     """The step's ring appends after the history (never onto a history row): x rows (every program,
-    its P tile), Δ (P tile 0), B (P tile 0 of the group's first head)."""
+    its P tile), Δ (P tile 0), B (P tile 0 of the group's first head); X_ONLY: x rows only (a
+    weights launch appended Δ and B)."""
     # Validity and "which program" as tensors (a scalar bool in a mask trips the interpreter).
     kv = tm & ((t * 0 + s) >= 0)
     arow = (o + hc + t) % R
     tl.store(rx_ptr + (xrow0 + arow)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None])
-    kv0 = kv & ((t * 0 + pid_p) == 0)
-    tl.store(rdt_ptr + xrow0 + arow, dtn, mask=kv0)
-    kvg = kv0 & ((t * 0 + h % hpg) == 0)
-    tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=kvg[:, None] & nm[None, :])
+    if not X_ONLY:
+        kv0 = kv & ((t * 0 + pid_p) == 0)
+        tl.store(rdt_ptr + xrow0 + arow, dtn, mask=kv0)
+        kvg = kv0 & ((t * 0 + h % hpg) == 0)
+        tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=kvg[:, None] & nm[None, :])
 
 
 @triton.jit
 def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
           P: tl.constexpr, N: tl.constexpr, R, HB: tl.constexpr, NS: tl.constexpr, STATE_DTYPE: tl.constexpr,
-          MAXV: tl.constexpr, STAGES: tl.constexpr = 0):
+          MAXV: tl.constexpr):
     """A flush row's fold: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, an NS-column chunk at a time as one
     (BLOCK_P, KB) x (KB, NS) 3xTF32 product onto the decayed chunk (as the lean fold-only launch), the
     chunk read again (an L2 hit): the whole-tile fold's registers would cut the occupancy of every
-    program, flush or not. STAGES: as `fold_chunks`."""
+    program, flush or not."""
     KB: tl.constexpr = 16 if HB < 16 else HB
     jk = tl.arange(0, KB)
     jkm = jk < hc
@@ -167,7 +169,7 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
                  other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
     FNS: tl.constexpr = 16 if NS > 16 else NS  # narrow chunks: few registers live in the fold
     fold_chunks(state_ptr, rB_ptr, xf, tl.exp(lam_h), krows, jkm, p, sbase, Brow0, seed_mix, N, FNS,
-                STATE_DTYPE, MAXV, STAGES)
+                STATE_DTYPE, MAXV)
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
