@@ -84,6 +84,9 @@ class Case:
     # token all rows then flush on the same step of the W (e2e mode (a)); else each starts anywhere in
     # its window and rows flush at random steps, a few each step (continuous arrivals).
     lockstep: bool = False
+    # Every cursor capped at W - q, so no row flushes (the history kept): with the random mix, what the
+    # flush rows cost a step (a diagnostic; NOTES-kernels.md, session 21).
+    noflush: bool = False
 
 
 def copy_bandwidth_gbps() -> float:
@@ -173,8 +176,9 @@ class Bench:
         self.cursors, self.hist = [], []
         for k in range(3 * W):  # 2W steps to reach the steady mix, then W recorded steps
             if k >= 2 * W:
-                self.cursors.append((start.clone().to(self.state.device), comm.clone().to(self.state.device)))
-                self.hist.append(comm[live.long()].clone())
+                c = comm.clamp(max=W - q) if self.case.noflush else comm.clone()
+                self.cursors.append((start.clone().to(self.state.device), c.to(self.state.device)))
+                self.hist.append(c[live.long()].clone())
             acc = torch.randint(1, q + 1, (live.numel(),), dtype=torch.int32, generator=gen)
             replay_commit_ref(start, comm, live, acc, q, W, ring_rows=self.R)
 
@@ -306,6 +310,9 @@ def main() -> None:
     ap.add_argument("--lockstep", action="store_true",
                     help="every row's cursor starts at the same place (a batch that began together: with one "
                          "token all rows flush on one step of the W); default: random, a few rows each step")
+    ap.add_argument("--no-flush", action="store_true",
+                    help="every cursor capped at W - q, so no row flushes (a diagnostic: against the default "
+                         "mix, what the flush rows cost a step)")
     args = ap.parse_args()
     for item in filter(None, args.configs.split(",")):
         impl, cfg = item.split("=")
@@ -315,7 +322,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
-                window=WINDOW, act_dtype="bf16", copy_gbps=copy_bandwidth_gbps(), lockstep=args.lockstep)
+                window=WINDOW, act_dtype="bf16", copy_gbps=copy_bandwidth_gbps(), lockstep=args.lockstep,
+                noflush=args.no_flush)
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
     fi = None
     if args.flashinfer:
@@ -326,7 +334,7 @@ def main() -> None:
     rows = []
     best = {}
     for q in qs:  # tile sweep at the headline case
-        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep))
+        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep, args.no_flush))
         for impl in IMPLS:
             trials, desc = [], []
             for c in SWEEP[impl]:
@@ -350,7 +358,7 @@ def main() -> None:
     meta["chosen_configs"] = {f"{k[0]} q={k[1]}": v.name for k, v in best.items()}
     meta["read_gbps"] = read_bandwidth_gbps()
     for q in qs:  # where the time goes at the headline: weights launch alone, state reads alone
-        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep))
+        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep, args.no_flush))
         # The weights launch as the measured default runs it (.t: B·C on tensor cores for q > 1; its
         # .vN warps, replay.AUTO_ROUTES).
         warps = treplay.route_options(treplay.AUTO_ROUTES[q > 1][0]).get("weights_warps", 4)
@@ -369,7 +377,7 @@ def main() -> None:
         for sd in args.dtypes.split(","):
             for q in qs:
                 for b in batches:
-                    bench = Bench(Case(shape, b, sd, q, args.lockstep))
+                    bench = Bench(Case(shape, b, sd, q, args.lockstep, args.no_flush))
                     for impl in IMPLS:
                         tile = best[(impl, q)]
                         if tile.route == "fused" and sd != "fp32":  # as the "auto" route picks

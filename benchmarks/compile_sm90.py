@@ -72,7 +72,6 @@ def args_parse():
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (flush launch)")
     a.add_argument("--pdl", action="store_true", help="PDL constexpr (streaming / weights launch)")
     a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
-    a.add_argument("--side", action="store_true", help="SIDE constexpr (mono.t, option .y)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")
@@ -162,12 +161,12 @@ def build(a):
 
         del meta["MMA"]
         meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True)
-    elif a.kernel == "monot":  # replay_mono_mma.py (route mono.t; --side: .y)
+    elif a.kernel == "monot":  # replay_mono_mma.py's one-launch step with tensor-core products (mono.t)
         from replayssm.ops.triton.replay_mono_mma import _mono_mma_kernel as fn
 
         del meta["MMA"]
         meta.update(QB=max(16, QB), HB=max(16, HB), BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True,
-                    OUT16=a.act_dtype != "fp32", SIDE=bool(a.side))
+                    OUT16=a.act_dtype != "fp32")
     elif a.kernel == "lean":  # replay_lean.py's output launch, bare products (lean.a: RAW)
         from replayssm.ops.triton.replay_lean import _lean_kernel as fn
 

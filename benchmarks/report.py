@@ -188,7 +188,9 @@ def write_report(results: Path) -> str:
             f"command `{meta['command']}`; copy bandwidth {meta['copy_gbps']:.0f} GB/s (read+write); "
             f"activations {meta['act_dtype']}, W={meta['window']}; us per step are medians over CUDA-graph "
             f"replays of whole W-step cycles (flush steps included)"
-            + ("; cursors in lock-step (rows flush on the same step)." if meta.get("lockstep") else "."), "",
+            + ("; cursors in lock-step (rows flush on the same step)" if meta.get("lockstep") else "")
+            + ("; every cursor capped at W - q: no row flushes (a diagnostic)" if meta.get("noflush") else "")
+            + ".", "",
             f"Tile configs chosen by the sweep: {meta['chosen_configs']}", ""]
     if meta.get("note"):  # how a merged file came together (several commands of one device call)
         commands = meta.get("commands", [])

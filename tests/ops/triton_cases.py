@@ -549,12 +549,6 @@ def _replay_mono(small) -> None:
     check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x", steps=6,
                        act=torch.bfloat16)
     check_output_passes("cpu", "mono.t", LaunchConfig(16, 1), H=4, P=16, N=32, b=5, q=3, S=11, W=8)
-    # mono.t.y: flush rows on the side launches (weights, list, persistent flush pieces), the others
-    # here; two P tiles, fp32 and 16-bit pools.
-    check_replay_cycle("cpu", q=4, P=32, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.y", steps=8,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=3, P=32, N=64, W=8, config=LaunchConfig(16, 1), route="mono.t.y.f2.p4",
-                       steps=8, state_dtype=torch.float16)
 
 
 # The replay cases in four parts, each its own interpreter process (and test), so no one test

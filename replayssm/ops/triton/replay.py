@@ -225,24 +225,19 @@ _OPTIONS = {
               "n": "few_flush_programs_per_sm"},
              {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
     "weights": (dict(v="weights_warps"), dict(t=("bc_dot", True))),
-    "mono.t": (dict(p="flush_programs_per_sm", g="flush_maxnreg", f="flush_parts", v="weights_warps"),
-               dict(x=("exact", True), y=("side_flush", True), b=("bf16_products", True))),
 }
 
 
 def route_options(route: str) -> dict:
-    """The launch keywords a "stream-list", "lean", "weights" or "mono.t" route's dot-separated options
-    stand for (`launch_stream`, `launch_lean`, `launch_weights` via `launch_step`, `launch_mono_mma`);
-    ValueError for an option the route does not take. Parsed once per route string: eager steps call
-    this every layer."""
+    """The launch keywords a "stream-list", "lean" or "weights" route's dot-separated options stand
+    for (`launch_stream`, `launch_lean`, `launch_weights` via `launch_step`); ValueError for an option
+    the route does not take. Parsed once per route string: eager steps call this every layer."""
     return dict(_parse_route(route))
 
 
 @functools.lru_cache(maxsize=64)
 def _parse_route(route: str) -> tuple:
     family, *opts = route.split(".")
-    if family == "mono" and opts[:1] == ["t"]:
-        family, opts = "mono.t", opts[1:]
     names, flags = _OPTIONS[family]
     bad = [o for o in opts if o not in flags and not (o[:1] in names and o[1:].isdigit())]
     if bad:
@@ -310,13 +305,11 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
         return y
-    if route.split(".")[:2] == ["mono", "t"]:
-        # "mono.t[.x][.y[.b][.pN][.gN][.fN][.vN]]": fp32-accurate products where y is 16-bit too; the
-        # flush rows beside it as "stream-list" takes them (its flush launch's options; `launch_mono_mma`).
+    if route in ("mono.t", "mono.t.x"):
         cfg = config or CONFIG
         launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        **route_options(route))
+                        exact=route == "mono.t.x")
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:

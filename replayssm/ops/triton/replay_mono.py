@@ -136,19 +136,17 @@ def _mono_kernel(
 
 @triton.jit
 def _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
-             xrow0, Brow0, P: tl.constexpr, N: tl.constexpr, R, X_ONLY: tl.constexpr = False):
+             xrow0, Brow0, P: tl.constexpr, N: tl.constexpr, R):
     """The step's ring appends after the history (never onto a history row): x rows (every program,
-    its P tile), Δ (P tile 0), B (P tile 0 of the group's first head); X_ONLY: x rows only (a
-    weights launch appended Δ and B)."""
+    its P tile), Δ (P tile 0), B (P tile 0 of the group's first head)."""
     # Validity and "which program" as tensors (a scalar bool in a mask trips the interpreter).
     kv = tm & ((t * 0 + s) >= 0)
     arow = (o + hc + t) % R
     tl.store(rx_ptr + (xrow0 + arow)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None])
-    if not X_ONLY:
-        kv0 = kv & ((t * 0 + pid_p) == 0)
-        tl.store(rdt_ptr + xrow0 + arow, dtn, mask=kv0)
-        kvg = kv0 & ((t * 0 + h % hpg) == 0)
-        tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=kvg[:, None] & nm[None, :])
+    kv0 = kv & ((t * 0 + pid_p) == 0)
+    tl.store(rdt_ptr + xrow0 + arow, dtn, mask=kv0)
+    kvg = kv0 & ((t * 0 + h % hpg) == 0)
+    tl.store(rB_ptr + (Brow0 + arow)[:, None] * N + n[None, :], Bn_raw, mask=kvg[:, None] & nm[None, :])
 
 
 @triton.jit

@@ -24,18 +24,9 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _row_head
-from replayssm.ops.triton.replay_step import launch_weights
-from replayssm.ops.triton.replay_stream import (
-    check_flush_parts,
-    launch_flush_pieces,
-    piece_products,
-    run_beside,
-    stream_supported,
-)
+from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.tf32 import dot_out
-
-FLUSH_TILE = (64, 4)  # the side flush launch's pieces (.y): "stream-list"'s (rows, warps), where they fit
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -45,17 +36,12 @@ def _mono_mma_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, SIDE: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
     s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
-    # SIDE: flush rows are the side launches' (outputs, x appends and fold from the weights launch's
-    # scratch, which also appended every row's Δ and B): skipped here, and no Δ / B appends.
-    if SIDE:
-        if valid & (hc + Q > window):
-            return
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     sbase = (s64 * H + h) * (P * N)
     X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32  # activations (and ring rows) 16-bit
@@ -109,60 +95,30 @@ def _mono_mma_kernel(
     Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :],
                      mask=tm[:, None] & nm[None, :], other=0.0)  # read again for the append (an L1/L2 hit)
     _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
-             xrow0, Brow0, P, N, R, SIDE)
-    if not SIDE and valid & (hc + Q > window):
+             xrow0, Brow0, P, N, R)
+    if valid & (hc + Q > window):
         _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
               P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, side_flush: bool = False, flush_programs_per_sm: int = 2,
-                    flush_maxnreg: int = 0, flush_parts: int = 1, bf16_products: bool = False,
-                    weights_warps: int = 1, priority: bool = True) -> None:
+                    exact: bool = False) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements).
-    exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there).
-    side_flush (route option .y): the flush rows are left to launches beside this one on a side
-    stream (high-priority unless priority is False), as route "stream-list" takes them: a weights
-    launch over every row (weights_warps warps; it appends every row's Δ and B), the flush rows
-    listed and then their outputs and folds by a persistent launch of 64 x 4 pieces (where P takes
-    them, else this launch's tile; `replay_stream.launch_flush_pieces`: flush_programs_per_sm,
-    flush_maxnreg, flush_parts; bf16_products: the pieces' state products as bf16 hi + lo). The two
-    sides touch disjoint rows."""
+    exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16 or N < 16:
         raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
                          f"(P={P}, N={N})")
-    side = bool(side_flush)
-    flush_tile = FLUSH_TILE if stream_supported(P, N, FLUSH_TILE[0]) else (block_p, num_warps)
-    mma = piece_products(q, flush_tile[0], bf16_products, C, y)
-    if side:
-        check_flush_parts(flush_parts, mma, N)
     sdt = tl_dtype(state.dtype)
-
-    def main() -> None:
-        _mono_mma_kernel[(P // block_p, H, b)](
-            x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices,
-            y, seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3],
-            *C.stride()[:3], *y.stride()[:3], H, G, R,
-            Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P,
-            N=N, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32),
-            DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt, MAXV=max_finite(sdt),
-            OUT16=y.dtype != torch.float32 and not exact, SIDE=side, num_warps=num_warps,
-        )  # fmt: skip
-
-    if not side:
-        main()
-        return
-
-    def flush() -> None:
-        w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start,
-                               committed, state_indices, window, dt_softplus, bc_dot=True,
-                               num_warps=weights_warps)
-        launch_flush_pieces(x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-                            window, rand_seed, *flush_tile, mma, flush_programs_per_sm, flush_parts, 3,
-                            flush_maxnreg)
-
-    run_beside(x.device, flush, main, True, priority)
+    _mono_mma_kernel[(P // block_p, H, b)](
+        x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
+        seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
+        *y.stride()[:3], H, G, R,
+        Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
+        STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
+        num_warps=num_warps,
+    )  # fmt: skip

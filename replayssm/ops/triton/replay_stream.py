@@ -208,14 +208,21 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     sdt = tl_dtype(state.dtype)
     common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     mma = piece_products(q, block_p, bf16_products, C, y)
-    check_flush_parts(flush_parts, mma, N)
+    if flush_parts > 1 and not (mma and N % (min(N, 32) * flush_parts) == 0):
+        raise ValueError(f"{flush_parts} column parts need tensor-core pieces (q > 1, block_p >= 16) "
+                         f"and N a multiple of {min(N, 32) * flush_parts}")
     meta = dict(Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), MMA=mma,
                 STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps)
-
     def flush_launches() -> None:
-        launch_flush_pieces(x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-                            window, rand_seed, block_p, num_warps, mma, flush_programs_per_sm, flush_parts,
-                            flush_stages, flush_maxnreg)
+        # Flush rows listed on the device, then folded by a persistent launch.
+        rows = torch.empty(b, device=x.device, dtype=torch.int32)
+        count = torch.empty(1, device=x.device, dtype=torch.int32)
+        _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
+                                 BLOCK=LIST_BLOCK, num_warps=4)
+        programs = min(b * H * (P // block_p), flush_programs(x.device, flush_programs_per_sm))
+        _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
+                                   state_indices, y, w, sc, *common, **meta, SPLIT=flush_parts,
+                                   STAGES=flush_stages, **_regs(flush_maxnreg))
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
     hoist_c = bool(hoist_c and mma and (H // G) * (P // block_p) % k == 0)
@@ -238,38 +245,6 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     # The two launches touch disjoint rows (state, outputs, ring appends) and only read the
     # weights scratch, so the latency-bound flush launch may run beside the bandwidth-bound one.
     run_beside(x.device, flush_launches, stream_launch, concurrent, priority)
-
-
-def launch_flush_pieces(x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-                        window, rand_seed, block_p: int, num_warps: int, mma: int, programs_per_sm: int,
-                        parts: int = 1, stages: int = 3, maxnreg: int = 0) -> None:
-    """The flush rows listed on the device, then their outputs, x appends and folds by a persistent
-    launch of programs_per_sm programs per SM over their (head, P tile) pieces, from the weights
-    launch's scratch (w, sc); parts / stages: each piece in that many column parts, pipelined
-    (`_flush_kernel` SPLIT / STAGES; `check_flush_parts` first); maxnreg: a register cap (0: none)."""
-    S, H, P, N = state.shape
-    b, q = x.shape[:2]
-    G, R = ring_B.shape[1], ring_x.shape[2]
-    rows = torch.empty(b, device=x.device, dtype=torch.int32)
-    count = torch.empty(1, device=x.device, dtype=torch.int32)
-    _flush_list_kernel[(1,)](state_indices, committed, rows, count, b, int(window), Q=q,
-                             BLOCK=LIST_BLOCK, num_warps=4)
-    programs = min(b * H * (P // block_p), flush_programs(x.device, programs_per_sm))
-    sdt = tl_dtype(state.dtype)
-    _flush_kernel[(programs,)](
-        rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-        seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R,
-        Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
-        NS=min(N, 32), MMA=mma, STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps, SPLIT=parts,
-        STAGES=stages, **_regs(maxnreg),
-    )  # fmt: skip
-
-
-def check_flush_parts(parts: int, mma: int, N: int) -> None:
-    """ValueError unless the flush pieces can take `parts` column parts (before any launch)."""
-    if parts > 1 and not (mma and N % (min(N, 32) * parts) == 0):
-        raise ValueError(f"{parts} column parts need tensor-core pieces (q > 1, block_p >= 16) "
-                         f"and N a multiple of {min(N, 32) * parts}")
 
 
 def _regs(maxnreg: int) -> dict:
