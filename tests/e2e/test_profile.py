@@ -101,31 +101,28 @@ def test_kernel_timeline_positions_follow_streams():
     assert s["launches"][0]["dur_us"] == 102.0 and s["span_us"] == 102.25
 
 
-def test_kernel_bench_lockstep_cursors():
+def test_kernel_bench_cursor_mixes():
     """bench_kernels --lockstep: with one token every row flushes on the same one of the W recorded
-    steps; by default rows flush at different steps (a few each step)."""
+    steps; by default rows flush at different steps (a few each step); --no-flush: no row flushes,
+    histories kept. The cursors the kernels read are the histories the byte count uses."""
     import torch
 
     bk = _load_benchmark("bench_kernels")
 
-    def flush_counts(lockstep: bool, q: int = 1, noflush: bool = False) -> list[int]:
+    def histories(lockstep: bool, q: int = 1, noflush: bool = False) -> list[torch.Tensor]:
         bench = bk.Bench.__new__(bk.Bench)
         bench.case, bench.R = bk.Case("nemotron-h-8b", 64, "fp32", q, lockstep, noflush), bk.WINDOW + q
         bench.state = torch.empty(0)
         bench._simulate_cursors(100, torch.arange(64, dtype=torch.int32))
-        flushes = [int((h + q > bk.WINDOW).sum()) for h in bench.hist]
-        # What the kernels read (the cursors) is what the byte count saw (the history).
         assert all(bool((c[1][:64] == h).all()) for c, h in zip(bench.cursors, bench.hist))
-        return flushes
+        return bench.hist
+
+    def flush_counts(lockstep: bool, q: int = 1, noflush: bool = False) -> list[int]:
+        return [int((h + q > bk.WINDOW).sum()) for h in histories(lockstep, q, noflush)]
 
     assert sorted(flush_counts(True)) == [0] * (bk.WINDOW - 1) + [64]
     mixed = flush_counts(False)
     assert sum(mixed) == 64 and max(mixed) < 64  # each row once per window, spread over steps
-    # --no-flush: no row flushes at one token or four, and histories stay (most rows keep some).
     for q in (1, 4):
         assert flush_counts(False, q, noflush=True) == [0] * bk.WINDOW
-    bench = bk.Bench.__new__(bk.Bench)
-    bench.case, bench.R = bk.Case("nemotron-h-8b", 64, "fp32", 4, False, True), bk.WINDOW + 4
-    bench.state = torch.empty(0)
-    bench._simulate_cursors(100, torch.arange(64, dtype=torch.int32))
-    assert max(int(h.max()) for h in bench.hist) == bk.WINDOW - 4
+    assert max(int(h.max()) for h in histories(False, 4, noflush=True)) == bk.WINDOW - 4  # the longest kept
