@@ -19,7 +19,9 @@ checkpointing_ssu (that algorithm) on the same pools.
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import torch
 from bench_kernels import SHAPES, WINDOW, Bench, Case, Tile
@@ -41,9 +43,6 @@ def _fi_step(bench: Bench, algo: str, start, comm) -> None:
     import fi_kernels as fk
 
     if not _FI:
-        import os
-        from pathlib import Path
-
         os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/fiws")
         fk.setup(Path("/tmp/fi"))
         _FI["mamba"] = fk.load()[0]

@@ -36,7 +36,7 @@ stages only the state tiles, five programs per SM instead of four; fp16 state 8B
 344.5 us, fp32 395-396 vs 397-398; session 18). Both launches run under register caps (.gN flush,
 .rN streaming) chosen so that an SM holds two programs of each while the flush rows fold: uncapped,
 two flush programs (172 registers) left room for one streaming program of five (fp32 8B b = 256
-375-376 vs 394-395 us; session 20, `replay.FEW_PIECES`).
+375-376 vs 394-395 us; session 20, the caps' note in `replay.py`).
 """
 
 from __future__ import annotations
