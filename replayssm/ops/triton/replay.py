@@ -300,16 +300,17 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps, **kw)
         return y
-    if route == "mono":
+    if route in ("mono", "mono.o"):  # .o: flush rows' programs dispatched first (`_ordered_row`)
         cfg = config or CONFIG
         launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps)
+                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
+                    order=route == "mono.o")
         return y
-    if route in ("mono.t", "mono.t.x"):
+    if route in ("mono.t", "mono.t.x", "mono.t.o", "mono.t.x.o"):
         cfg = config or CONFIG
         launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        exact=route == "mono.t.x")
+                        exact=route.startswith("mono.t.x"), order=route.endswith(".o"))
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:

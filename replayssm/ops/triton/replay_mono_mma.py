@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _row_head
+from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _ordered_row, _row_head
 from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.tf32 import dot_out
@@ -36,11 +36,13 @@ def _mono_mma_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
-    i = tl.program_id(2)
+    i, mine = _ordered_row(idx_ptr, committed_ptr, window, Q, ORDER)
+    if not mine:
+        return
     s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     sbase = (s64 * H + h) * (P * N)
@@ -103,9 +105,10 @@ def _mono_mma_kernel(
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False) -> None:
-    """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements).
-    exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each there)."""
+                    exact: bool = False, order: bool = False) -> None:
+    """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
+    `order` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each
+    there)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -113,12 +116,12 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
                          f"(P={P}, N={N})")
     sdt = tl_dtype(state.dtype)
-    _mono_mma_kernel[(P // block_p, H, b)](
+    _mono_mma_kernel[(P // block_p, H, b * (1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
         seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
         *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        num_warps=num_warps,
+        ORDER=bool(order), num_warps=num_warps,
     )  # fmt: skip
