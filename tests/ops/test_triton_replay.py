@@ -86,6 +86,23 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 
 
 @requires_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.o2", (32, 2)), ("mono.t.o", (64, 2)),
+                                          ("mono.t.o2", (64, 2)), ("mono.t.o2", (32, 4))])
+@pytest.mark.parametrize("b", [12, 300])
+def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b):
+    """On the GPU: the one-launch routes with the flush rows' programs first (.o: a grid of 2b rows;
+    .o2: each program ranks the rows, here up to 512 of them) work every row once and match."""
+    from triton_cases import check_replay_cycle
+
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=b, S=b + 28, W=16, steps=20, act=torch.bfloat16, q=q,
+                       state_dtype=state_dtype, route=route, config=LaunchConfig(*block))
+
+
+@requires_cuda
 @pytest.mark.parametrize("q, block", [(1, (64, 4)), (1, (64, 8)), (4, (32, 4)), (4, (64, 4))])
 def test_replay_cycle_lean_tiles_gpu(q, block):
     """On the GPU: the lean route's other tiles match the reference."""

@@ -300,17 +300,20 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps, **kw)
         return y
-    if route in ("mono", "mono.o"):  # .o: flush rows' programs dispatched first (`_ordered_row`)
+    family, _, opt = route.partition(".o") if route.startswith("mono") else (route, "", "")
+    if family in ("mono", "mono.t", "mono.t.x") and opt in ("", "1", "2"):
+        # .o / .o2: the flush rows' programs dispatched first (`replay_mono._ordered_row`: a grid of 2b
+        # rows / each program ranking the rows).
         cfg = config or CONFIG
-        launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                    state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                    order=route == "mono.o")
-        return y
-    if route in ("mono.t", "mono.t.x", "mono.t.o", "mono.t.x.o"):
-        cfg = config or CONFIG
-        launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+        order = int(opt or 1) if route != family else 0
+        if family == "mono":
+            launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        exact=route.startswith("mono.t.x"), order=route.endswith(".o"))
+                        order=order)
+        else:
+            launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
+                            state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
+                            exact=family == "mono.t.x", order=order)
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:
