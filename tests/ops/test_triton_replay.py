@@ -88,12 +88,11 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.o2", (32, 2)), ("mono.t.o", (64, 2)),
-                                          ("mono.t.o2", (64, 2)), ("mono.t.o2", (32, 4))])
+@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4))])
 @pytest.mark.parametrize("b", [12, 300])
 def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b):
-    """On the GPU: the one-launch routes with the flush rows' programs first (.o: a grid of 2b rows;
-    .o2: each program ranks the rows, here up to 512 of them) work every row once and match."""
+    """On the GPU: the one-launch routes with the flush rows' programs first (.o: a grid of 2b rows)
+    work every row once and match."""
     from triton_cases import check_replay_cycle
 
     from replayssm.ops.triton.ssu import LaunchConfig
@@ -213,15 +212,18 @@ def test_auto_route_policy():
     from replayssm.ops.triton.replay import auto_route
 
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
-    assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128
+    assert auto_route(16, 1, 128, 64, 128)[0] == "mono"  # 2,048 row-heads in 16 rows
+    assert auto_route(128, 1, 16, 64, 128)[0] == "mono.o"  # TP8 shape, b = 128: flush rows first
+    assert auto_route(32, 1, 16, 64, 128)[0] == "mono"  # fewer rows than MONO_ORDERED_ROWS
     assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"  # 4,096 row-heads
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
-    assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"
-    assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t"  # 1,024 row-heads
-    assert auto_route(64, 4, 16, 64, 128)[0] == "mono.t"  # TP8 shape, 1,024
+    assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"  # 512 row-heads
+    assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t.o"  # 1,024 row-heads
+    assert auto_route(64, 4, 16, 64, 128)[0] == "mono.t.o"  # TP8 shape, 1,024
+    assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t.o"  # TP8 shape, 2,048
+    assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t.o"  # 4,096 row-heads
     fp32 = "stream-list.c.y.b.t.p2.l.v1.h.g160.r72"
-    assert auto_route(128, 4, 16, 64, 128)[0] == fp32 + ".i2"  # TP8 shape, 2,048 row-heads
-    assert auto_route(32, 4, 128, 64, 128)[0] == fp32 + ".i2"  # 4,096 row-heads
+    assert auto_route(512, 4, 16, 64, 128)[0] == fp32 + ".i2"  # TP8 shape, 8,192 row-heads
     assert auto_route(64, 4, 128, 64, 128)[0] == fp32 + ".i2"  # 8,192 pieces
     assert auto_route(128, 4, 128, 64, 128)[0] == fp32  # 16,384
     assert auto_route(256, 4, 128, 64, 128)[0] == fp32
@@ -232,7 +234,7 @@ def test_auto_route_policy():
     assert auto_route(64, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
     assert auto_route(128, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
     assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
-    assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
+    assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: unordered (.o not measured)
     assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
     # Their tiles by size and state dtype: two warps above 512 row-heads (128 for mono.t and for 16-bit
@@ -245,7 +247,8 @@ def test_auto_route_policy():
     assert auto_route(8, 4, 16, 64, 128)[1] == L(32, 4) and auto_route(32, 4, 16, 64, 128)[1] == L(32, 2)
     assert auto_route(64, 4, 16, 64, 128)[1] == L(64, 2) and auto_route(64, 4, 16, 32, 128)[1] == L(32, 2)
     # No streaming tile (P = 32): fp32 steps keep mono.t up to 8,192 row-heads.
-    assert auto_route(128, 4, 16, 32, 128) == ("mono.t", L(32, 2))
+    assert auto_route(128, 4, 16, 32, 128) == ("mono.t.o", L(32, 2))
+    assert auto_route(512, 4, 16, 32, 128) == ("mono.t", L(32, 2))
     assert auto_route(1024, 4, 16, 32, 128) is None
     assert auto_route(64, 4, 16, 64, 128, f16)[1] == L(32, 2)
 

@@ -550,16 +550,11 @@ def _replay_mono(small) -> None:
                        act=torch.bfloat16)
     check_output_passes("cpu", "mono.t", LaunchConfig(16, 1), H=4, P=16, N=32, b=5, q=3, S=11, W=8)
     # .o: a grid of 2b rows, flush rows' programs in the first half (padding rows and rows that do not
-    # flush in the second); .o2: each program ranks the rows (flush rows first). Every row worked
-    # exactly once, in both cursor mixes.
+    # flush in the second): every row worked exactly once, in both cursor mixes.
     check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono.t.o", steps=6,
                        act=torch.bfloat16)
     check_replay_cycle("cpu", q=1, P=16, N=32, W=4, config=LaunchConfig(16, 1), route="mono.o", steps=6,
                        lockstep=True)
-    check_replay_cycle("cpu", q=3, P=32, N=16, b=7, config=LaunchConfig(16, 1), route="mono.t.o2", steps=6,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=1, P=16, N=32, W=4, b=6, config=LaunchConfig(16, 1), route="mono.o2",
-                       steps=6, lockstep=True)
 
 
 # The replay cases in four parts, each its own interpreter process (and test), so no one test

@@ -32,8 +32,12 @@ Routes (all read S0 once per row and write it only on flush rows):
   the flush and streaming launches so that an SM holds programs of both while the flush rows fold
   (fp32 .g160.r72, 16-bit .g96.r80). Up to 8,192 pieces they take two pieces per program instead
   of eight (.i2, `FEW_PIECES`; the 16-bit route then as before the caps, with .l:
-  "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"). Steps of up to 1,024 row-heads take "mono.t"
-  (`auto_route`).
+  "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"). Small steps take "mono.t" (`auto_route`): up to
+  4,096 row-heads with fp32 state, from 1,024 on as "mono.t.o", which dispatches the flush rows'
+  programs first; 1,024 with 16-bit states.
+- "mono" / "mono.t" (`replay_mono.py`, `replay_mono_mma.py`): one launch, one program per (P tile,
+  head, row) that reads its tile, writes the outputs and appends, and on a flush row folds after.
+  "auto" takes them for small steps ("mono" for one token, from 64 rows on as "mono.o").
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -162,6 +166,17 @@ MONO_T_CONFIGS = {
 # vs 108.6-108.8; at 1,024 mono.t still wins (TP8 b = 64 23.5 vs 25.7-25.9). 16-bit states already
 # stopped at 1,024.
 MONO_MAX_ROW_HEADS = (2048, 1024)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
+# Session 22 (calls 1-2, fp32, µs per step, the usual cursor mix): a flush row's program folds after
+# its outputs, and where a fold started in the last wave it set the step's end. With the flush rows'
+# programs dispatched first (.o) the short programs fill in behind them: q = 4, mono.t 64x2 -> .o vs
+# "auto" then: TP8 b = 64 (1,024 row-heads) 23.4 -> 22.2 vs 23.4; b = 128 (2,048) 39.4 -> 34.5 vs 37.2 (the
+# streaming route); b = 256 (4,096) 64.2 -> 60.0 vs 60.7; 8B b = 16 (2,048) 37.3 -> 34.7 vs 38.7; b = 32
+# (4,096) 62.3 -> 60.2 vs 61.7; at 8,192 it loses (8B b = 64 111.8 vs 108.5), at 512 it ties (TP8 b = 32
+# 32x2 14.2 vs 14.4) and at 8B b = 8 too (20.8 vs 20.8). One token, mono 32x2 -> .o: TP8 b = 64 18.3 ->
+# 17.1, b = 128 29.9 -> 28.1; with few rows the doubled grid costs more than the order gains (8B b = 16
+# 27.6 -> 28.3, b = 8 16.1 -> 16.5). 16-bit states: not measured, unchanged.
+MONO_T_ORDERED = (1024, 4096)  # fp32, several tokens: "mono.t.o" from / up to these row-heads
+MONO_ORDERED_ROWS = 64  # fp32, one token: "mono.o" from this many rows (within MONO_MAX_ROW_HEADS)
 MONO_T_NO_STREAM_ROW_HEADS = 8192  # "mono.t" with fp32 state where the streaming tile does not fit
 # Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
@@ -195,10 +210,14 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     wide = state_dtype == torch.float32
     route, cfg = AUTO_ROUTES[q > 1]
     mono_max = MONO_MAX_ROW_HEADS[q > 1]
-    if q > 1 and wide and not stream_supported(P, N, cfg.block_p):
-        mono_max = MONO_T_NO_STREAM_ROW_HEADS  # no streaming tile: mono.t as far as it beat the others
+    ordered = wide and (MONO_T_ORDERED[0] <= b * H <= MONO_T_ORDERED[1] if q > 1 else b >= MONO_ORDERED_ROWS)
+    if q > 1 and wide:
+        mono_max = MONO_T_ORDERED[1]
+        if not stream_supported(P, N, cfg.block_p):
+            mono_max = MONO_T_NO_STREAM_ROW_HEADS  # no streaming tile: mono.t as far as it beat the others
     if b * H <= mono_max:
         one, sizes = ("mono.t", MONO_T_CONFIGS[wide]) if q > 1 else ("mono", MONO_CONFIGS[wide])
+        one += ".o" if ordered else ""
         tile = next(c for most, c in sizes if most is None or b * H <= most)
         for c in (tile, LaunchConfig(32, tile.num_warps)):
             if stream_supported(P, N, c.block_p):
@@ -255,7 +274,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     `replay_step.py`, flush folded in the output launch; "split": the same outputs, flush rows
     folded by `replay_fold.py`; "mono": `replay_mono.py`, one launch ("mono.t": its tensor-core
     twin `replay_mono_mma.py`, one TF32 pass per product where y is 16-bit; "mono.t.x": fp32-accurate
-    products there too, for the benchmarks); "auto": `auto_route` ("mono"
+    products there too, for the benchmarks; each with .o: the flush rows' programs first); "auto":
+    `auto_route` ("mono"
     for small steps, else "lean.a.y.v1" for one token, a "stream-list.c.y.b.t" route for several) where
     their tiles fit, else "mma" for q > 1, "fused" (fp32 state) or "split";
     "weights[.t][.vN]": the weights launch alone (benchmark diagnostics only: y is not written).
@@ -300,12 +320,10 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps, **kw)
         return y
-    family, _, opt = route.partition(".o") if route.startswith("mono") else (route, "", "")
-    if family in ("mono", "mono.t", "mono.t.x") and opt in ("", "1", "2"):
-        # .o / .o2: the flush rows' programs dispatched first (`replay_mono._ordered_row`: a grid of 2b
-        # rows / each program ranking the rows).
+    if route in ("mono", "mono.o", "mono.t", "mono.t.o", "mono.t.x", "mono.t.x.o"):
+        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`).
         cfg = config or CONFIG
-        order = int(opt or 1) if route != family else 0
+        family, order = route.removesuffix(".o"), route.endswith(".o")
         if family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,

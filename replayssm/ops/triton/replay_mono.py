@@ -34,31 +34,20 @@ from replayssm.ops.triton.ssu import softplus_dt
 
 
 @triton.jit
-def _ordered_row(idx_ptr, committed_ptr, window, Q: tl.constexpr, ORDER: tl.constexpr, BLOCK_B: tl.constexpr):
-    """This program's row and whether it has work, so the flush rows' (longer, folding) programs are
-    dispatched first and the short ones fill in behind them, instead of a fold starting in the last
-    wave. ORDER 1: a grid of 2b rows, the first half working the flush rows only, the second the rest.
-    ORDER 2: a grid of b rows, program k working the k-th row in that order (flush rows, then the
-    others, each in batch order), every program ranking the b rows itself (BLOCK_B >= b)."""
+def _ordered_row(idx_ptr, committed_ptr, window, Q: tl.constexpr, ORDER: tl.constexpr):
+    """This program's row and whether it has work. With ORDER the grid spans 2b rows: the first half
+    works the flush rows only and the second half the rest, so the flush rows' longer (folding)
+    programs are dispatched first and the short ones fill in behind them, instead of a fold starting
+    in the last wave (benchmarks/NOTES-kernels.md, session 22)."""
     k = tl.program_id(2)
-    if ORDER == 0:
+    if not ORDER:
         return k, True
-    if ORDER == 1:
-        b = tl.num_programs(2) // 2
-        second = k >= b
-        i = tl.where(second, k - b, k)
-        s = tl.load(idx_ptr + i)
-        flush = (s >= 0) & (tl.load(committed_ptr + tl.maximum(s, 0).to(tl.int64)) + Q > window)
-        return i, flush != second
-    r = tl.arange(0, BLOCK_B)
-    rm = r < tl.num_programs(2)
-    s = tl.load(idx_ptr + r, mask=rm, other=-1)
-    hc = tl.load(committed_ptr + tl.maximum(s, 0).to(tl.int64), mask=s >= 0, other=0)
-    f = ((s >= 0) & (hc + Q > window)).to(tl.int32)
-    nf = tl.sum(f, axis=0)
-    cf = tl.cumsum(f, axis=0)  # flush rows among rows 0..r
-    hit = tl.where(k < nf, (f == 1) & (cf == k + 1), (f == 0) & rm & (r + 1 - cf == k - nf + 1))
-    return tl.sum(tl.where(hit, r, 0), axis=0), True
+    b = tl.num_programs(2) // 2
+    second = k >= b
+    i = tl.where(second, k - b, k)
+    s = tl.load(idx_ptr + i)
+    flush = (s >= 0) & (tl.load(committed_ptr + tl.maximum(s, 0).to(tl.int64)) + Q > window)
+    return i, flush != second
 
 
 @triton.jit
@@ -95,11 +84,11 @@ def _mono_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ORDER: tl.constexpr, BLOCK_B: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ORDER: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
-    i, mine = _ordered_row(idx_ptr, committed_ptr, window, Q, ORDER, BLOCK_B)
+    i, mine = _ordered_row(idx_ptr, committed_ptr, window, Q, ORDER)
     if not mine:
         return
     s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
@@ -202,21 +191,21 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                order: int = 0) -> None:
-    """One launch, grid (P / block_p, H, b) (2b with order 1; `order` as `_ordered_row`); needs whole
-    tiles (`replay_stream.stream_supported`) of >= 16 rows (the fold's tensor-core product)."""
+                order: bool = False) -> None:
+    """One launch, grid (P / block_p, H, b) (2b with `order`: the flush rows' programs first,
+    `_ordered_row`); needs whole tiles (`replay_stream.stream_supported`) of >= 16 rows (the fold's
+    tensor-core product)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16:
         raise ValueError(f"route 'mono' needs block_p >= 16 dividing P and N a multiple of 32 (P={P}, N={N})")
     sdt = tl_dtype(state.dtype)
-    _mono_kernel[(P // block_p, H, b * (2 if order == 1 else 1))](
+    _mono_kernel[(P // block_p, H, b * (1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
         seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
         *y.stride()[:3], H, G, R,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
-        MAXV=max_finite(sdt), ORDER=order, BLOCK_B=triton.next_power_of_2(b) if order == 2 else 1,
-        num_warps=num_warps,
+        MAXV=max_finite(sdt), ORDER=bool(order), num_warps=num_warps,
     )

@@ -37,11 +37,10 @@ def _mono_mma_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
-    BLOCK_B: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
-    i, mine = _ordered_row(idx_ptr, committed_ptr, window, Q, ORDER, BLOCK_B)
+    i, mine = _ordered_row(idx_ptr, committed_ptr, window, Q, ORDER)
     if not mine:
         return
     s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
@@ -106,7 +105,7 @@ def _mono_mma_kernel(
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, order: int = 0) -> None:
+                    exact: bool = False, order: bool = False) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
     `order` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each
     there)."""
@@ -117,12 +116,12 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
                          f"(P={P}, N={N})")
     sdt = tl_dtype(state.dtype)
-    _mono_mma_kernel[(P // block_p, H, b * (2 if order == 1 else 1))](
+    _mono_mma_kernel[(P // block_p, H, b * (1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
         seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
         *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=order, BLOCK_B=triton.next_power_of_2(b) if order == 2 else 1, num_warps=num_warps,
+        ORDER=bool(order), num_warps=num_warps,
     )  # fmt: skip
