@@ -212,9 +212,7 @@ def test_auto_route_policy():
     from replayssm.ops.triton.replay import auto_route
 
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
-    assert auto_route(16, 1, 128, 64, 128)[0] == "mono"  # 2,048 row-heads in 16 rows
-    assert auto_route(128, 1, 16, 64, 128)[0] == "mono.o"  # TP8 shape, b = 128: flush rows first
-    assert auto_route(32, 1, 16, 64, 128)[0] == "mono"  # fewer rows than MONO_ORDERED_ROWS
+    assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128: one token stays unordered
     assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"  # 4,096 row-heads
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"  # 512 row-heads
@@ -229,12 +227,13 @@ def test_auto_route_policy():
     assert auto_route(256, 4, 128, 64, 128)[0] == fp32
     # 16-bit states: mono.t up to 1,024 row-heads, then the flush pieces in column parts, .l only with .i2.
     f16 = torch.float16
-    assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t"
+    assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t.o"  # 1,024 row-heads
+    assert auto_route(32, 4, 16, 64, 128, f16)[0] == "mono.t"
     assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
     assert auto_route(64, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
     assert auto_route(128, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
     assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
-    assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: unordered (.o not measured)
+    assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
     assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
     # Their tiles by size and state dtype: two warps above 512 row-heads (128 for mono.t and for 16-bit

@@ -33,11 +33,11 @@ Routes (all read S0 once per row and write it only on flush rows):
   (fp32 .g160.r72, 16-bit .g96.r80). Up to 8,192 pieces they take two pieces per program instead
   of eight (.i2, `FEW_PIECES`; the 16-bit route then as before the caps, with .l:
   "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"). Small steps take "mono.t" (`auto_route`): up to
-  4,096 row-heads with fp32 state, from 1,024 on as "mono.t.o", which dispatches the flush rows'
-  programs first; 1,024 with 16-bit states.
+  4,096 row-heads with fp32 state (1,024 with 16-bit states), from 1,024 on as "mono.t.o", which
+  dispatches the flush rows' programs first.
 - "mono" / "mono.t" (`replay_mono.py`, `replay_mono_mma.py`): one launch, one program per (P tile,
   head, row) that reads its tile, writes the outputs and appends, and on a flush row folds after.
-  "auto" takes them for small steps ("mono" for one token, from 64 rows on as "mono.o").
+  "auto" takes "mono" for small one-token steps ("mono.o" is an option: it loses in lock-step).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -166,17 +166,20 @@ MONO_T_CONFIGS = {
 # vs 108.6-108.8; at 1,024 mono.t still wins (TP8 b = 64 23.5 vs 25.7-25.9). 16-bit states already
 # stopped at 1,024.
 MONO_MAX_ROW_HEADS = (2048, 1024)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
-# Session 22 (calls 1-2, fp32, µs per step, the usual cursor mix): a flush row's program folds after
-# its outputs, and where a fold started in the last wave it set the step's end. With the flush rows'
-# programs dispatched first (.o) the short programs fill in behind them: q = 4, mono.t 64x2 -> .o vs
-# "auto" then: TP8 b = 64 (1,024 row-heads) 23.4 -> 22.2 vs 23.4; b = 128 (2,048) 39.4 -> 34.5 vs 37.2 (the
-# streaming route); b = 256 (4,096) 64.2 -> 60.0 vs 60.7; 8B b = 16 (2,048) 37.3 -> 34.7 vs 38.7; b = 32
-# (4,096) 62.3 -> 60.2 vs 61.7; at 8,192 it loses (8B b = 64 111.8 vs 108.5), at 512 it ties (TP8 b = 32
-# 32x2 14.2 vs 14.4) and at 8B b = 8 too (20.8 vs 20.8). One token, mono 32x2 -> .o: TP8 b = 64 18.3 ->
-# 17.1, b = 128 29.9 -> 28.1; with few rows the doubled grid costs more than the order gains (8B b = 16
-# 27.6 -> 28.3, b = 8 16.1 -> 16.5). 16-bit states: not measured, unchanged.
-MONO_T_ORDERED = (1024, 4096)  # fp32, several tokens: "mono.t.o" from / up to these row-heads
-MONO_ORDERED_ROWS = 64  # fp32, one token: "mono.o" from this many rows (within MONO_MAX_ROW_HEADS)
+# Session 22 (calls 1-3, µs per step, the usual cursor mix): a flush row's program folds after its
+# outputs, and where a fold started in the last wave it set the step's end. With the flush rows'
+# programs dispatched first (.o) the short programs fill in behind them. fp32, q = 4, mono.t 64x2 ->
+# .o vs "auto" then: TP8 b = 64 (1,024 row-heads) 23.4 -> 22.2 vs 23.4; b = 128 (2,048) 39.4 -> 34.5 vs
+# 37.2 (the streaming route); b = 256 (4,096) 64.2 -> 60.0 vs 60.7; 8B b = 16 (2,048) 37.3 -> 34.7 vs
+# 38.7; b = 32 (4,096) 62.3 -> 60.2 vs 61.7; at 8,192 it loses (8B b = 64 111.8 vs 108.5), at 512 and at
+# 8B b = 8 it ties (TP8 b = 32 32x2 14.2 vs 14.4; 20.8 vs 20.8). fp16, mono.t 32x2 -> .o: TP8 b = 64
+# 26.7 -> 23.9 (auto); above 1,024 the 16-bit streaming route stays ahead (TP8 b = 128 34.7 vs .o 38.7).
+# One token (mono 32x2 -> .o), random mix: TP8 b = 64 18.3 -> 17.1, b = 128 29.9 -> 28.1 (fp16 29.3 ->
+# 26.2); but lock-step (a batch that began together, e2e mode (a): 15 steps in 16 flush no row, and the
+# doubled grid is all cost) 15.8 -> 16.8 and 27.0 -> 28.9. So one token stays unordered ("mono.o" is an
+# option); verify steps' rows drift apart with their accept counts.
+MONO_T_ORDERED = {True: (1024, 4096), False: (1024, 1024)}  # "mono.t.o" from / up to these row-heads,
+# by fp32 (True) or 16-bit (False) state; fp32 verify steps take mono.t up to the upper bound
 MONO_T_NO_STREAM_ROW_HEADS = 8192  # "mono.t" with fp32 state where the streaming tile does not fit
 # Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
@@ -210,9 +213,10 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     wide = state_dtype == torch.float32
     route, cfg = AUTO_ROUTES[q > 1]
     mono_max = MONO_MAX_ROW_HEADS[q > 1]
-    ordered = wide and (MONO_T_ORDERED[0] <= b * H <= MONO_T_ORDERED[1] if q > 1 else b >= MONO_ORDERED_ROWS)
+    lo, hi = MONO_T_ORDERED[wide]
+    ordered = q > 1 and lo <= b * H <= hi
     if q > 1 and wide:
-        mono_max = MONO_T_ORDERED[1]
+        mono_max = hi
         if not stream_supported(P, N, cfg.block_p):
             mono_max = MONO_T_NO_STREAM_ROW_HEADS  # no streaming tile: mono.t as far as it beat the others
     if b * H <= mono_max:
