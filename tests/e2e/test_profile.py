@@ -126,3 +126,35 @@ def test_kernel_bench_cursor_mixes():
     for q in (1, 4):
         assert flush_counts(False, q, noflush=True) == [0] * bk.WINDOW
     assert max(int(h.max()) for h in histories(False, 4, noflush=True)) == bk.WINDOW - 4  # the longest kept
+
+
+def test_order_bench_row_orders_and_report(tmp_path):
+    """bench_order: mix "first" moves the rows that flush this step (h_c + q > W) to the front, each part
+    in its given order, and keeps every slot once; "given" keeps the order. Its logs become one table
+    line per (case, tile) with the ordered route over the unordered one."""
+    import torch
+
+    bo = _load_benchmark("bench_order")
+    W, q = 16, 4
+    committed = torch.tensor([0, 13, 5, 16, 12, 2, 15, 9], dtype=torch.int32)  # flush: slots 1, 3, 6
+    idx = torch.tensor([7, 3, 0, 6, 1, 5, -1], dtype=torch.int32)  # a padding row (-1) never flushes
+    committed_pad = torch.cat([committed, torch.zeros(1, dtype=torch.int32)])  # slot -1 reads the last
+    cursors = [(None, committed_pad)]
+    (first,), = bo.row_orders(cursors, [idx], q, W, "first")
+    assert first.tolist() == [3, 6, 1, 7, 0, 5, -1]
+    (given,), = bo.row_orders(cursors, [idx], q, W, "given")
+    assert given.tolist() == idx.tolist()
+
+    log = tmp_path / "kernels-s0-call1-order-q4.log"
+    log.write_text("copy bandwidth 4253 GB/s\n"
+                   "nemotron-3-super-tp8 b=128 q=4 flush=0.179: given auto 37.24; given mono.t:64x2 40.00; "
+                   "given mono.t.o:64x2 34.00; first mono.t:64x2 34.25; noflush mono.t:64x2 26.66; "
+                   "given mono.t:64x2 39.00; given mono.t.o:64x2 36.00; given mono.t.o:64x2 35.00; "
+                   "given mono.t:32x2 failed ValueError: no\n")
+    md = bo.report(tmp_path / "order", [f"{log}:abc1234"])
+    row = next(line for line in md.splitlines() if "64x2" in line)
+    # medians: unordered 40.00 (of 39, 40: the upper), ordered 35.00 (of 34, 35, 36)
+    assert "| 40.00 | 35.00 | 34.25 | 26.66 | 0.875 |" in row and "| 37.24 |" in row
+    assert "32x2" not in md  # a failed timing leaves no row
+    data = json.loads((tmp_path / "order.json").read_text())
+    assert data["meta"]["commits"] == ["abc1234"] and len(data["rows"]) == 8
