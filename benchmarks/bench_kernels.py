@@ -196,8 +196,11 @@ class Bench:
                    + q * (H * P * a + H * 4 + G * N * a))  # + history reads, + appends
         return tokens + float(per_row.sum(1).mean()) / self.n_sets
 
-    def body(self, impl: str, tile: Tile):
+    def body(self, impl: str, tile: Tile, orders=None, cursors=None):
+        """orders[k][j]: slot set j's row order at recorded step k (default: as drawn); cursors: the
+        recorded steps' cursors (default: the simulated mix). bench_order.py times other row orders."""
         config, route = tile.config, tile.route or "auto"
+        cursors = cursors or self.cursors
 
         def run():
             if impl == "slot_read":
@@ -209,15 +212,16 @@ class Bench:
                             num_warps=4)
                 return
             for k in range(WINDOW):
-                start, comm = self.cursors[k]
+                start, comm = cursors[k]
                 for j in range(self.n_sets):
+                    idx = self.idx[j] if orders is None else orders[k][j]
                     if impl == "baseline":
                         tssu.launch_ssu(self.state, self.x, self.dt, self.A, self.B, self.C, self.D,
-                                        self.dt_bias, self.idx[j], self.dst[j], True, k, self.y, config)
+                                        self.dt_bias, idx, self.dst[j], True, k, self.y, config)
                     else:
                         treplay.launch_replay_forward(
                             self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.state,
-                            self.ring_x, self.ring_B, self.ring_dt, start, comm, self.idx[j], WINDOW, True, k,
+                            self.ring_x, self.ring_B, self.ring_dt, start, comm, idx, WINDOW, True, k,
                             self.y, config, route)
         return run
 

@@ -131,22 +131,6 @@ def report(out: Path, logs: list[str], device: str = "NVIDIA H200") -> str:
     return "\n".join(md)
 
 
-def _time_route(bk, bench, tile, order, cursors) -> float:
-    """µs per step of `tile` over the recorded cycle with these per-step row orders and cursors."""
-    from replayssm.ops.triton import replay as treplay
-
-    def run():
-        for k in range(bk.WINDOW):
-            start, comm = cursors[k]
-            for j in range(bench.n_sets):
-                treplay.launch_replay_forward(
-                    bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D, bench.dt_bias, bench.state,
-                    bench.ring_x, bench.ring_B, bench.ring_dt, start, comm, order[k][j], bk.WINDOW,
-                    True, k, bench.y, tile.config, tile.route)
-
-    return bk.time_graph(run, bk.WINDOW * bench.n_sets)[0]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("combos", nargs="?", help="MIX/ROUTE pairs joined by +: given/auto+first/mono.t:64x2")
@@ -159,6 +143,8 @@ def main() -> None:
     if args.report:
         print(report(Path(args.report[0]), args.report[1:], args.device))
         return
+    if not args.combos or not args.cases:
+        ap.error("give MIX/ROUTE pairs and cases, or --report")
     import bench_kernels as bk  # benchmarks/ is the script's own folder on sys.path
 
     combos = [tuple(c.split("/")) for c in args.combos.split("+")]
@@ -177,7 +163,8 @@ def main() -> None:
             cursors = noflush if mix == "noflush" else bench.cursors
             order = row_orders(cursors, bench.idx, q, bk.WINDOW, mix)
             try:
-                us = _time_route(bk, bench, bk.Tile.parse(route), order, cursors)
+                us = bk.time_graph(bench.body("replay", bk.Tile.parse(route), order, cursors),
+                                   bk.WINDOW * bench.n_sets)[0]
                 out.append(f"{mix} {route} {us:.2f}")
             except Exception as e:  # a route that refuses this case: the rest still run
                 out.append(f"{mix} {route} failed {type(e).__name__}: {str(e)[:120]}")

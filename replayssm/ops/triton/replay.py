@@ -160,12 +160,12 @@ MONO_T_CONFIGS = {
            (None, LaunchConfig(block_p=64, num_warps=2))),
     False: ((128, LaunchConfig(block_p=32, num_warps=4)), (None, LaunchConfig(block_p=32, num_warps=2))),
 }
+MONO_MAX_ROW_HEADS = 2048  # b * H at or below which "auto" takes "mono" (one token)
 # Session 20 (calls 4-5): with the streaming routes' register caps (below) they beat mono.t from 2,048
 # row-heads on (fp32, µs, mono.t vs .i2.g160.r72): TP8 b = 128 39.4-39.6 vs 36.9-37.0, b = 256 63.7-64.5
 # vs 61.0-61.1, b = 512 112.5-114.0 vs 108.2-108.5; 8B b = 32 (4,096) 62.0-62.6 vs 62.0, b = 64 110.7-111.5
 # vs 108.6-108.8; at 1,024 mono.t still wins (TP8 b = 64 23.5 vs 25.7-25.9). 16-bit states already
 # stopped at 1,024.
-MONO_MAX_ROW_HEADS = (2048, 1024)  # b * H at or below which "auto" takes "mono" (one token) / "mono.t"
 # Session 22 (calls 1-3, µs per step, the usual cursor mix): a flush row's program folds after its
 # outputs, and where a fold started in the last wave it set the step's end. With the flush rows'
 # programs dispatched first (.o) the short programs fill in behind them. fp32, q = 4, mono.t 64x2 ->
@@ -178,8 +178,9 @@ MONO_MAX_ROW_HEADS = (2048, 1024)  # b * H at or below which "auto" takes "mono"
 # 26.2); but lock-step (a batch that began together, e2e mode (a): 15 steps in 16 flush no row, and the
 # doubled grid is all cost) 15.8 -> 16.8 and 27.0 -> 28.9. So one token stays unordered ("mono.o" is an
 # option); verify steps' rows drift apart with their accept counts.
-MONO_T_ORDERED = {True: (1024, 4096), False: (1024, 1024)}  # "mono.t.o" from / up to these row-heads,
-# by fp32 (True) or 16-bit (False) state; fp32 verify steps take mono.t up to the upper bound
+# Several tokens, by fp32 (True) or 16-bit (False) state: "auto" takes "mono.t" up to the second b * H
+# (16-bit: session 13, 1,024), as "mono.t.o" from the first.
+MONO_T_ROW_HEADS = {True: (1024, 4096), False: (1024, 1024)}
 MONO_T_NO_STREAM_ROW_HEADS = 8192  # "mono.t" with fp32 state where the streaming tile does not fit
 # Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
@@ -212,13 +213,11 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     whole-tile route fits."""
     wide = state_dtype == torch.float32
     route, cfg = AUTO_ROUTES[q > 1]
-    mono_max = MONO_MAX_ROW_HEADS[q > 1]
-    lo, hi = MONO_T_ORDERED[wide]
+    lo, hi = MONO_T_ROW_HEADS[wide] if q > 1 else (None, MONO_MAX_ROW_HEADS)
     ordered = q > 1 and lo <= b * H <= hi
-    if q > 1 and wide:
-        mono_max = hi
-        if not stream_supported(P, N, cfg.block_p):
-            mono_max = MONO_T_NO_STREAM_ROW_HEADS  # no streaming tile: mono.t as far as it beat the others
+    mono_max = hi
+    if q > 1 and wide and not stream_supported(P, N, cfg.block_p):
+        mono_max = MONO_T_NO_STREAM_ROW_HEADS  # no streaming tile: mono.t as far as it beat the others
     if b * H <= mono_max:
         one, sizes = ("mono.t", MONO_T_CONFIGS[wide]) if q > 1 else ("mono", MONO_CONFIGS[wide])
         one += ".o" if ordered else ""
