@@ -61,7 +61,7 @@ def test_replay_cycle_stream_gpu(state_dtype, route, q):
 
 LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e", "lean.o",
                "lean.a", "lean.a.y", "lean.c.y", "lean.a.b", "lean.a.y.v1", "lean.a.y.v1.p2",
-               "lean.a.y.v1.n2"]
+               "lean.a.y.v1.n2", "lean.a.y.v1.m", "lean.a.y.v1.m.u"]
 
 
 @requires_cuda
@@ -88,17 +88,19 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4))])
+@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4)),
+                                          ("lean.a.y.v1.m", (32, 4))])
 @pytest.mark.parametrize("b", [12, 300])
-def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b):
-    """On the GPU: the one-launch routes with the flush rows' programs first (.o: a grid of 2b rows)
-    work every row once and match."""
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b, lockstep):
+    """On the GPU: the routes with the flush rows' programs first (.o, lean's .m: a grid twice the
+    rows) work every row once and match, with the rows' cursors apart or together (lock-step)."""
     from triton_cases import check_replay_cycle
 
     from replayssm.ops.triton.ssu import LaunchConfig
 
     check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=b, S=b + 28, W=16, steps=20, act=torch.bfloat16, q=q,
-                       state_dtype=state_dtype, route=route, config=LaunchConfig(*block))
+                       state_dtype=state_dtype, route=route, config=LaunchConfig(*block), lockstep=lockstep)
 
 
 @requires_cuda
@@ -130,7 +132,7 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 
 @requires_cuda
 @pytest.mark.parametrize("route, block, q", [("lean.a.y.v1", (32, 4), 1), ("lean.c", (32, 4), 1),
-                                             ("lean.a.y.v1.p2", (32, 4), 1),
+                                             ("lean.a.y.v1.p2", (32, 4), 1), ("lean.a.y.v1.m", (32, 4), 1),
                                              ("stream-list.c.y.b.t.p2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.p2.f2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.f2.g128.p4.l", (64, 4), 4),

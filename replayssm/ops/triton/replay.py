@@ -245,7 +245,8 @@ _OPTIONS = {
                     {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True)}),
     "lean": ({**_SPLIT_NAMES, "f": "flush_block_p", "w": "flush_warps", "h": "heads_per_program",
               "n": "few_flush_programs_per_sm"},
-             {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
+             {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True),
+              "m": ("inline_flush", True), "u": ("unordered", True)}),
     "weights": (dict(v="weights_warps"), dict(t=("bc_dot", True))),
 }
 
