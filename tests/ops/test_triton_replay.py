@@ -61,7 +61,7 @@ def test_replay_cycle_stream_gpu(state_dtype, route, q):
 
 LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e", "lean.o",
                "lean.a", "lean.a.y", "lean.c.y", "lean.a.b", "lean.a.y.v1", "lean.a.y.v1.p2",
-               "lean.a.y.v1.n2", "lean.a.y.v1.m", "lean.a.y.v1.m.u"]
+               "lean.a.y.v1.n2", "lean.a.y.v1.n1"]
 
 
 @requires_cuda
@@ -88,13 +88,12 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4)),
-                                          ("lean.a.y.v1.m", (32, 4))])
+@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4))])
 @pytest.mark.parametrize("b", [12, 300])
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b, lockstep):
-    """On the GPU: the routes with the flush rows' programs first (.o, lean's .m: a grid twice the
-    rows) work every row once and match, with the rows' cursors apart or together (lock-step)."""
+    """On the GPU: the one-launch routes with the flush rows' programs first (.o: a grid of 2b rows)
+    work every row once and match, with the rows' cursors apart or together (lock-step)."""
     from triton_cases import check_replay_cycle
 
     from replayssm.ops.triton.ssu import LaunchConfig
@@ -132,7 +131,7 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 
 @requires_cuda
 @pytest.mark.parametrize("route, block, q", [("lean.a.y.v1", (32, 4), 1), ("lean.c", (32, 4), 1),
-                                             ("lean.a.y.v1.p2", (32, 4), 1), ("lean.a.y.v1.m", (32, 4), 1),
+                                             ("lean.a.y.v1.p2", (32, 4), 1), ("lean.a.y.v1.n1", (32, 4), 1),
                                              ("stream-list.c.y.b.t.p2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.p2.f2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.f2.g128.p4.l", (64, 4), 4),
@@ -216,6 +215,10 @@ def test_auto_route_policy():
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
     assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128: one token stays unordered
     assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"  # 4,096 row-heads
+    # One token, fp32 state: fewer flush programs while few rows flush, from 8,192 row-heads.
+    assert auto_route(512, 1, 16, 64, 128)[0] == "lean.a.y.v1.n2"  # TP8 shape, 8,192
+    assert auto_route(128, 1, 128, 64, 128)[0] == "lean.a.y.v1.n2"  # 16,384
+    assert auto_route(256, 1, 128, 64, 128)[0] == "lean.a.y.v1.n1"  # 32,768
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"  # 512 row-heads
     assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t.o"  # 1,024 row-heads

@@ -494,14 +494,6 @@ def _replay_lean(small) -> None:
     # piece (the interpreter's one SM: 1 of 4); the whole grid on steps where the batch flushes.
     check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7)
     check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7, lockstep=True)
-    # .m: no flush launches, the output launch folds the flush rows from the ring itself, their
-    # programs first (.u: in row order); a random mix, every row at once (lock-step), 16-bit state.
-    sixteen = LaunchConfig(16, 1)
-    check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=sixteen, route="lean.a.m", steps=7)
-    check_replay_cycle("cpu", q=1, P=16, N=16, config=sixteen, route="lean.a.y.m.u", steps=7, lockstep=True)
-    check_replay_cycle("cpu", q=1, P=32, N=32, W=16, config=sixteen, route="lean.a.m", steps=18,
-                       state_dtype=torch.float16, act=torch.bfloat16)
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=sixteen, route="lean.a.m", steps=6)
 
 
 def _replay_stream(small) -> None:

@@ -12,7 +12,9 @@ Routes (all read S0 once per row and write it only on flush rows):
   non-flush rows that is a gather-and-reduce of the state tiles plus r_t, and the flush rows
   listed and folded (3xTF32 product) by a persistent launch. The default "lean.a.y.v1" runs the
   output launch (bare products S0 C_t) beside all the others, which go on a high-priority side
-  stream, then scales and adds r_t in one elementwise launch.
+  stream, then scales and adds r_t in one elementwise launch; with fp32 state from 8,192 row-heads
+  its flush launch works with two programs per SM (from 32,768 one) while at most half the rows
+  flush (.n2 / .n1, `ONE_TOKEN_FEW_FLUSH`), the whole grid when the batch flushes together.
 - "stream-list" (`replay_stream.py`): the weights launch of `replay_step.py`, a pipelined launch
   streaming every non-flush row (tensor-core pieces for several tokens), and the flush rows
   listed on the device and folded by a persistent launch. Suffixes .sN (pipeline stages), .iN
@@ -207,6 +209,19 @@ FEW_PIECES = 8192
 # 1.4-2%: 8B fp16 b = 256 330.0-330.3 vs 334.2-335.5, b = 512 642.4-644.3 vs 655.7-657.2.
 
 
+# One token with fp32 state, from the first b * H on: the flush launch's programs per SM while at most
+# half the rows flush (.nN; the whole grid on a step where the batch flushes together). Session 23
+# (call 3, µs, 8B shape unless named, the random mix; two timings of auto and .n2 each): b = 256
+# (32,768 row-heads) .n1 301.3 / .n2 304.8-304.5 / .n3 307.9 vs 309.6-310.0; b = 512 601.2 / 602.7-604.1 /
+# 621.5 vs 625.8-635.2; b = 128 (16,384) 157.6 / 156.8-156.9 / 159.0 vs 160.4-162.0; b = 64 (8,192) 89.4 /
+# 83.8-84.6 / 85.4 vs 84.9-85.6; TP8 b = 512 (8,192) 86.2 / 83.8-84.1 / 85.4 vs 84.8-85.6. Lock-step
+# (every row flushing on one step of the W) they tie: b = 256 309.0 / 309.3 vs 309.0-309.4, b = 512
+# 613.9 / 615.0-615.6 vs 614.0-618.8, b = 128 and TP8 b = 512 within 1 µs. At 4,096 row-heads .n2 lost
+# (session 16: TP8 b = 256 49.3 vs 46.6), and with fp16 state it ties or loses (8B b = 256 219.4-220.2
+# vs 218.2-219.6): fp32 only.
+ONE_TOKEN_FEW_FLUSH = ((32768, 1), (8192, 2))
+
+
 def auto_route(b: int, q: int, H: int, P: int, N: int,
                state_dtype: torch.dtype = torch.float32) -> tuple[str, LaunchConfig] | None:
     """The route and tile "auto" takes for b rows of q tokens with that state dtype; None where no
@@ -232,6 +247,8 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
         route = VERIFY_16BIT_FEW_ROUTE if few else VERIFY_16BIT_ROUTE
     elif few:
         route += ".i2"
+    elif q == 1 and wide:
+        route += next((f".n{n}" for least, n in ONE_TOKEN_FEW_FLUSH if b * H >= least), "")
     return route, cfg
 
 
@@ -245,8 +262,7 @@ _OPTIONS = {
                     {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True)}),
     "lean": ({**_SPLIT_NAMES, "f": "flush_block_p", "w": "flush_warps", "h": "heads_per_program",
               "n": "few_flush_programs_per_sm"},
-             {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True),
-              "m": ("inline_flush", True), "u": ("unordered", True)}),
+             {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
     "weights": (dict(v="weights_warps"), dict(t=("bc_dot", True))),
 }
 

@@ -24,11 +24,9 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import launch_flush
-from replayssm.ops.triton.replay_mono import fold_history
 from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights, weights_scratch
 from replayssm.ops.triton.replay_stream import piece_products, run_beside, stream_items
-from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.tf32 import dot_bf16_split
 
 
@@ -102,83 +100,41 @@ def _lean_kernel(
     sy_b, sy_t, sy_h, H, G,
     Q: tl.constexpr, QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
     NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr, ALL: tl.constexpr,
-    RAW: tl.constexpr, INLINE: tl.constexpr = False, ORDER: tl.constexpr = False, A_ptr=None, rx_ptr=None,
-    rB_ptr=None, rdt_ptr=None, ring_start_ptr=None, seed_mix=0, R=1, HB: tl.constexpr = 16,
-    STATE_DTYPE: tl.constexpr = None, MAXV: tl.constexpr = None,
+    RAW: tl.constexpr,
 ):
     # ITEMS consecutive pieces of one row (ITEMS divides the row's piece count); the slot and the
     # flush flag are both indexed by the row, so the tile load waits on one small load only.
     # ALL: flush rows too (their outputs come from the same S0; the flush launch only folds).
     # RAW: bare products S0 C_t of the non-flush rows into y_ptr (fp32), read from no scratch: the
     # row's flush is decided from its cursor here, as the ring-term launch decides its flag.
-    # INLINE (with RAW): the flush rows too, each piece then folding its tile from the ring itself
-    # (`_lean_fold`); ORDER: the grid twice the pieces, the first half working the flush rows only
-    # and the second half the rest, so the longer folding programs are dispatched first.
-    pid = tl.program_id(0)
-    second = False
-    if ORDER:
-        half = tl.num_programs(0) // 2
-        second = pid >= half
-        pid = tl.where(second, pid - half, pid)
-    w0 = pid * ITEMS
+    w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
     i = w0 // per_row
     first = w0 % per_row
     s = tl.load(idx_ptr + i)
     s64 = tl.maximum(s, 0).to(tl.int64)  # padding rows read slot 0, zeroed in the piece
     if RAW:
-        hc = tl.load(committed_ptr + s64)
-        f = (s >= 0) & (hc + Q > window)
+        f = (s >= 0) & (tl.load(committed_ptr + s64) + Q > window)
     else:
         f = 0 if ALL else tl.load(flag_ptr + i)
-    if ORDER:
-        go = (f != 0) != second
-    elif INLINE:
-        go = True
-    else:
-        go = f == 0
-    if go:
+    if f == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _lean_piece(k, first, i, s64, s >= 0, C_ptr, state_ptr, y_ptr, sc_ptr, r_ptr, sC_b, sC_t, sC_g,
                         sy_b, sy_t, sy_h, H, G, Q, QB, P, N, BLOCK_P, NS, MMA, RAW)
-            if INLINE:
-                if f:
-                    _lean_fold(k, first, s64, hc, tl.load(ring_start_ptr + s64), A_ptr, state_ptr, rx_ptr,
-                               rB_ptr, rdt_ptr, seed_mix, H, G, R, P, N, BLOCK_P, HB, NS, STATE_DTYPE, MAXV)
-
-
-@triton.jit
-def _lean_fold(k, first, s64, hc, o, A_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr, seed_mix, H, G, R,
-               P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, HB: tl.constexpr, NS: tl.constexpr,
-               STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr):
-    """A flush row's piece (after its products were read from the same tile): the history folded into
-    the tile from the ring alone (`replay_mono.fold_history`), so it waits on no other launch."""
-    NPT: tl.constexpr = P // BLOCK_P
-    w = first + k
-    h = w // NPT
-    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
-    g = h // (H // G)
-    xrow0 = s64 * H * R + h * R
-    A = tl.load(A_ptr + h)
-    j = tl.arange(0, HB)
-    lam_h = tl.sum(tl.load(rdt_ptr + xrow0 + (o + j) % R, mask=j < hc, other=0.0), axis=0) * A
-    fold_history(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, (s64 * H + h) * (P * N), xrow0,
-                 s64 * G * R + g * R, seed_mix, P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
 
 @triton.jit
 def _lean_finish_kernel(u_ptr, sc_ptr, r_ptr, flag_ptr, y_ptr, sy_b, sy_t, sy_h, total, H,
-                        Q: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, ALL: tl.constexpr = False):
+                        Q: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
     # y_t = e^{Λ_t} u_t + r_t over the (b, Q, H, P) elements of the non-flush rows (the flush launch
-    # wrote the others; ALL: of every row, the output launch having taken the flush rows too); u is
-    # zero on padding rows, where r is zero too.
+    # wrote the others); u is zero on padding rows, where r is zero too.
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = e < total
     p = e % P
     h = (e // P) % H
     t = (e // (P * H)) % Q
     i = e // (P * H * Q)
-    keep = m if ALL else m & (tl.load(flag_ptr + i, mask=m, other=1) == 0)
+    keep = m & (tl.load(flag_ptr + i, mask=m, other=1) == 0)
     u = tl.load(u_ptr + e, mask=keep, other=0.0)
     yt = tl.load(sc_ptr + (i * H + h) * (Q + 1) + t, mask=keep, other=0.0) * u + tl.load(r_ptr + e, mask=keep)
     tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty), mask=keep)
@@ -191,8 +147,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                 flush_block_p: int | None = None, flush_warps: int | None = None,
                 flush_programs_per_sm: int = 4, outputs_all: bool = False, parallel: bool = False,
                 priority: bool = False, bf16_products: bool = False, weights_warps: int = 4,
-                few_flush_programs_per_sm: int = 0, inline_flush: bool = False,
-                unordered: bool = False) -> None:
+                few_flush_programs_per_sm: int = 0) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
@@ -209,13 +164,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     bf16_products: several tokens' products take the tile as bf16 hi + lo (bf16 C, 16-bit y).
     weights_warps: the weights launch's warps. few_flush_programs_per_sm (0: off): the flush launch's
     programs per SM on steps where at most half the rows flush (`launch_flush`).
-    inline_flush (with parallel): no flush launches; the output launch takes the flush rows too and
-    folds their tiles from the ring after reading their products (`_lean_fold`), its grid doubled so
-    that the flush rows' programs come first (unordered: one grid in row order, for the benchmarks).
     """
-    if inline_flush and not (parallel and block_p >= 16):
-        raise ValueError(
-            "lean: inline flush (.m) needs the parallel output launch (.a) and tiles of >= 16 rows")
     flush_block_p = flush_block_p or block_p
     outputs_all = outputs_all and flush_block_p >= 16 and not parallel  # fold-only pieces are products
     flush_warps = flush_warps or num_warps
@@ -239,17 +188,10 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
 
     def outputs() -> None:
         out = u if parallel else y
-        order = inline_flush and not unordered
-        fold = {}
-        if inline_flush:
-            sdt = tl_dtype(state.dtype)
-            fold = dict(INLINE=True, ORDER=order, A_ptr=A, rx_ptr=ring_x, rB_ptr=ring_B, rdt_ptr=ring_dt,
-                        ring_start_ptr=ring_start, seed_mix=seed_mix(rand_seed), R=ring_x.shape[2],
-                        HB=triton.next_power_of_2(int(window)), STATE_DTYPE=sdt, MAXV=max_finite(sdt))
-        _lean_kernel[(b * H * (P // block_p) // k * (1 + order),)](
+        _lean_kernel[(b * H * (P // block_p) // k,)](
             C, state, state_indices, flags, committed, out, sc, r, int(window), *C.stride()[:3],
             *out.stride()[:3], H, G, Q=q, QB=QB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k,
-            STAGES=stages, MMA=mma, ALL=outputs_all, RAW=parallel, num_warps=num_warps, **fold,
+            STAGES=stages, MMA=mma, ALL=outputs_all, RAW=parallel, num_warps=num_warps,
         )
 
     def flush() -> None:
@@ -260,18 +202,15 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     if parallel:
         def side() -> None:
             small()
-            if not inline_flush:
-                flush()
+            flush()
 
         # The output launch reads only the non-flush rows' tiles and C; the side launches write the
-        # scratch, the ring appends and the flush rows' tiles and outputs: disjoint. With the flush
-        # rows inline it reads their history rows, which no side launch writes (the appends go after
-        # the history), and writes their tiles, which no side launch reads.
+        # scratch, the ring appends and the flush rows' tiles and outputs: disjoint.
         run_beside(x.device, side, outputs, True, priority)
         total = b * q * H * P
         block = 1024
-        _lean_finish_kernel[(triton.cdiv(total, block),)](u, sc, r, flags, y, *y.stride()[:3], total, H, Q=q,
-                                                          P=P, BLOCK=block, ALL=inline_flush, num_warps=4)
+        _lean_finish_kernel[(triton.cdiv(total, block),)](u, sc, r, flags, y, *y.stride()[:3], total, H,
+                                                          Q=q, P=P, BLOCK=block, num_warps=4)
         return
     small()
     if outputs_all:

@@ -149,7 +149,7 @@ def _mono_kernel(
     _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
              xrow0, Brow0, P, N, R)
     if valid & (hc + Q > window):
-        fold_history(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
+        _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
               P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
 
@@ -169,7 +169,7 @@ def _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n
 
 
 @triton.jit
-def fold_history(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
+def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
           P: tl.constexpr, N: tl.constexpr, R, HB: tl.constexpr, NS: tl.constexpr, STATE_DTYPE: tl.constexpr,
           MAXV: tl.constexpr):
     """A flush row's fold: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, an NS-column chunk at a time as one

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.replay_mono import _appends, _decays, _ordered_row, _row_head, fold_history
+from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _ordered_row, _row_head
 from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.tf32 import dot_out
@@ -99,7 +99,7 @@ def _mono_mma_kernel(
     _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
              xrow0, Brow0, P, N, R)
     if valid & (hc + Q > window):
-        fold_history(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
+        _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
               P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
 
