@@ -69,7 +69,11 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def report(out: Path, logs: list[str], device: str = "NVIDIA H200") -> str:
+def report(out: Path, logs: list[str], device: str = "NVIDIA H200",
+           title: str = "Small steps by row order") -> str:
+    """OUT.json (every timing), OUT.md and OUT.png from logs given as LOG:COMMIT. Two tables: the
+    ordered routes against their unordered twins (session 22's question, where a log timed both), and
+    every route's median against its case's reference (route "auto" as given, else the line's first)."""
     rows = []
     for spec in logs:
         path, _, commit = spec.partition(":")
@@ -80,13 +84,52 @@ def report(out: Path, logs: list[str], device: str = "NVIDIA H200") -> str:
             rows.append(dict(r, state_dtype=dtype, cursor_mix=mix, log=name, commit=commit))
     meta = dict(device=device, command=" ".join(sys.argv), commits=sorted({r["commit"] for r in rows}))
     out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    # One line per (log, case, tile): the unordered route, its ordered twin, the host order, no flushing.
-    lines = ["| log | case | state | cursors | flush rows | auto | unordered | .o | host order | no flush |"
-             " .o / unordered |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    bars = []
     cases = {}
     for r in rows:
         cases.setdefault((r["log"], r["shape"], r["batch"], r["q"]), []).append(r)
+    ordered_lines, ordered_bars = _ordered_table(cases)
+    every_lines, every_bars = _every_table(cases)
+    md = [f"# {title}", "", "µs per step, medians of the repeats in each log. Commits per log in the JSON.",
+          ""]
+    if ordered_lines:
+        md += ["## Ordered against unordered", "",
+               "`unordered` = mono / mono.t as given, `.o` = the same tile with the flush rows' programs"
+               " dispatched first, `host order` = unordered with the flush rows moved to the front by the"
+               " host, `no flush` = unordered with every cursor capped at W - q.", "", *ordered_lines, ""]
+    md += ["## Every timing against the case's reference", "",
+           "reference: route auto as given where the line timed it, else the line's first route; ratio < 1:"
+           " faster than the reference.", "", *every_lines, ""]
+    out.with_suffix(".md").write_text("\n".join(md))
+    bars, label = ((ordered_bars, ".o time / unordered time (< 1: .o faster)") if ordered_bars
+                   else (every_bars, "time / reference time (< 1: faster)"))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 0.3 * len(bars) + 1.5))
+        ax.barh([n for n, _ in bars], [v for _, v in bars],
+                color=["tab:green" if v < 1 else "tab:red" for _, v in bars])
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xlabel(label)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=120)
+    except ImportError:
+        pass
+    return "\n".join(md)
+
+
+def _tag(log: str, shape: str, b: int, q: int, head: dict) -> str:
+    call = re.search(r"call\d+", log)
+    lock = " lock" if head["cursor_mix"] == "lock-step" else ""
+    name = "TP8" if "tp8" in shape else "8B"
+    return f"{call.group(0) + ' ' if call else ''}{name} b{b} q{q} {head['state_dtype']}{lock}"
+
+
+def _ordered_table(cases: dict) -> tuple[list[str], list]:
+    """One line per (log, case, tile) that timed mono / mono.t both unordered and as .o."""
+    lines, bars = [], []
     for (log, shape, b, q), rs in cases.items():
         base = "mono.t" if q > 1 else "mono"
         head = rs[0]
@@ -95,40 +138,36 @@ def report(out: Path, logs: list[str], device: str = "NVIDIA H200") -> str:
             ordered = _median(rs, "given", f"{base}.o:{tile}")
             if plain is None or ordered is None:
                 continue
-            first = _median(rs, "first", f"{base}:{tile}")
-            nof = _median(rs, "noflush", f"{base}:{tile}")
-            auto = _median(rs, "given", "auto")
             cells = [log, f"{shape} b={b} q={q} {tile}", head["state_dtype"], head["cursor_mix"],
-                     f"{head['flush_fraction']:.3f}", _fmt(auto), _fmt(plain), _fmt(ordered), _fmt(first),
-                     _fmt(nof), f"{ordered / plain:.3f}"]
+                     f"{head['flush_fraction']:.3f}", _fmt(_median(rs, "given", "auto")), _fmt(plain),
+                     _fmt(ordered), _fmt(_median(rs, "first", f"{base}:{tile}")),
+                     _fmt(_median(rs, "noflush", f"{base}:{tile}")), f"{ordered / plain:.3f}"]
             lines.append("| " + " | ".join(cells) + " |")
-            call = re.search(r"call\d+", log)
-            lock = " lock" if head["cursor_mix"] == "lock-step" else ""
-            tag = f"{call.group(0)} " if call else ""
-            name = "TP8" if "tp8" in shape else "8B"
-            bars.append((f"{tag}{name} b{b} q{q} {tile} {head['state_dtype']}{lock}", ordered / plain))
-    md = ["# Small steps by row order (session 22)", "",
-          "µs per step, medians of the repeats in each log; `unordered` = mono / mono.t as given, `.o` = the"
-          " same tile with the flush rows' programs dispatched first, `host order` = unordered with the flush"
-          " rows moved to the front by the host, `no flush` = unordered with every cursor capped at W - q."
-          " Commits per log in the JSON.", "", *lines, ""]
-    out.with_suffix(".md").write_text("\n".join(md))
-    try:
-        import matplotlib
+            bars.append((f"{_tag(log, shape, b, q, head)} {tile}", ordered / plain))
+    if lines:
+        lines[:0] = ["| log | case | state | cursors | flush rows | auto | unordered | .o | host order |"
+                     " no flush | .o / unordered |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    return lines, bars
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 0.3 * len(bars) + 1.5))
-        ax.barh([n for n, _ in bars], [v for _, v in bars],
-                color=["tab:green" if v < 1 else "tab:red" for _, v in bars])
-        ax.axvline(1.0, color="k", lw=0.8)
-        ax.set_xlabel(".o time / unordered time (< 1: .o faster)")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=120)
-    except ImportError:
-        pass
-    return "\n".join(md)
+def _every_table(cases: dict) -> tuple[list[str], list]:
+    """One line per (log, case, mix, route): its median and its ratio to the case's reference."""
+    lines = ["| log | case | state | cursors | flush rows | mix | route | µs | / reference |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    bars = []
+    for (log, shape, b, q), rs in cases.items():
+        head = rs[0]
+        ref_key = (("given", "auto") if _median(rs, "given", "auto") is not None
+                   else (head["mix"], head["route"]))
+        ref = _median(rs, *ref_key)
+        for mix, route in dict.fromkeys((r["mix"], r["route"]) for r in rs):
+            us = _median(rs, mix, route)
+            cells = [log, f"{shape} b={b} q={q}", head["state_dtype"], head["cursor_mix"],
+                     f"{head['flush_fraction']:.3f}", mix, route, _fmt(us), f"{us / ref:.3f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+            if (mix, route) != ref_key:
+                bars.append((f"{_tag(log, shape, b, q, head)} {mix} {route}", us / ref))
+    return lines, bars
 
 
 def main() -> None:
@@ -139,9 +178,10 @@ def main() -> None:
     ap.add_argument("--lockstep", action="store_true", help="bench_kernels --lockstep's cursor mix")
     ap.add_argument("--report", nargs="+", metavar="OUT LOG:COMMIT", help="OUT then the logs to tabulate")
     ap.add_argument("--device", default="NVIDIA H200", help="with --report: the device the logs ran on")
+    ap.add_argument("--title", default="Small steps by row order", help="with --report: the table's title")
     args = ap.parse_args()
     if args.report:
-        print(report(Path(args.report[0]), args.report[1:], args.device))
+        print(report(Path(args.report[0]), args.report[1:], args.device, args.title))
         return
     if not args.combos or not args.cases:
         ap.error("give MIX/ROUTE pairs and cases, or --report")

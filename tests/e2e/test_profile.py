@@ -131,7 +131,8 @@ def test_kernel_bench_cursor_mixes():
 def test_order_bench_row_orders_and_report(tmp_path):
     """bench_order: mix "first" moves the rows that flush this step (h_c + q > W) to the front, each part
     in its given order, and keeps every slot once; "given" keeps the order. Its logs become one table
-    line per (case, tile) with the ordered route over the unordered one."""
+    line per (case, tile) with the ordered route over the unordered one, and one per timing against its
+    case's reference."""
     import torch
 
     bo = _load_benchmark("bench_order")
@@ -151,10 +152,21 @@ def test_order_bench_row_orders_and_report(tmp_path):
                    "given mono.t.o:64x2 34.00; first mono.t:64x2 34.25; noflush mono.t:64x2 26.66; "
                    "given mono.t:64x2 39.00; given mono.t.o:64x2 36.00; given mono.t.o:64x2 35.00; "
                    "given mono.t:32x2 failed ValueError: no\n")
-    md = bo.report(tmp_path / "order", [f"{log}:abc1234"])
-    row = next(line for line in md.splitlines() if "64x2" in line)
+    lock = tmp_path / "kernels-s0-call2-lockstep.log"  # no auto: the line's first route is the reference
+    lock.write_text("nemotron-h-8b b=256 q=1 flush=0.062: given lean.a.y.v1:32x4 310.00; "
+                    "given lean.a.y.v1.n1:32x4 301.00; given lean.a.y.v1:32x4 312.00\n")
+    md = bo.report(tmp_path / "order", [f"{log}:abc1234", f"{lock}:def5678"],
+                   title="Order and flush programs")
+    assert md.startswith("# Order and flush programs")
+    row = next(line for line in md.splitlines() if "64x2 |" in line and "| 0.875 |" in line)
     # medians: unordered 40.00 (of 39, 40: the upper), ordered 35.00 (of 34, 35, 36)
     assert "| 40.00 | 35.00 | 34.25 | 26.66 | 0.875 |" in row and "| 37.24 |" in row
     assert "32x2" not in md  # a failed timing leaves no row
+    # Every timing against its case's reference: auto where timed, else the line's first route.
+    every = {line.split(" | ")[6]: line for line in md.splitlines()
+             if line.count(" | ") == 8 and "call" in line}
+    assert every["mono.t.o:64x2"].endswith("| 35.00 | 0.940 |")
+    assert every["lean.a.y.v1.n1:32x4"].endswith("| 301.00 | 0.965 |")  # over 312.00, the upper median
+    assert "lock-step" in every["lean.a.y.v1.n1:32x4"]
     data = json.loads((tmp_path / "order.json").read_text())
-    assert data["meta"]["commits"] == ["abc1234"] and len(data["rows"]) == 8
+    assert data["meta"]["commits"] == ["abc1234", "def5678"] and len(data["rows"]) == 11
