@@ -24,9 +24,9 @@ if [ "$2" = fi ]; then
     --restore .fi/fiws.tgz > "$OUT/fi-restore.log" 2>&1
   FI="--flashinfer"  # .fi/fiws*.tgz hold the modules of both shapes (the TP8 ones from session 15)
 fi
-# The table takes route "auto" (what the public op runs: mono / mono.t for small steps, lean.a.y.v1[.n2/.n1] for
-# one token, stream-list.c.y.b.t.p2.l.v1.h.g160.r72 or .f2.g96.p4.v1.h.r80 for several by state dtype,
-# .i2 on small steps; replay.auto_route).
+# The table takes route "auto" (what the public op runs: mono / mono.t for small steps, lean.a.y.v1 for
+# one token (.n2 / .n1 on large fp32 steps), stream-list.c.y.b.t.p2.l.v1.h.g160.r72 or
+# .f2.g96.p4.v1.h.r80 for several by state dtype, .i2 on small steps; replay.auto_route).
 # EXTRA (replay tiles timed beside it at the headline case, both q) is empty: the one-token options
 # (.p2, .nN) need the lock-step mix to judge them (bench_kernels.py --lockstep; NOTES-kernels.md,
 # session 16), and a one-token route's q = 4 row means nothing.

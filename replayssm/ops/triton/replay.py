@@ -212,7 +212,7 @@ FEW_PIECES = 8192
 # One token with fp32 state, from the first b * H on: the flush launch's programs per SM while at most
 # half the rows flush (.nN; the whole grid on a step where the batch flushes together). Session 23
 # (call 3, µs, 8B shape unless named, the random mix; two timings of auto and .n2 each): b = 256
-# (32,768 row-heads) .n1 301.3 / .n2 304.8-304.5 / .n3 307.9 vs 309.6-310.0; b = 512 601.2 / 602.7-604.1 /
+# (32,768 row-heads) .n1 301.3 / .n2 304.5-304.8 / .n3 307.9 vs 309.6-310.0; b = 512 601.2 / 602.7-604.1 /
 # 621.5 vs 625.8-635.2; b = 128 (16,384) 157.6 / 156.8-156.9 / 159.0 vs 160.4-162.0; b = 64 (8,192) 89.4 /
 # 83.8-84.6 / 85.4 vs 84.9-85.6; TP8 b = 512 (8,192) 86.2 / 83.8-84.1 / 85.4 vs 84.8-85.6. Lock-step
 # (every row flushing on one step of the W) they tie: b = 256 309.0 / 309.3 vs 309.0-309.4, b = 512
