@@ -4,7 +4,8 @@
 Kernels: replay_stream.py's `_stream_kernel` (default) and `_flush_kernel`, replay_step.py's
 `_weights_kernel`, replay_flush.py's fold-only `_lean_flush_kernel` ("fold"), replay_mono.py's
 `_mono_kernel`, replay_mono_mma.py's `_mono_mma_kernel` ("monot"), replay_lean.py's output launch
-`_lean_kernel` ("lean", bare products) and replay_ring.py's `_ring_term_kernel` ("ring"). Triton ships
+`_lean_kernel` ("lean", bare products) with its `_lean_finish_kernel` ("finish") and replay_ring.py's
+`_ring_term_kernel` ("ring"). Triton ships
 ptxas and cuobjdump, so registers, shared memory, spills, layout conversions, async copies, MMA
 instructions and barriers can be read off before a device call (benchmarks/NOTES-kernels.md, session
 12). Private Triton APIs (native_specialize_impl): written
@@ -53,7 +54,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 def args_parse():
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--kernel", default="stream",
-                   choices=["stream", "flush", "weights", "fold", "mono", "monot", "lean", "ring"])
+                   choices=["stream", "flush", "weights", "fold", "mono", "monot", "lean", "ring", "finish"])
     a.add_argument("--H", type=int, default=128)
     a.add_argument("--P", type=int, default=64)
     a.add_argument("--N", type=int, default=128)
@@ -172,6 +173,10 @@ def build(a):
 
         meta = dict(Q=q, QB=QB, P=P, N=N, BLOCK_P=a.block_p, NS=min(N, 32), ITEMS=a.items, STAGES=a.stages,
                     MMA=mma, ALL=bool(a.all), RAW=True)
+    elif a.kernel == "finish":  # replay_lean.py's last launch (lean.a): y = e^{Λ_t} u_t + r_t
+        from replayssm.ops.triton.replay_lean import _lean_finish_kernel as fn
+
+        meta = dict(Q=q, P=P, BLOCK=1024)
     elif a.kernel == "ring":  # replay_ring.py's ring-term launch, CUDA-core form (one token)
         from replayssm.ops.triton.replay_ring import _ring_term_kernel as fn
 
@@ -187,7 +192,7 @@ def build(a):
     # Scalars by name: contiguous (b, q, H, P) x / y, (b, q, G, N) B / C and (b, q, H) dt.
     scalars = dict(sx_b=sx[0], sx_t=sx[1], sx_h=sx[2], sy_b=sx[0], sy_t=sx[1], sy_h=sx[2], sC_b=sC[0],
                    sC_t=sC[1], sC_g=sC[2], sB_b=sC[0], sB_t=sC[1], sB_g=sC[2], sdt_b=q * H, sdt_t=H, sdt_h=1,
-                   H=H, G=G, R=R, window=W, seed_mix=seed_mix(a.seed), b=256, few=0)
+                   H=H, G=G, R=R, window=W, seed_mix=seed_mix(a.seed), b=256, few=0, total=256 * q * H * P)
     # Arguments with defaults keep them, as a launch that leaves them out does.
     values = {kp.name: kp.default if kp.default is not inspect.Parameter.empty
               else FakePtr(ptrs[kp.name]) if kp.name in ptrs else scalars[kp.name]
