@@ -253,7 +253,8 @@ def render_profile(doc: dict[str, Any]) -> str:
     off, on = doc["settings"]
     lines = ["# Decode step profile, mode (a) shape", "",
              f"- commit `{doc['commit']}`, device {doc['device']}, command `{doc['command']}`",
-             f"- batch {off['batch']}, eager steps profiled: {off['steps']} (one ring flush per row in ON); "
+             f"- batch {off['batch']}, {doc.get('workload', {}).get('prompt', '?')}-token prompts, "
+             f"eager steps profiled: {off['steps']} (one ring flush per row in ON); "
              "GPU ms = sum of kernel times attributed to the part", "",
              "| part | OFF ms/step | ON ms/step | OFF - ON |", "|---|---|---|---|"]
     for p in doc["parts"]:

@@ -233,6 +233,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "layer part, SSM bytes against bandwidth) into e2e-profile.{json,md}")
     parser.add_argument("--profile-steps", type=int, default=16,
                         help="decode steps per profiled window (default: 16, one ring flush per row)")
+    parser.add_argument("--profile-prompt", type=int, default=None,
+                        help="prompt tokens per request in the --profile run (default: mode (a)'s, 32); "
+                        "e.g. 532 profiles the steps of mode (a)'s middle, where attention reads ~550 keys")
     parser.add_argument("--profile-prefill", action="store_true",
                         help="instead of the modes: profile one prefix-hit prefill step of mode (c) ON "
                         "against OFF's prefill of the same prompt into e2e-prefill-profile.{json,md}")
@@ -268,6 +271,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile:
         if args.profile_steps < 1:
             raise ValueError(f"--profile-steps must be >= 1, got {args.profile_steps}")
+        if args.profile_prompt is not None:
+            if args.profile_prompt < 1:
+                raise ValueError(f"--profile-prompt must be >= 1, got {args.profile_prompt}")
+            workload = dataclasses.replace(workload, decode_prompt=args.profile_prompt)
         prof = _load_benchmark("profile_e2e")
         doc = prof.run_profile(workload, steps=args.profile_steps, warm=min(4, args.profile_steps), log=log)
         print(report.render_profile(report.write_profile(doc, out, report.run_meta(command))))

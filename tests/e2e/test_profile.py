@@ -55,6 +55,17 @@ def test_profile_quick_writes_parts(tmp_path, capsys):
     assert "GPU busy" in capsys.readouterr().out
 
 
+def test_profile_prompt_sets_the_profiled_prompt(tmp_path, capsys):
+    """--profile-prompt profiles the steps after prompts of that length (the table says so); 0 is an error."""
+    assert main(["bench", "--quick", "--profile", "--profile-steps", "1", "--profile-prompt", "9",
+                 "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "e2e-profile.json").read_text())["workload"]["prompt"] == 9
+    assert "9-token prompts" in (tmp_path / "e2e-profile.md").read_text()
+    capsys.readouterr()
+    assert main(["bench", "--quick", "--profile", "--profile-prompt", "0", "--out", str(tmp_path)]) != 0
+    assert "--profile-prompt must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_profile_gaps_quick_spec_and_async_settings(tmp_path):
     """profile_gaps.py on the CPU: --async-scheduling both gives four settings (async on where asked),
     --spec-k writes the verify-step files."""

@@ -34,14 +34,16 @@ def make_case(device, dtype, q_lens, ctx_lens, heads, kv_heads, D, block_size, g
 
 
 def check_decode(device: str, dtype: torch.dtype, *, heads=4, kv_heads=2, D=16, block_size=4,
-                 q_lens=(1, 3, 1, 4, 2), ctx_lens=(1, 9, 17, 4, 30), tol=None) -> None:
-    """Triton paged decode attention vs the float64 PyTorch reference: rel. error under tol, all finite."""
+                 q_lens=(1, 3, 1, 4, 2), ctx_lens=(1, 9, 17, 4, 30), tol=None, splits=None) -> None:
+    """Triton paged decode attention vs the float64 PyTorch reference: rel. error under tol, all finite.
+    splits: the kernel's key splits (default: its own choice); the output buffer starts as NaN."""
     gen = torch.Generator().manual_seed(len(q_lens) * 7 + heads)
     case = make_case(device, dtype, list(q_lens), list(ctx_lens), heads, kv_heads, D, block_size, gen)
     q, k_cache, v_cache, cu, bt, ctx = case
     scale = D ** -0.5
+    torch.full_like(q, float("nan"))  # the kernel allocates its output: poison the allocator's next block
     got = paged_attention_triton(q, k_cache, v_cache, cu, bt, ctx, scale=scale, max_query_len=max(q_lens),
-                                 max_context_len=max(ctx_lens))
+                                 max_context_len=max(ctx_lens), splits=splits)
     want = paged_attention_ref(*(t.cpu().double() if t.is_floating_point() else t.cpu() for t in case),
                                scale=scale, max_query_len=max(q_lens), max_context_len=max(ctx_lens))
     assert got.shape == q.shape and got.dtype == dtype
@@ -79,6 +81,12 @@ def main() -> None:
     check_decode("cpu", torch.float32, heads=8, kv_heads=2, block_size=16, q_lens=(1, 1, 1),
                  ctx_lens=(5, 70, 16))
     check_decode("cpu", torch.float16, q_lens=(4, 4), ctx_lens=(4, 21))
+    # Keys split into 4, 8 and 2 runs of whole 64-key tiles, then merged: runs past a row's last key
+    # (empty), a row with one key, verify rows.
+    check_decode("cpu", torch.float32, q_lens=(1, 3, 1, 4, 2), ctx_lens=(1, 300, 17, 64, 130), splits=4)
+    check_decode("cpu", torch.float32, heads=8, kv_heads=2, block_size=16, q_lens=(1, 2),
+                 ctx_lens=(700, 5), splits=8)
+    check_decode("cpu", torch.float16, q_lens=(4, 4), ctx_lens=(4, 521), splits=2)
     # Prefill tiles are 16 x 16 here: rows cross query and key tile edges, block size 4 and 16.
     check_prefill("cpu", torch.float32)
     check_prefill("cpu", torch.float32, heads=8, kv_heads=2, D=20, block_size=16, q_lens=(33, 17),

@@ -11,7 +11,10 @@ q_len <= QP tokens, as the M rows of a tile:
     m = h_local * QP + j      h_local < G (query head kvh * G + h_local), j < q_len (token)
 
 and streams the row's context in BLOCK_N-token tiles. One pass over the row's K/V per KV head:
-the bytes the step must move. Rows with an empty context (no visible key) write zeros.
+the bytes the step must move. Rows with an empty context (no visible key) write zeros. Where the
+rows x KV heads programs would leave SMs idle (few rows, e.g. one long conversation), each
+program's keys are cut into SPLITS runs on a third grid axis and a second launch merges the runs'
+partial sums (`decode_splits`).
 
 Prefill (`paged_prefill_attention_triton`, any q_len). Grid (query tiles, query heads): the rows'
 queries are cut into BLOCK_M-token tiles, numbered through a device prefix sum of tiles per row
@@ -23,6 +26,7 @@ mask. One compiled kernel serves every length: no per-shape plan.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -36,10 +40,13 @@ MAX_QUERY_LEN = 16  # decode (1) and verify (1 + k) rows; longer chunks take the
 # Integers that change from step to step are not specialized (Triton compiles a variant per value
 # class: 1, multiples of 16, other): the block-table stride (longest row's blocks) and the row count.
 @triton.jit(do_not_specialize=["s_bt"])
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bt_ptr, ctx_ptr, D, block_size, scale_log2,
-                         s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, ctx_ptr, D, block_size,
+                         scale_log2, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
                          G: tl.constexpr, QP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    # With SPLITS > 1, program (row, kvh, split) takes the split-th of SPLITS equal runs of the row's
+    # key tiles and writes its unnormalized sums, running max and sum of weights (fp32) to part_ptr
+    # for `_paged_merge_kernel`; a split past the row's keys writes max -inf, sums 0.
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q_start = tl.load(cu_ptr + row)
@@ -59,9 +66,15 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bt_ptr, ctx_ptr, D,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, ctx, BLOCK_N):
+    lo = 0
+    hi = ctx
+    if SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
+        lo = tl.program_id(2) * per
+        hi = tl.minimum(lo + per, ctx)
+    for start in range(lo, hi, BLOCK_N):
         p = start + n
-        p_ok = p < ctx
+        p_ok = p < hi
         blk = tl.load(bt_ptr + row * s_bt + p // block_size, mask=p_ok, other=0).to(tl.int64)
         off = p % block_size
         kv_mask = p_ok[:, None] & d_ok[None, :]
@@ -86,20 +99,86 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bt_ptr, ctx_ptr, D,
             pv = tl.dot(pr.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if SPLITS > 1:
+        # part (rows, kv heads, SPLITS, BLOCK_M, BLOCK_D + 2): the sums, then max and weight sum.
+        base = ((row * tl.num_programs(1) + kvh) * SPLITS + tl.program_id(2)).to(tl.int64) * BLOCK_M
+        at = (base + m) * (BLOCK_D + 2)
+        tl.store(part_ptr + at[:, None] + d[None, :], acc)
+        tl.store(part_ptr + at + BLOCK_D, m_i)
+        tl.store(part_ptr + at + BLOCK_D + 1, l_i)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, s_ot, s_oh, G: tl.constexpr, QP: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    # The SPLITS partial results of one (row, KV head) program of `_paged_decode_kernel`, rescaled to
+    # their common max and normalized; a query with no visible key writes zeros.
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q_start = tl.load(cu_ptr + row)
+    q_len = tl.load(cu_ptr + row + 1) - q_start
+    m = tl.arange(0, BLOCK_M)
+    j = m % QP
+    head = kvh * G + m // QP
+    m_ok = (m < G * QP) & (j < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    base = (row * tl.num_programs(1) + kvh).to(tl.int64) * SPLITS * BLOCK_M
+    sp = tl.arange(0, SPLITS)
+    at = (base + sp[:, None] * BLOCK_M + m[None, :]) * (BLOCK_D + 2)
+    mx = tl.max(tl.load(part_ptr + at + BLOCK_D), 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(SPLITS):
+        at_s = (base + s * BLOCK_M + m) * (BLOCK_D + 2)
+        w = tl.exp2(tl.load(part_ptr + at_s + BLOCK_D) - mx)
+        l_i += w * tl.load(part_ptr + at_s + BLOCK_D + 1)
+        acc += w[:, None] * tl.load(part_ptr + at_s[:, None] + d[None, :])
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tok = (q_start + j).to(tl.int64)
     tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
 
 
+# Split keys ("flash decoding") only where (rows x KV heads) programs leave SMs idle: up to
+# MAX_SPLITS runs per program, each of at least MIN_SPLIT_KEYS keys of the longest row, so that
+# about 2 programs per SM work (decode at batch 1 with a long context: 8 programs otherwise).
+MAX_SPLITS = 32
+MIN_SPLIT_KEYS = 256
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_splits(programs: int, max_context_len: int, sms: int) -> int:
+    """Key splits per (row, KV head) program: the largest power of two (the merge's tile) not above
+    any of 2 * sms / programs (rounded up), MAX_SPLITS and max_context_len / MIN_SPLIT_KEYS; 1 when
+    the programs alone give every SM two."""
+    want = min(-(-2 * sms // max(programs, 1)), MAX_SPLITS, max(1, max_context_len // MIN_SPLIT_KEYS))
+    return 1 << (want.bit_length() - 1)
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           *, scale: float, max_query_len: int, max_context_len: int) -> torch.Tensor:
+                           *, scale: float, max_query_len: int, max_context_len: int,
+                           splits: int | None = None,
+                           tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Same contract as `ops.attention.paged_attention` for max_query_len <= MAX_QUERY_LEN.
 
     q (T, heads, head_dim); k_cache, v_cache (num_blocks, block_size, kv_heads, head_dim) with
     unit stride in head_dim; cu_seqlens_q (n+1,) int32; block_tables (n, max_blocks) int32;
     context_lens (n,) int32. Returns (T, heads, head_dim) in q's dtype. fp32 inputs use IEEE
     fp32 products (exact-ish); bf16/fp16 use the tensor cores with fp32 accumulation.
+    splits: key splits per (row, KV head) program, a power of two (default `decode_splits`, from the
+    rows, the longest context and the SM count; a CUDA graph keeps the split of its capture, and
+    each row divides its own keys); tiles: (BLOCK_N, num_warps, num_stages) for the sweeps.
     """
     T, heads, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -115,15 +194,27 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     QP = triton.next_power_of_2(max(max_query_len, 1))
     block_m = max(16, triton.next_power_of_2(G * QP))
     block_d = max(16, triton.next_power_of_2(D))
-    block_n = 64 if block_m <= 64 else 32
+    if splits is None:
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
+        splits = decode_splits(n * kv_heads, max_context_len, sms)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
+    block_n, warps, stages = tiles or (64 if block_m <= 64 else 32, 4, None)
     bt = block_tables.contiguous()
-    _paged_decode_kernel[(n, kv_heads)](
-        q, k_cache, v_cache, out, cu_seqlens_q, bt, context_lens, D, block_size, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), bt.stride(0),
-        G=G, QP=QP, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-        num_warps=4,
+    part = (torch.empty(n, kv_heads, splits, block_m, block_d + 2, device=q.device, dtype=torch.float32)
+            if splits > 1 else out)
+    extra = {} if stages is None else {"num_stages": stages}
+    _paged_decode_kernel[(n, kv_heads, splits)](
+        q, k_cache, v_cache, out, part, cu_seqlens_q, bt, context_lens, D, block_size,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0),
+        out.stride(1), bt.stride(0), G=G, QP=QP, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **extra,
     )
+    if splits > 1:
+        _paged_merge_kernel[(n, kv_heads)](out, part, cu_seqlens_q, D, out.stride(0), out.stride(1),
+                                           G=G, QP=QP, BLOCK_M=block_m, BLOCK_D=block_d, SPLITS=splits,
+                                           num_warps=4)
     return out
 
 

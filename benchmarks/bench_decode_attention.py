@@ -1,0 +1,110 @@
+"""Decode and verify attention on the GPU: the Triton paged decode kernel, key splits and tiles.
+
+Nemotron-H-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16, KV block 16). Each
+case is `rows` rows of `q` new tokens over `ctx` cached keys each, the rows' blocks spread over
+the pool in random order. The e2e modes' decode steps: (a) 256 rows at its start, middle and end
+(64, 532, 1,032 keys), (b) verify rows (q = 4), (c) one long conversation (one row, ~13k keys),
+plus smaller batches. Per case and variant: µs per call from a CUDA graph of 20 calls (median of
+`--reps` replays), the K/V bytes read and their GB/s, and the largest difference from the
+default's output ("auto": the kernel's own split choice; "splits=1": one program per row and KV
+head, the kernel before key splits).
+
+    python3 benchmarks/bench_decode_attention.py [--reps 5] [--tiles 64,4,3 ...] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from bench_kernels import git_commit  # noqa: E402
+
+from replayssm.ops.triton.attention import decode_splits, paged_attention_triton  # noqa: E402
+
+HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
+# (rows, q, ctx): the e2e modes' steps, then smaller batches at longer contexts.
+CASES = ((256, 1, 64), (256, 1, 532), (256, 1, 1032), (256, 4, 300), (512, 4, 300), (32, 1, 2048),
+         (8, 1, 4096), (1, 1, 13000), (1, 4, 13000), (1, 1, 32768))
+CALLS = 20
+
+
+def case(rows: int, q_len: int, ctx: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q, k_cache, v_cache, cu_seqlens, block_tables, context_lens; every row's blocks permuted."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per = -(-ctx // BLOCK)
+    blocks = rows * per + 8
+    k_cache = torch.randn(blocks, BLOCK, KV_HEADS, D, generator=g, device="cuda").bfloat16()
+    v_cache = torch.randn(blocks, BLOCK, KV_HEADS, D, generator=g, device="cuda").bfloat16()
+    q = torch.randn(rows * q_len, HEADS, D, generator=g, device="cuda").bfloat16()
+    table = torch.randperm(blocks, generator=g, device="cuda")[:rows * per].view(rows, per).int()
+    cu = torch.arange(0, rows * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+    ctx_t = torch.full((rows,), ctx, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, cu, table, ctx_t
+
+
+def time_us(fn, reps: int) -> float:
+    """µs per call: a CUDA graph of CALLS calls, replayed reps times (median), after a warm-up."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tiles", action="append", default=[], help="BLOCK_N,num_warps,num_stages (repeatable)")
+    ap.add_argument("--out", default=None, help="write decode-attention.json there")
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()} ({sms} SMs): heads {HEADS}, KV heads {KV_HEADS}, head dim {D}, "
+          f"bf16, KV block {BLOCK}", flush=True)
+    rows_out = []
+    for rows, q_len, ctx in CASES:
+        a = case(rows, q_len, ctx)
+        kw = dict(scale=D ** -0.5, max_query_len=q_len, max_context_len=ctx)
+        auto = decode_splits(rows * KV_HEADS, ctx, sms)
+        variants = [("auto", {}), ("splits=1", {"splits": 1})]
+        variants += [(f"tiles {t}", {"tiles": tuple(int(v) for v in t.split(","))}) for t in args.tiles]
+        ref = paged_attention_triton(*a, **kw).float()
+        gb = rows * ctx * KV_HEADS * D * 2 * 2 / 1e9
+        for name, extra in variants:
+            def fn(extra=extra, a=a, kw=kw):
+                return paged_attention_triton(*a, **kw, **extra)
+            diff = (fn().float() - ref).abs().max().item()
+            us = time_us(fn, args.reps)
+            row = dict(rows=rows, q=q_len, ctx=ctx, variant=name, auto_splits=auto, us=round(us, 2),
+                       kv_gb=round(gb, 4), gb_s=round(gb / us * 1e6, 1), max_diff_vs_auto=diff)
+            rows_out.append(row)
+            print(f"rows {rows:4d} q {q_len} ctx {ctx:6d} (auto splits {auto:2d}) {name:18s} {us:9.2f} us "
+                  f"{row['gb_s']:8.1f} GB/s  max diff {diff:.2e}", flush=True)
+        a = ref = None
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), command=" ".join(sys.argv))
+        doc = json.dumps(dict(meta=meta, rows=rows_out), indent=1)
+        (Path(args.out) / "decode-attention.json").write_text(doc)
+
+
+if __name__ == "__main__":
+    main()
