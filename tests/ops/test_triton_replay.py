@@ -61,7 +61,7 @@ def test_replay_cycle_stream_gpu(state_dtype, route, q):
 
 LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e", "lean.o",
                "lean.a", "lean.a.y", "lean.c.y", "lean.a.b", "lean.a.y.v1", "lean.a.y.v1.p2",
-               "lean.a.y.v1.n2", "lean.a.y.v1.n1", "lean.a.y.v1.n1.u12", "lean.a.y.v1.u25"]
+               "lean.a.y.v1.n2", "lean.a.y.v1.n1"]
 
 
 @requires_cuda
@@ -132,7 +132,6 @@ def test_stream_route_refuses_eight_warps_for_several_tokens():
 @requires_cuda
 @pytest.mark.parametrize("route, block, q", [("lean.a.y.v1", (32, 4), 1), ("lean.c", (32, 4), 1),
                                              ("lean.a.y.v1.p2", (32, 4), 1), ("lean.a.y.v1.n1", (32, 4), 1),
-                                             ("lean.a.y.v1.n1.u12", (32, 4), 1),
                                              ("stream-list.c.y.b.t.p2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.p2.f2", (64, 4), 4),
                                              ("stream-list.c.y.b.t.f2.g128.p4.l", (64, 4), 4),

@@ -494,11 +494,6 @@ def _replay_lean(small) -> None:
     # piece (the interpreter's one SM: 1 of 4); the whole grid on steps where the batch flushes.
     check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7)
     check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7, lockstep=True)
-    # .uN: bare products for the first N% of the rows (rounded up; H=12 of 2 pieces each, so the later
-    # launch starts mid-grid), the rest scaled and added in the output launch (one token and several).
-    check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a.y.n1.u30", steps=7)
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.a.u50", steps=6,
-                       act=torch.bfloat16)
 
 
 def _replay_stream(small) -> None:

@@ -26,7 +26,7 @@ import triton.language as tl
 from replayssm.ops.triton.replay_flush import launch_flush
 from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights, weights_scratch
-from replayssm.ops.triton.replay_stream import piece_products, run_beside, side_stream, stream_items
+from replayssm.ops.triton.replay_stream import piece_products, run_beside, stream_items
 from replayssm.ops.triton.tf32 import dot_bf16_split
 
 
@@ -96,19 +96,19 @@ def _lean_piece(
 
 @triton.jit
 def _lean_kernel(
-    C_ptr, state_ptr, idx_ptr, flag_ptr, committed_ptr, y_ptr, sc_ptr, r_ptr, window, row0, sC_b, sC_t, sC_g,
+    C_ptr, state_ptr, idx_ptr, flag_ptr, committed_ptr, y_ptr, sc_ptr, r_ptr, window, sC_b, sC_t, sC_g,
     sy_b, sy_t, sy_h, H, G,
     Q: tl.constexpr, QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
     NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr, ALL: tl.constexpr,
     RAW: tl.constexpr,
 ):
-    # ITEMS consecutive pieces of one row, rows from row0 on (ITEMS divides the row's piece count); the
-    # slot and the flush flag are both indexed by the row, so the tile load waits on one small load only.
+    # ITEMS consecutive pieces of one row (ITEMS divides the row's piece count); the slot and the
+    # flush flag are both indexed by the row, so the tile load waits on one small load only.
     # ALL: flush rows too (their outputs come from the same S0; the flush launch only folds).
     # RAW: bare products S0 C_t of the non-flush rows into y_ptr (fp32), read from no scratch: the
     # row's flush is decided from its cursor here, as the ring-term launch decides its flag.
+    w0 = tl.program_id(0) * ITEMS
     per_row = H * (P // BLOCK_P)
-    w0 = row0 * per_row + tl.program_id(0) * ITEMS
     i = w0 // per_row
     first = w0 % per_row
     s = tl.load(idx_ptr + i)
@@ -147,7 +147,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                 flush_block_p: int | None = None, flush_warps: int | None = None,
                 flush_programs_per_sm: int = 4, outputs_all: bool = False, parallel: bool = False,
                 priority: bool = False, bf16_products: bool = False, weights_warps: int = 4,
-                few_flush_programs_per_sm: int = 0, early_percent: int = 0) -> None:
+                few_flush_programs_per_sm: int = 0) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
@@ -164,10 +164,6 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     bf16_products: several tokens' products take the tile as bf16 hi + lo (bf16 C, 16-bit y).
     weights_warps: the weights launch's warps. few_flush_programs_per_sm (0: off): the flush launch's
     programs per SM on steps where at most half the rows flush (`launch_flush`).
-    early_percent (parallel only; 0: off): only that share of the rows (rounded up) takes the bare
-    products, on a third stream beside the small launches; the output launch of the others waits for
-    the ring term and scales and adds inline, so the elementwise launch after the step covers the
-    early rows only, on the side stream beside the rest of the outputs (`_parallel_early`).
     """
     flush_block_p = flush_block_p or block_p
     outputs_all = outputs_all and flush_block_p >= 16 and not parallel  # fold-only pieces are products
@@ -182,8 +178,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     w, sc = weights_scratch(b, q, H, window, x.device)
     r = torch.empty(b, q, H, P, device=x.device, dtype=torch.float32)
     flags = torch.empty(b, device=x.device, dtype=torch.int32)
-    early = min(b, -(-b * early_percent // 100)) if early_percent else b
-    u = torch.empty(early, q, H, P, device=x.device, dtype=torch.float32) if parallel else None
+    u = torch.empty(b, q, H, P, device=x.device, dtype=torch.float32) if parallel else None
 
     def small() -> None:
         launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
@@ -191,12 +186,12 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         launch_ring_term(x, D, ring_x, ring_start, committed, state_indices, w, window, heads_per_program,
                          out=(r, flags))
 
-    def outputs(rows: range = range(b), raw: bool = parallel) -> None:
-        out = u if raw else y
-        _lean_kernel[(len(rows) * H * (P // block_p) // k,)](
-            C, state, state_indices, flags, committed, out, sc, r, int(window), rows.start, *C.stride()[:3],
+    def outputs() -> None:
+        out = u if parallel else y
+        _lean_kernel[(b * H * (P // block_p) // k,)](
+            C, state, state_indices, flags, committed, out, sc, r, int(window), *C.stride()[:3],
             *out.stride()[:3], H, G, Q=q, QB=QB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k,
-            STAGES=stages, MMA=mma, ALL=outputs_all, RAW=raw, num_warps=num_warps,
+            STAGES=stages, MMA=mma, ALL=outputs_all, RAW=parallel, num_warps=num_warps,
         )
 
     def flush() -> None:
@@ -204,16 +199,6 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                      sc, r, flush_block_p, flush_warps, flush_programs_per_sm, dot_fold,
                      outputs=not outputs_all, few_programs_per_sm=few_flush_programs_per_sm)
 
-    def finish(rows: int) -> None:
-        total = rows * q * H * P
-        block = 1024
-        _lean_finish_kernel[(triton.cdiv(total, block),)](u, sc, r, flags, y, *y.stride()[:3], total, H,
-                                                          Q=q, P=P, BLOCK=block, num_warps=4)
-
-    if parallel and early_percent:
-        _parallel_early(x.device, small, lambda: outputs(range(early)), flush,
-                        lambda: outputs(range(early, b), raw=False), lambda: finish(early), priority)
-        return
     if parallel:
         def side() -> None:
             small()
@@ -222,7 +207,10 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         # The output launch reads only the non-flush rows' tiles and C; the side launches write the
         # scratch, the ring appends and the flush rows' tiles and outputs: disjoint.
         run_beside(x.device, side, outputs, True, priority)
-        finish(b)
+        total = b * q * H * P
+        block = 1024
+        _lean_finish_kernel[(triton.cdiv(total, block),)](u, sc, r, flags, y, *y.stride()[:3], total, H,
+                                                          Q=q, P=P, BLOCK=block, num_warps=4)
         return
     small()
     if outputs_all:
@@ -231,37 +219,3 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         return
     # Disjoint rows; both only read the scratch (see replay_stream.launch_stream).
     run_beside(x.device, flush, outputs, concurrent, priority)
-
-
-def _parallel_early(device: torch.device, small, early, flush, rest, finish_early, priority: bool) -> None:
-    """`launch_lean` parallel with early rows. Side stream: small launches, flush, then (after the
-    early launch) the early rows' scale and add; a third stream: the early rows' bare products from
-    the start; the current stream: the other rows' outputs once the small launches are done. The
-    early launch keeps the SMs busy until the ring term is ready, and the launch after it can start
-    while the early one drains; the step ends with the side stream, not with an elementwise launch
-    over every row. In order on the CPU."""
-    if device.type != "cuda":
-        small()
-        early()
-        rest()
-        flush()
-        finish_early()
-        return
-    main = torch.cuda.current_stream(device)
-    side, third = side_stream(device, priority), side_stream(device, False, "early")
-    side.wait_stream(main)
-    third.wait_stream(main)
-    with torch.cuda.stream(side):
-        small()
-        ready = side.record_event()
-    with torch.cuda.stream(third):
-        early()
-        early_done = third.record_event()
-    with torch.cuda.stream(side):
-        flush()
-        side.wait_event(early_done)
-        finish_early()
-    main.wait_event(ready)
-    rest()
-    main.wait_stream(side)
-    main.wait_stream(third)

@@ -263,7 +263,7 @@ def run_beside(device: torch.device, side_work, main_work, concurrent: bool, pri
         side_work()
         return
     main = torch.cuda.current_stream(device)
-    side = side_stream(device, priority)
+    side = _side_stream(device, priority)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         side_work()
@@ -271,14 +271,13 @@ def run_beside(device: torch.device, side_work, main_work, concurrent: bool, pri
     main.wait_stream(side)
 
 
-_SIDE_STREAMS: dict[tuple[int, bool, str], torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[int, bool], torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device, priority: bool = False, name: str = "side") -> torch.cuda.Stream:
-    """One side stream per device, priority and name for the concurrent launches (created on first
-    use; `replay_lean._parallel_early` takes a second one, "early")."""
+def _side_stream(device: torch.device, priority: bool = False) -> torch.cuda.Stream:
+    """One side stream per device and priority for the concurrent launches (created on first use)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, priority, name)
+    key = (index, priority)
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=index, priority=-1 if priority else 0)
     return _SIDE_STREAMS[key]
