@@ -9,7 +9,7 @@ plus smaller batches. Per case and variant: µs per call from a CUDA graph of 20
 default's output ("auto": the kernel's own split choice; "splits=1": one program per row and KV
 head, the kernel before key splits).
 
-    python3 benchmarks/bench_decode_attention.py [--reps 5] [--tiles 64,4,3 ...] [--out DIR]
+    python3 benchmarks/bench_decode_attention.py [--reps 5] [--tiles 64,4,3[,SPLITS] ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def time_us(fn, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--tiles", action="append", default=[], help="BLOCK_N,num_warps,num_stages (repeatable)")
+    ap.add_argument("--tiles", action="append", default=[],
+                    help="BLOCK_N,num_warps,num_stages[,splits] (repeatable)")
     ap.add_argument("--out", default=None, help="write decode-attention.json there")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -84,7 +85,9 @@ def main() -> None:
         kw = dict(scale=D ** -0.5, max_query_len=q_len, max_context_len=ctx)
         auto = decode_splits(rows * KV_HEADS, ctx, sms)
         variants = [("auto", {}), ("splits=1", {"splits": 1})]
-        variants += [(f"tiles {t}", {"tiles": tuple(int(v) for v in t.split(","))}) for t in args.tiles]
+        for t in args.tiles:
+            n, w, st, *sp = (int(v) for v in t.split(","))
+            variants.append((f"tiles {t}", {"tiles": (n, w, st), **({"splits": sp[0]} if sp else {})}))
         ref = paged_attention_triton(*a, **kw).float()
         gb = rows * ctx * KV_HEADS * D * 2 * 2 / 1e9
         for name, extra in variants:

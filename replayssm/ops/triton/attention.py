@@ -199,7 +199,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         splits = decode_splits(n * kv_heads, max_context_len, sms)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
-    block_n, warps, stages = tiles or (64 if block_m <= 64 else 32, 4, None)
+    # Two pipeline stages, not Triton's default three: 12-13% faster at batch 256 (the H200, session
+    # 24: 147 vs 169 µs at 532 keys a row, 267 vs 305 at 1,032, 90 vs 103 for verify rows of 4 at 300).
+    block_n, warps, stages = tiles or ((64, 4, 2) if block_m <= 64 else (32, 4, None))
     bt = block_tables.contiguous()
     part = (torch.empty(n, kv_heads, splits, block_m, block_d + 2, device=q.device, dtype=torch.float32)
             if splits > 1 else out)
