@@ -200,8 +200,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
     # Two pipeline stages, not Triton's default three: 12-13% faster at batch 256 (the H200, session
-    # 24: 147 vs 169 µs at 532 keys a row, 267 vs 305 at 1,032, 90 vs 103 for verify rows of 4 at 300).
-    block_n, warps, stages = tiles or ((64, 4, 2) if block_m <= 64 else (32, 4, None))
+    # 24, µs: 146-147 vs 168-169 at 532 keys a row, 267 vs 305 at 1,032, 90 vs 103 for verify rows of 4
+    # at 300 keys). Runs of 128 keys where the keys split 4 ways or more: 8 rows of 4,096 keys 42.1 vs
+    # 51.5, one row of 13,000 33.2 vs 35.9, of 32,768 50.8 vs 61.0 (2 ways, 32 rows of 2,048: 76.8 vs 72.6).
+    if tiles is not None:
+        block_n, warps, stages = tiles
+    elif block_m > 64:
+        block_n, warps, stages = 32, 4, None
+    else:
+        block_n, warps, stages = (128, 4, 2) if splits >= 4 else (64, 4, 2)
     bt = block_tables.contiguous()
     part = (torch.empty(n, kv_heads, splits, block_m, block_d + 2, device=q.device, dtype=torch.float32)
             if splits > 1 else out)
