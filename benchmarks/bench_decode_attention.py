@@ -10,6 +10,7 @@ default's output ("auto": the kernel's own split choice; "splits=1": one program
 head, the kernel before key splits).
 
     python3 benchmarks/bench_decode_attention.py [--reps 5] [--tiles 64,4,3[,SPLITS] ...] [--out DIR]
+    python3 benchmarks/bench_decode_attention.py --report DIR/decode-attention.json   (md + png only)
 """
 
 from __future__ import annotations
@@ -69,13 +70,66 @@ def time_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def report(path: Path) -> str:
+    """decode-attention.md and .png beside a decode-attention.json: per case the variants' µs, GB/s and
+    speed against the case's reference (the variant "tiles 64,4,3,1": one run per row and KV head at
+    64-key tiles and three stages, the kernel before session 24's changes, where it was timed; else
+    "splits=1")."""
+    doc = json.loads(path.read_text())
+    meta, rows = doc["meta"], doc["rows"]
+    cases: dict[tuple, dict] = {}
+    for r in rows:
+        cases.setdefault((r["rows"], r["q"], r["ctx"]), {})[r["variant"]] = r
+    ref_name = "tiles 64,4,3,1" if any("tiles 64,4,3,1" in v for v in cases.values()) else "splits=1"
+    md = ["# Decode / verify attention (Triton paged decode kernel)", "",
+          f"- commit `{meta.get('commit', '?')}`, device {meta['device']}, command `{meta['command']}`",
+          f"- Nemotron-H-8B attention: {HEADS} heads, {KV_HEADS} KV heads, head dim {D}, bf16, KV block "
+          f"{BLOCK}; µs per call from CUDA graphs of {CALLS} calls; GB/s = K/V bytes read / time",
+          f"- reference: `{ref_name}`; speed-up = reference µs / variant µs", "",
+          "| rows | q | keys | auto splits | variant | µs | GB/s | speed-up |",
+          "|---|---|---|---|---|---|---|---|"]
+    bars = []
+    for (b, q, ctx), variants in cases.items():
+        ref = variants.get(ref_name)
+        for name, r in variants.items():
+            up = ref["us"] / r["us"] if ref else None
+            md.append(f"| {b} | {q} | {ctx} | {r['auto_splits']} | {name} | {r['us']:.2f} | "
+                      f"{r['gb_s']:.0f} | " + (f"{up:.2f}x |" if up else "- |"))
+            if name == "auto" and up:
+                bars.append((f"{b} rows q{q} {ctx} keys", up))
+    text = "\n".join(md) + "\n"
+    path.with_suffix(".md").write_text(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 0.35 * len(bars) + 1.5))
+        ax.barh([n for n, _ in bars], [v for _, v in bars], color="tab:green")
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"speed-up of the default over `{ref_name}` (log scale)")
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=120)
+        plt.close(fig)
+    except ImportError:
+        pass
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiles", action="append", default=[],
                     help="BLOCK_N,num_warps,num_stages[,splits] (repeatable)")
-    ap.add_argument("--out", default=None, help="write decode-attention.json there")
+    ap.add_argument("--out", default=None, help="write decode-attention.{json,md,png} there")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="no timing: write the .md and .png of an existing decode-attention.json")
     args = ap.parse_args()
+    if args.report:
+        print(report(Path(args.report)))
+        return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs): heads {HEADS}, KV heads {KV_HEADS}, head dim {D}, "
           f"bf16, KV block {BLOCK}", flush=True)
@@ -107,6 +161,7 @@ def main() -> None:
         meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), command=" ".join(sys.argv))
         doc = json.dumps(dict(meta=meta, rows=rows_out), indent=1)
         (Path(args.out) / "decode-attention.json").write_text(doc)
+        print(report(Path(args.out) / "decode-attention.json"))
 
 
 if __name__ == "__main__":

@@ -181,3 +181,21 @@ def test_order_bench_row_orders_and_report(tmp_path):
     assert "lock-step" in every["lean.a.y.v1.n1:32x4"]
     data = json.loads((tmp_path / "order.json").read_text())
     assert data["meta"]["commits"] == ["abc1234", "def5678"] and len(data["rows"]) == 11
+
+
+def test_decode_attention_report(tmp_path):
+    """bench_decode_attention --report: one table line per (case, variant) with µs, GB/s and the speed-up
+    over the kernel before session 24 ("tiles 64,4,3,1") where it was timed, else over "splits=1"."""
+    bda = _load_benchmark("bench_decode_attention")
+    row = lambda v, us: dict(rows=1, q=1, ctx=13000, variant=v, auto_splits=32, us=us, kv_gb=0.0532,  # noqa: E731
+                             gb_s=round(0.0532 / us * 1e6, 1), max_diff_vs_auto=0.0)
+    meta = dict(commit="abc1234", device="NVIDIA H200", command="bench_decode_attention.py")
+    path = tmp_path / "decode-attention.json"
+    path.write_text(json.dumps(dict(meta=meta, rows=[row("auto", 34.0), row("splits=1", 380.0),
+                                                      row("tiles 64,4,3,1", 408.0)])))
+    md = bda.report(path)
+    assert "reference: `tiles 64,4,3,1`" in md and "commit `abc1234`" in md
+    assert "| 1 | 1 | 13000 | 32 | auto | 34.00 | 1565 | 12.00x |" in md
+    assert (tmp_path / "decode-attention.md").read_text() == md
+    path.write_text(json.dumps(dict(meta=meta, rows=[row("auto", 34.0), row("splits=1", 380.0)])))
+    assert "| auto | 34.00 | 1565 | 11.18x |" in bda.report(path)
