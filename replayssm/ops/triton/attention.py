@@ -37,6 +37,25 @@ import triton.language as tl
 MAX_QUERY_LEN = 16  # decode (1) and verify (1 + k) rows; longer chunks take the PyTorch path
 
 
+@triton.jit
+def _tile_queries(cu_ptr, row, kvh, G: tl.constexpr, QP: tl.constexpr, BLOCK_M: tl.constexpr):
+    # The tile's M rows m = h_local * QP + j of one (row, KV head): token index, query head, whether
+    # the row has that token (j < q_len), j and q_len.
+    q_start = tl.load(cu_ptr + row)
+    q_len = tl.load(cu_ptr + row + 1) - q_start
+    m = tl.arange(0, BLOCK_M)
+    j = m % QP
+    return (q_start + j).to(tl.int64), kvh * G + m // QP, (m < G * QP) & (j < q_len), j, q_len
+
+
+@triton.jit
+def _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh):
+    # acc / l per query (zeros where no key was visible: l = 0), in the output's dtype.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+
+
 # Integers that change from step to step are not specialized (Triton compiles a variant per value
 # class: 1, multiples of 16, other): the block-table stride (longest row's blocks) and the row count.
 @triton.jit(do_not_specialize=["s_bt", "splits"])
@@ -50,16 +69,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, c
     # is a runtime value, so one compiled kernel serves every count.
     row = tl.program_id(0)
     kvh = tl.program_id(1)
-    q_start = tl.load(cu_ptr + row)
-    q_len = tl.load(cu_ptr + row + 1) - q_start
+    tok, head, m_ok, j, q_len = _tile_queries(cu_ptr, row, kvh, G, QP, BLOCK_M)
     ctx = tl.load(ctx_ptr + row)
-    m = tl.arange(0, BLOCK_M)
-    j = m % QP
-    head = kvh * G + m // QP
-    m_ok = (m < G * QP) & (j < q_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    tok = (q_start + j).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx - q_len + j
@@ -103,14 +116,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, c
     if SPLIT:
         # part (rows, kv heads, splits, BLOCK_M, BLOCK_D + 2): the sums, then max and weight sum.
         base = ((row * tl.num_programs(1) + kvh) * splits + tl.program_id(2)).to(tl.int64) * BLOCK_M
-        at = (base + m) * (BLOCK_D + 2)
+        at = (base + tl.arange(0, BLOCK_M)) * (BLOCK_D + 2)
         tl.store(part_ptr + at[:, None] + d[None, :], acc)
         tl.store(part_ptr + at + BLOCK_D, m_i)
         tl.store(part_ptr + at + BLOCK_D + 1, l_i)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh)
 
 
 @triton.jit(do_not_specialize=["splits"])
@@ -120,12 +131,8 @@ def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, s_ot, s_oh, splits, G: tl.co
     # to their common max and normalized; a query with no visible key writes zeros.
     row = tl.program_id(0)
     kvh = tl.program_id(1)
-    q_start = tl.load(cu_ptr + row)
-    q_len = tl.load(cu_ptr + row + 1) - q_start
+    tok, head, m_ok, _, _ = _tile_queries(cu_ptr, row, kvh, G, QP, BLOCK_M)
     m = tl.arange(0, BLOCK_M)
-    j = m % QP
-    head = kvh * G + m // QP
-    m_ok = (m < G * QP) & (j < q_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     base = (row * tl.num_programs(1) + kvh).to(tl.int64) * splits * BLOCK_M
@@ -140,10 +147,7 @@ def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, s_ot, s_oh, splits, G: tl.co
         w = tl.exp2(tl.load(part_ptr + at_s + BLOCK_D) - mx)
         l_i += w * tl.load(part_ptr + at_s + BLOCK_D + 1)
         acc += w[:, None] * tl.load(part_ptr + at_s[:, None] + d[None, :])
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tok = (q_start + j).to(tl.int64)
-    tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
+    _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh)
 
 
 # Split keys ("flash decoding") only where (rows x KV heads) programs leave SMs idle: up to
