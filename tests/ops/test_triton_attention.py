@@ -33,16 +33,16 @@ def test_paged_decode_attention_interpreted():
 
 
 def test_decode_splits_by_rows_and_context():
-    """Key splits: none where rows x KV heads give every SM two programs, up to 32 for a few rows, never
-    a run shorter than 256 keys of the longest row."""
+    """Key splits: none where rows x KV heads give every SM two programs, a power of two up to 32 for a
+    few rows, never a run shorter than 256 keys of the longest row."""
     from replayssm.ops.triton.attention import decode_splits
 
     assert decode_splits(256 * 8, 1032, 132) == 1  # mode (a): 2,048 programs
     assert decode_splits(132, 100_000, 132) == 2
     assert decode_splits(8, 13_000, 132) == 32  # one row, 8 KV heads: 33 wanted, capped
-    assert decode_splits(8, 3_000, 132) == 11  # runs of 256 keys at least
+    assert decode_splits(8, 3_000, 132) == 8  # 11 runs of 256 keys at most
     assert decode_splits(8, 300, 132) == 1
-    assert decode_splits(64, 65_536, 132) == 5
+    assert decode_splits(64, 65_536, 132) == 4  # 5 wanted: 4 keeps the 256 runs in one wave
     assert decode_splits(8, 100, 132) == 1
 
 
@@ -52,7 +52,7 @@ def test_decode_splits_by_rows_and_context():
 @pytest.mark.parametrize("splits", [None, 1, 5, 32])
 def test_paged_decode_attention_gpu(dtype, q_len, splits):
     """On the GPU at Nemotron-H-8B attention shapes (32 heads, 8 KV heads, dim 128): matches the ref,
-    with the kernel's split choice (6 here), one run per row, 5 and 32 runs (most empty on short rows)."""
+    with the kernel's split choice (4 here), one run per row, 5 and 32 runs (most empty on short rows)."""
     from attention_cases import check_decode
 
     check_decode("cuda", dtype, heads=32, kv_heads=8, D=128, block_size=16, q_lens=(q_len,) * 6,
