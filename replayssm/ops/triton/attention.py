@@ -13,8 +13,10 @@ q_len <= QP tokens, as the M rows of a tile:
 and streams the row's context in BLOCK_N-token tiles. One pass over the row's K/V per KV head:
 the bytes the step must move. Rows with an empty context (no visible key) write zeros. Where the
 rows x KV heads programs would leave SMs idle (few rows, e.g. one long conversation), each
-program's keys are cut into runs on a third grid axis and a second launch merges the runs' partial
-sums (`decode_splits`; the count is a runtime argument, so every count shares one compiled kernel).
+program's keys are cut into SPLITS runs on a third grid axis and a second launch merges the runs'
+partial sums (`decode_splits`). The count is a compile-time constant (a power of two, so at most six
+variants): with it as a runtime argument the merge's loop cost 9 µs at 32 runs on the H200, and an
+unrolled loop masked to the count 35-100 µs (session 24).
 
 Prefill (`paged_prefill_attention_triton`, any q_len). Grid (query tiles, query heads): the rows'
 queries are cut into BLOCK_M-token tiles, numbered through a device prefix sum of tiles per row
@@ -58,15 +60,14 @@ def _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh):
 
 # Integers that change from step to step are not specialized (Triton compiles a variant per value
 # class: 1, multiples of 16, other): the block-table stride (longest row's blocks) and the row count.
-@triton.jit(do_not_specialize=["s_bt", "splits"])
+@triton.jit(do_not_specialize=["s_bt"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, ctx_ptr, D, block_size,
-                         scale_log2, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt, splits,
+                         scale_log2, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
                          G: tl.constexpr, QP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
-    # With SPLIT, program (row, kvh, split) takes the split-th of `splits` equal runs of the row's
+                         BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    # With SPLITS > 1, program (row, kvh, split) takes the split-th of SPLITS equal runs of the row's
     # key tiles and writes its unnormalized sums, running max and sum of weights (fp32) to part_ptr
-    # for `_paged_merge_kernel`; a split past the row's keys writes max -inf, sums 0. The split count
-    # is a runtime value, so one compiled kernel serves every count.
+    # for `_paged_merge_kernel`; a split past the row's keys writes max -inf, sums 0.
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     tok, head, m_ok, j, q_len = _tile_queries(cu_ptr, row, kvh, G, QP, BLOCK_M)
@@ -82,8 +83,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, c
     n = tl.arange(0, BLOCK_N)
     lo = 0
     hi = ctx
-    if SPLIT:
-        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), splits) * BLOCK_N
+    if SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
         lo = tl.program_id(2) * per
         hi = tl.minimum(lo + per, ctx)
     for start in range(lo, hi, BLOCK_N):
@@ -113,9 +114,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, c
             pv = tl.dot(pr.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if SPLIT:
-        # part (rows, kv heads, splits, BLOCK_M, BLOCK_D + 2): the sums, then max and weight sum.
-        base = ((row * tl.num_programs(1) + kvh) * splits + tl.program_id(2)).to(tl.int64) * BLOCK_M
+    if SPLITS > 1:
+        # part (rows, kv heads, SPLITS, BLOCK_M, BLOCK_D + 2): the sums, then max and weight sum.
+        base = ((row * tl.num_programs(1) + kvh) * SPLITS + tl.program_id(2)).to(tl.int64) * BLOCK_M
         at = (base + tl.arange(0, BLOCK_M)) * (BLOCK_D + 2)
         tl.store(part_ptr + at[:, None] + d[None, :], acc)
         tl.store(part_ptr + at + BLOCK_D, m_i)
@@ -124,33 +125,29 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, c
         _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh)
 
 
-@triton.jit(do_not_specialize=["splits"])
-def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, s_ot, s_oh, splits, G: tl.constexpr, QP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MAX_RUNS: tl.constexpr):
-    # The `splits` <= MAX_RUNS partial results of one (row, KV head) program of `_paged_decode_kernel`,
-    # rescaled to their common max and normalized; a query with no visible key writes zeros. Runs past
-    # `splits` are masked off in an unrolled loop, so every load can be in flight at once.
+@triton.jit
+def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, s_ot, s_oh, G: tl.constexpr, QP: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    # The SPLITS partial results of one (row, KV head) program of `_paged_decode_kernel`, rescaled to
+    # their common max and normalized; a query with no visible key writes zeros.
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     tok, head, m_ok, _, _ = _tile_queries(cu_ptr, row, kvh, G, QP, BLOCK_M)
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    base = (row * tl.num_programs(1) + kvh).to(tl.int64) * splits * BLOCK_M
-    sp = tl.arange(0, MAX_RUNS)
-    live = (sp < splits)[:, None] & (m >= 0)[None, :]
-    mx = tl.max(tl.load(part_ptr + (base + sp[:, None] * BLOCK_M + m[None, :]) * (BLOCK_D + 2) + BLOCK_D,
-                        mask=live, other=float("-inf")), 0)
+    base = (row * tl.num_programs(1) + kvh).to(tl.int64) * SPLITS * BLOCK_M
+    sp = tl.arange(0, SPLITS)
+    at = (base + sp[:, None] * BLOCK_M + m[None, :]) * (BLOCK_D + 2)
+    mx = tl.max(tl.load(part_ptr + at + BLOCK_D), 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in tl.static_range(MAX_RUNS):
-        on = tl.full([BLOCK_M], s, tl.int32) < splits
+    for s in range(SPLITS):
         at_s = (base + s * BLOCK_M + m) * (BLOCK_D + 2)
-        w = tl.exp2(tl.load(part_ptr + at_s + BLOCK_D, mask=on, other=float("-inf")) - mx)
-        l_i += w * tl.load(part_ptr + at_s + BLOCK_D + 1, mask=on, other=0.0)
-        acc += w[:, None] * tl.load(part_ptr + at_s[:, None] + d[None, :], mask=on[:, None] & d_ok[None, :],
-                                    other=0.0)
+        w = tl.exp2(tl.load(part_ptr + at_s + BLOCK_D) - mx)
+        l_i += w * tl.load(part_ptr + at_s + BLOCK_D + 1)
+        acc += w[:, None] * tl.load(part_ptr + at_s[:, None] + d[None, :])
     _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh)
 
 
@@ -167,11 +164,10 @@ def _sm_count(index: int) -> int:
 
 
 def decode_splits(programs: int, max_context_len: int, sms: int) -> int:
-    """Key splits per (row, KV head) program: the largest power of two not above any of 2 * sms /
-    programs (rounded up), MAX_SPLITS and max_context_len / MIN_SPLIT_KEYS; 1 when the programs alone
-    give every SM two. Powers of two keep the runs in whole waves: 8 rows (64 programs) split 4 ways
-    took 42.8 µs on the H200 at 4,096 keys, 5 ways 49.3 (session 24)."""
-    want = max(1, min(-(-2 * sms // max(programs, 1)), MAX_SPLITS, max_context_len // MIN_SPLIT_KEYS))
+    """Key splits per (row, KV head) program: the largest power of two (the merge's tile) not above
+    any of 2 * sms / programs (rounded up), MAX_SPLITS and max_context_len / MIN_SPLIT_KEYS; 1 when
+    the programs alone give every SM two."""
+    want = min(-(-2 * sms // max(programs, 1)), MAX_SPLITS, max(1, max_context_len // MIN_SPLIT_KEYS))
     return 1 << (want.bit_length() - 1)
 
 
@@ -186,7 +182,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     unit stride in head_dim; cu_seqlens_q (n+1,) int32; block_tables (n, max_blocks) int32;
     context_lens (n,) int32. Returns (T, heads, head_dim) in q's dtype. fp32 inputs use IEEE
     fp32 products (exact-ish); bf16/fp16 use the tensor cores with fp32 accumulation.
-    splits: key splits per (row, KV head) program, 1 to MAX_SPLITS (default `decode_splits`, from the
+    splits: key splits per (row, KV head) program, a power of two (default `decode_splits`, from the
     rows, the longest context and the SM count; a CUDA graph keeps the split of its capture, and
     each row divides its own keys); tiles: (BLOCK_N, num_warps, num_stages) for the sweeps.
     """
@@ -207,8 +203,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if splits is None:
         sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
         splits = decode_splits(n * kv_heads, max_context_len, sms)
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
     # Two pipeline stages, not Triton's default three: 12-13% faster at batch 256 (the H200, session
     # 24, µs: 146-147 vs 168-169 at 532 keys a row, 267 vs 305 at 1,032, 90 vs 103 for verify rows of 4
     # at 300 keys). Runs of 128 keys where the keys split 4 ways or more: 8 rows of 4,096 keys 42.1 vs
@@ -227,13 +223,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, out, part, cu_seqlens_q, bt, context_lens, D, block_size,
         scale * math.log2(math.e), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0),
-        out.stride(1), bt.stride(0), splits, G=G, QP=QP, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=warps, **extra,
+        out.stride(1), bt.stride(0), G=G, QP=QP, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **extra,
     )
     if splits > 1:
-        _paged_merge_kernel[(n, kv_heads)](out, part, cu_seqlens_q, D, out.stride(0), out.stride(1), splits,
-                                           G=G, QP=QP, BLOCK_M=block_m, BLOCK_D=block_d,
-                                           MAX_RUNS=MAX_SPLITS, num_warps=4)
+        _paged_merge_kernel[(n, kv_heads)](out, part, cu_seqlens_q, D, out.stride(0), out.stride(1),
+                                           G=G, QP=QP, BLOCK_M=block_m, BLOCK_D=block_d, SPLITS=splits,
+                                           num_warps=4)
     return out
 
 
