@@ -60,12 +60,14 @@ def interpreter_problem() -> str | None:
     raise AssertionError(f"the interpreter probe failed:\n{res.stderr[-4000:]}")
 
 
-def run_interpreted(part: str) -> None:
-    """Run `triton_cases.py <part>` with TRITON_INTERPRET=1; fail with its output if it fails."""
+def run_interpreted(part: str | None = None, script: str = "triton_cases.py") -> None:
+    """Run `<script> [<part>]` (a file of this folder) with TRITON_INTERPRET=1; fail with its output if
+    it fails."""
     problem = interpreter_problem()
     if problem:
         pytest.skip(problem)
     env = _env()
-    res = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "triton_cases.py"), part], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"interpreted {part} failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    res = subprocess.run([sys.executable, "-W", "ignore", str(HERE / script), *([part] if part else [])],
+                         env=env, capture_output=True, text=True, timeout=600)
+    what = f"{script} {part or ''}".strip()
+    assert res.returncode == 0, f"interpreted {what} failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"

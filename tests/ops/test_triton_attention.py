@@ -3,33 +3,19 @@ GPU when present)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import requires_cuda
-from interpret import interpreter_problem
+from interpret import run_interpreted
 
 pytest.importorskip("triton")
-
-HERE = Path(__file__).resolve().parent
 
 
 def test_paged_decode_attention_interpreted():
     """Under TRITON_INTERPRET=1 (fresh process): decode/verify rows (with and without key splits) and
     prefill chunks, GQA, permuted blocks match the ref. Skips where the interpreter cannot run them
     (`interpret.interpreter_problem`)."""
-    problem = interpreter_problem()
-    if problem:
-        pytest.skip(problem)
-    path = os.pathsep.join([str(HERE.parent.parent), str(HERE), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    res = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "attention_cases.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"interpreted attention failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    run_interpreted(script="attention_cases.py")
 
 
 def test_decode_splits_by_rows_and_context():
