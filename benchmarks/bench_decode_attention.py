@@ -5,11 +5,12 @@ case is `rows` rows of `q` new tokens over `ctx` cached keys each, the rows' blo
 the pool in random order. The e2e modes' decode steps: (a) 256 rows at its start, middle and end
 (64, 532, 1,032 keys), (b) verify rows (q = 4), (c) one long conversation (one row, ~13k keys),
 plus smaller batches. Per case and variant: µs per call from a CUDA graph of 20 calls (median of
-`--reps` replays), the K/V bytes read and their GB/s, and the largest difference from the
-default's output ("auto": the kernel's own split choice; "splits=1": one program per row and KV
-head, the kernel before key splits).
+its replays, `bench_kernels.time_graph`; session 24's results were timed by a copy of it here, 5
+replays), the K/V bytes read and their GB/s, and the largest difference from the default's output
+("auto": the kernel's own split choice; "splits=1": one program per row and KV head, the kernel
+before key splits).
 
-    python3 benchmarks/bench_decode_attention.py [--reps 5] [--tiles 64,4,3[,SPLITS] ...] [--out DIR]
+    python3 benchmarks/bench_decode_attention.py [--tiles 64,4,3[,SPLITS] ...] [--out DIR]
     python3 benchmarks/bench_decode_attention.py --report DIR/decode-attention.json   (md + png only)
 """
 
@@ -17,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_kernels import git_commit  # noqa: E402
+from bench_kernels import git_commit, time_graph  # noqa: E402
 
 from replayssm.ops.triton.attention import decode_splits, paged_attention_triton  # noqa: E402
 
@@ -49,25 +49,10 @@ def case(rows: int, q_len: int, ctx: int, seed: int = 0) -> tuple[torch.Tensor, 
     return q, k_cache, v_cache, cu, table, ctx_t
 
 
-def time_us(fn, reps: int) -> float:
-    """µs per call: a CUDA graph of CALLS calls, replayed reps times (median), after a warm-up."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+def time_us(fn) -> float:
+    """µs per call: `bench_kernels.time_graph` over a CUDA graph of CALLS calls (warmed outside the
+    capture; median of its replays)."""
+    return time_graph(lambda: [fn() for _ in range(CALLS)], CALLS)[0]
 
 
 def report(path: Path) -> str:
@@ -120,7 +105,6 @@ def report(path: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiles", action="append", default=[],
                     help="BLOCK_N,num_warps,num_stages[,splits] (repeatable)")
     ap.add_argument("--out", default=None, help="write decode-attention.{json,md,png} there")
@@ -148,7 +132,7 @@ def main() -> None:
             def fn(extra=extra, a=a, kw=kw):
                 return paged_attention_triton(*a, **kw, **extra)
             diff = (fn().float() - ref).abs().max().item()
-            us = time_us(fn, args.reps)
+            us = time_us(fn)
             row = dict(rows=rows, q=q_len, ctx=ctx, variant=name, auto_splits=auto, us=round(us, 2),
                        kv_gb=round(gb, 4), gb_s=round(gb / us * 1e6, 1), max_diff_vs_auto=diff)
             rows_out.append(row)
