@@ -68,7 +68,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         z, xBC, dt = self.in_proj(hidden).split([self.I, self.conv_dim, self.H], dim=-1)
-        A = -torch.exp(self.A_log.float())
+        A = self._A()
         weight = self.conv1d.weight[:, 0, :]
         md = ctx.mamba
         Tp = md.num_prefill_tokens
@@ -81,6 +81,23 @@ class Mamba2Mixer(nn.Module):
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         y = self._gated_norm(y, z)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _A(self) -> torch.Tensor:
+        """A = -exp(A_log), recomputed only when A_log changed (its version counter moves on every
+        in-place write, e.g. a weight load): two launches fewer per layer and step. The result is
+        rewritten in place, so a captured CUDA graph reads the new values too. Inference tensors
+        keep no version counter: for them it is computed on every call."""
+        a_log = self.A_log.detach()
+        if a_log.is_inference():
+            return -torch.exp(a_log.float())
+        key = (a_log.data_ptr(), a_log.device, a_log._version)
+        cached = getattr(self, "_A_cache", None)
+        if cached is None or cached[0][:2] != key[:2]:
+            self._A_cache = (key, -torch.exp(a_log.float()))
+        elif cached[0] != key:
+            torch.exp(a_log.float(), out=cached[1]).neg_()
+            self._A_cache = (key, cached[1])
+        return self._A_cache[1]
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """rms_norm_gated over I / G channels; a group split across ranks sums its squares over them."""
@@ -146,7 +163,7 @@ class Mamba2Mixer(nn.Module):
             dt_grid[md.decode_token_index] = dt
             xbc, dt = grid, dt_grid
         xbc = xbc.reshape(b, q, self.conv_dim)  # a view: rows keep the projection's stride
-        dt = dt.reshape(b, q, self.H).contiguous()
+        dt = dt.reshape(b, q, self.H)  # a strided view: the kernels take dt's strides
         # One launch reads the projection in place, writes x, B and C as separate dense tensors and
         # either parks the raw inputs in the conv scratch (the commit advances the window from them)
         # or, when every row accepts its one token, advances the window itself.
