@@ -2,6 +2,7 @@
 
     python3 benchmarks/profile_gaps.py [--contexts 64,512,1000] [--steps 16] [--cprofile] [--out D] [--quick]
         [--async-scheduling auto|on|off|both] [--spec-k K [--acceptance L]]
+    python3 benchmarks/profile_gaps.py --report D/e2e-gaps.json      # md and png again from the JSON
 
 `replayssm bench --profile` labels kernels by layer part, which needs eager steps; the bench itself
 replays CUDA graphs, and its steps are longer than the GPU work they hold. This script builds the
@@ -13,8 +14,8 @@ under torch.profiler with the engine's host phases labelled. From the trace:
     (innermost label), with gaps under 5 us counted apart as kernel boundaries;
   - device ms/step per kernel group (SSM, conv, GEMM, attention, other) and the top kernels.
 The profiled steps run slower than the plain ones (labels cost host time); the plain wall is the
-measurement, the profiled split says where the waits are. Writes e2e-gaps.{json,md}
-(e2e-gaps-spec.{json,md} with --spec-k: verify steps of mode (b)'s synthetic drafter, K drafts
+measurement, the profiled split says where the waits are. Writes e2e-gaps.{json,md,png}
+(e2e-gaps-spec.{json,md,png} with --spec-k: verify steps of mode (b)'s synthetic drafter, K drafts
 with mean acceptance length L; a point's context is then the running requests' mean length).
 """
 
@@ -248,6 +249,53 @@ def render(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(doc: dict, path: Path) -> None:
+    """One bar per (setting, context): plain wall ms/step beside the profiled step's GPU busy time by
+    kernel group (stacked) and its idle time. Skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    points = [(f"{setting_name(s)}\n{p['context']} tok", p) for s in doc["settings"] for p in s["points"]
+              if "error" not in p]
+    if not points:
+        return
+    groups = list(dict.fromkeys(g for _, p in points for g in p["device_ms_per_step_by_group"]))
+    fig, ax = plt.subplots(figsize=(2.2 * len(points) + 3, 4.5))
+    xs = range(len(points))
+    bottom = [0.0] * len(points)
+    for g in groups:
+        v = [p["device_ms_per_step_by_group"].get(g, 0.0) for _, p in points]
+        ax.bar([x - 0.2 for x in xs], v, 0.4, bottom=bottom, label=f"kernels: {g} (summed)")
+        bottom = [b + w for b, w in zip(bottom, v)]
+    ax.bar([x - 0.2 for x in xs], [p["gpu_idle_ms_per_step"] for _, p in points], 0.4, bottom=bottom,
+           color="lightgrey", hatch="//", label="GPU idle (profiled)")
+    ax.bar([x + 0.2 for x in xs], [p["wall_ms_per_step"] for _, p in points], 0.4, color="k",
+           label="wall, plain steps")
+    ax.bar([x + 0.2 for x in xs], [p["gpu_busy_ms_per_step"] for _, p in points], 0.25, color="tab:cyan",
+           label="GPU busy (union)")
+    ax.set_xticks(list(xs), [n for n, _ in points])
+    ax.set_ylabel("ms per step")
+    spec = f", k = {doc['spec_k']}" if doc.get("spec_k") else ""
+    ax.set_title(f"{doc['commit']}: batch {doc['batch']}{spec}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write(doc: dict, out: Path) -> str:
+    """STEM.json, STEM.md and STEM.png in out (STEM: e2e-gaps, or e2e-gaps-spec for verify steps)."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "e2e-gaps-spec" if doc.get("spec_k") else "e2e-gaps"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{stem}.md").write_text(render(doc))
+    plot(doc, out / f"{stem}.png")
+    return render(doc)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="64,512,1000", help="context lengths to profile at (tokens)")
@@ -265,7 +313,12 @@ def main() -> None:
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
                     help="engine async scheduling: auto (on with CUDA), on, off, or both (each setting "
                     "twice)")
+    ap.add_argument("--report", metavar="JSON", help="only render JSON's md and png again (next to it)")
     args = ap.parse_args()
+    if args.report:
+        path = Path(args.report)
+        print(write(json.loads(path.read_text()), path.parent))
+        return
     if args.spec_k and not 1.0 <= args.acceptance <= args.spec_k + 1:
         ap.error(f"--acceptance must be in [1, spec_k + 1 = {args.spec_k + 1}], got {args.acceptance}")
     import torch
@@ -287,12 +340,7 @@ def main() -> None:
     meta = run_meta(["python3", "benchmarks/profile_gaps.py", *sys.argv[1:]])
     doc = {**meta, "batch": args.batch, "prompt": args.prompt, "steps": args.steps, "spec_k": args.spec_k,
            "acceptance": args.acceptance if args.spec_k else None, "settings": settings}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "e2e-gaps-spec" if args.spec_k else "e2e-gaps"
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
-    (out / f"{stem}.md").write_text(render(doc))
-    print(render(doc))
+    print(write(doc, Path(args.out)))
 
 
 if __name__ == "__main__":
