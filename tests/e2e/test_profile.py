@@ -86,6 +86,52 @@ def test_profile_gaps_quick_spec_and_async_settings(tmp_path):
     assert "verify steps (k = 3" in (tmp_path / "e2e-gaps-spec.md").read_text()
     bad = run("--spec-k", "2")  # the default acceptance 3.1151 is above k + 1
     assert bad.returncode == 2 and "--acceptance must be in" in bad.stderr
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "e2e-gaps-spec.json").write_text(json.dumps(spec))
+    assert run("--report", str(tmp_path / "again" / "e2e-gaps-spec.json")).returncode == 0
+    again = (tmp_path / "again" / "e2e-gaps-spec.md").read_text()
+    assert again == (tmp_path / "e2e-gaps-spec.md").read_text()
+
+
+class _Trace:
+    def __init__(self, events):
+        self.events = events
+
+    def export_chrome_trace(self, path):
+        with open(path, "w") as f:
+            json.dump({"traceEvents": self.events}, f)
+
+
+def test_step_windows_device_gaps():
+    """step_windows.device_gaps: busy is the union of device intervals (overlaps counted once), gaps of
+    20 µs or more are summed apart from shorter ones and listed longest first with their neighbours."""
+    sw = _load_benchmark("step_windows")
+    events = [_x("kernel", "a", 0, 100), _x("kernel", "b", 50, 100),  # overlap: busy 0-150
+              _x("gpu_memcpy", "copy", 160, 40),                        # gap 10 (short)
+              _x("kernel", "c", 300, 100),                              # gap 100
+              _x("gpu_memset", "set", 430, 20),                         # gap 30
+              _x("cpu_op", "aten::copy_", 0, 2000), _x("user_annotation", "x", 0, 5000)]
+    got = sw.device_gaps(_Trace(events), steps=1)
+    assert abs(got["busy_ms"] - 0.31) < 1e-9 and abs(got["device_span_ms"] - 0.45) < 1e-9
+    assert abs(got["gaps_20us_ms"] - 0.13) < 1e-9 and got["gaps_20us"] == 2
+    assert abs(got["short_gaps_ms"] - 0.01) < 1e-9
+    assert got["longest"][0] == (100.0, "copy", "c") and got["host_ops_ms"] == {"aten::copy_": 2.0}
+    assert "error" in sw.device_gaps(_Trace([_x("cpu_op", "aten::mm", 0, 5)]), steps=1)
+
+
+def test_step_windows_quick(capsys):
+    """step_windows.py --quick on the CPU: every window timed, one JSON line naming the command."""
+    sw = _load_benchmark("step_windows")
+    import sys
+    from unittest import mock
+
+    with mock.patch.object(sys, "argv", ["step_windows.py", "--quick", "--settings", "on", "--no-gc"]):
+        sw.main()
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (res,) = doc["settings"]
+    assert doc["no_gc"] and res["replayssm"] and [w[0] for w in res["windows_ms_per_step"]] == \
+        [16, 64, 16, 128, "64 no sync"]
+    assert all(w[1] > 0 for w in res["windows_ms_per_step"]) and res["context"] >= 40
 
 
 def test_host_step_spec_phases(tmp_path):
