@@ -308,7 +308,7 @@ class ModelRunner:
                 n = torch.tensor([h], dtype=torch.int32, device=self.device)
                 for mixer, state, rx, rB, rdt in zip(self.mixers, cache.state, cache.ring_x, cache.ring_B,
                                                      cache.ring_dt):
-                    A = -torch.exp(mixer.A_log.float())
+                    A = mixer.decay_A()
                     replay_materialize(A, state, rx, rB, rdt, cache.ring_start, cache.committed, src, n, tmp,
                                        rand_seed=self._next_seed())
                     state[r.slot] = state[cache.scratch_slot]

@@ -90,7 +90,7 @@ def publish_states(runner, pubs: list[Publication], seed: int) -> None:
     src = to_device([p.live for p in pubs], torch.int32, device)
     num = to_device(n, torch.int32, device)
     for layer, (mixer, state) in enumerate(zip(runner.mixers, cache.state)):
-        A = -torch.exp(mixer.A_log.float())
+        A = mixer.decay_A()
         replay_materialize(A, state, cache.ring_x[layer], cache.ring_B[layer], cache.ring_dt[layer],
                            cache.ring_start, cache.committed, src, num, dst.to(torch.int32),
                            rand_seed=seed + layer)

@@ -18,12 +18,12 @@ def test_decay_cached_and_rewritten_in_place():
     """One tensor per mixer: equal to -exp(A_log); an in-place write to A_log (as a weight load
     makes) rewrites that same tensor, so a CUDA graph holding it reads the new values."""
     m = _mixer()
-    a = m._A()
+    a = m.decay_A()
     assert torch.equal(a, -torch.exp(m.A_log.float()))
-    assert m._A() is a
+    assert m.decay_A() is a
     with torch.no_grad():
         m.A_log.copy_(torch.randn_like(m.A_log))
-    b = m._A()
+    b = m.decay_A()
     assert b is a and torch.equal(b, -torch.exp(m.A_log.float()))
 
 
@@ -31,11 +31,11 @@ def test_decay_follows_a_replaced_parameter_and_inference_tensors():
     """A new A_log tensor gets a new A; parameters made under inference_mode (no version counter)
     get A computed on every call."""
     m = _mixer()
-    a = m._A()
+    a = m.decay_A()
     m.A_log.data = torch.randn_like(m.A_log)
-    assert torch.equal(m._A(), -torch.exp(m.A_log.float())) and not torch.equal(m._A(), a)
+    assert torch.equal(m.decay_A(), -torch.exp(m.A_log.float())) and not torch.equal(m.decay_A(), a)
     with torch.inference_mode():
         m = _mixer()
-        first = m._A()
+        first = m.decay_A()
         m.A_log.copy_(torch.randn_like(m.A_log))
-        assert torch.equal(m._A(), -torch.exp(m.A_log.float())) and not torch.equal(m._A(), first)
+        assert torch.equal(m.decay_A(), -torch.exp(m.A_log.float())) and not torch.equal(m.decay_A(), first)

@@ -68,7 +68,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         z, xBC, dt = self.in_proj(hidden).split([self.I, self.conv_dim, self.H], dim=-1)
-        A = self._A()
+        A = self.decay_A()
         weight = self.conv1d.weight[:, 0, :]
         md = ctx.mamba
         Tp = md.num_prefill_tokens
@@ -82,7 +82,7 @@ class Mamba2Mixer(nn.Module):
         y = self._gated_norm(y, z)
         return self.out_proj(y.to(hidden.dtype))
 
-    def _A(self) -> torch.Tensor:
+    def decay_A(self) -> torch.Tensor:
         """A = -exp(A_log), recomputed only when A_log changed (its version counter moves on every
         in-place write, e.g. a weight load): two launches fewer per layer and step. The result is
         rewritten in place, so a captured CUDA graph reads the new values too. Inference tensors
