@@ -73,17 +73,14 @@ def group(kernel: str) -> str:
     return next((g for g, pat in GROUPS if re.search(pat, kernel, re.I)), "other")
 
 
-def analyse(trace: dict, steps: int) -> dict[str, Any]:
-    """Busy / idle / per-group device time per step from a chrome trace (see the module doc)."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    device = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda x: x[0])
-    spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-             if e.get("cat") == "user_annotation" and e["name"] in HOST]
-    steps_spans = sorted(s for s in spans if s[2] == HOST[0])
-    if not steps_spans or not device:
-        return {"error": f"trace has {len(steps_spans)} steps and {len(device)} device events"}
-    t0, t1 = steps_spans[0][0], steps_spans[-1][1]
+def device_events(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the trace's kernels, copies and memsets, by start."""
+    return sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda x: x[0])
+
+
+def busy_intervals(device: list[tuple[float, float, str]], t0: float, t1: float) -> list[list[float]]:
+    """The union of the device intervals clipped to [t0, t1], as disjoint [start, end] in order."""
     merged: list[list[float]] = []
     for a, b, _ in device:
         a, b = max(a, t0), min(b, t1)
@@ -93,6 +90,20 @@ def analyse(trace: dict, steps: int) -> dict[str, Any]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
+    return merged
+
+
+def analyse(trace: dict, steps: int) -> dict[str, Any]:
+    """Busy / idle / per-group device time per step from a chrome trace (see the module doc)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = device_events(events)
+    spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+             if e.get("cat") == "user_annotation" and e["name"] in HOST]
+    steps_spans = sorted(s for s in spans if s[2] == HOST[0])
+    if not steps_spans or not device:
+        return {"error": f"trace has {len(steps_spans)} steps and {len(device)} device events"}
+    t0, t1 = steps_spans[0][0], steps_spans[-1][1]
+    merged = busy_intervals(device, t0, t1)
     busy = sum(b - a for a, b in merged)
     gaps = [(a, b) for (_, a), (b, _) in zip([(None, t0)] + merged, merged + [(t1, None)]) if b > a]
     long_gaps = [(a, b) for a, b in gaps if b - a >= SHORT_GAP_US]
@@ -132,33 +143,45 @@ def cprofile_top(prof, steps: int, n: int = 30) -> list[str]:
             for (f, line, fn), (_, nc, tt, ct, _) in rows]
 
 
+def decode_engine(cfg: dict, model_dir: str, replayssm: bool, batch: int, prompt: int, max_tokens: int,
+                  cuda: bool, *, max_model_len: int, async_scheduling: bool | None = None, spec_k: int = 0,
+                  acceptance: float | None = None, seed: str = "gaps"):
+    """Mode (a)'s engine (W = 16, fp32 state, dummy weights; CUDA graphs on CUDA; with spec_k, mode (b)'s
+    synthetic drafts) holding `batch` greedy requests of random `prompt`-token prompts; the objects
+    made so far frozen out of the garbage collector's scans."""
+    from replayssm.config import EngineConfig
+    from replayssm.engine.llm_engine import LLMEngine
+    from replayssm.sampling_params import SamplingParams
+
+    kw = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", replay_window=16,
+              state_dtype="float32", kv_block_size=16, max_num_batched_tokens=8192, load_format="dummy",
+              cuda_graphs=cuda, replayssm=replayssm, max_num_seqs=batch, max_model_len=max_model_len,
+              async_scheduling=async_scheduling)
+    if spec_k:
+        kw.update(num_speculative_tokens=spec_k, speculative_method="synthetic",
+                  synthetic_acceptance_length=acceptance)
+    engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [rng.randrange(3, cfg["vocab_size"]) for _ in range(prompt)], params)
+    gc.collect()
+    gc.freeze()
+    return engine
+
+
 def run_setting(cfg: dict, model_dir: str, args, replayssm: bool, log, async_scheduling: bool | None = None
                 ) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from replayssm.config import EngineConfig
-    from replayssm.engine.llm_engine import LLMEngine
-    from replayssm.sampling_params import SamplingParams
-
     contexts = sorted(int(c) for c in args.contexts.split(","))
     per_step = 1 + args.spec_k  # most tokens a step adds to a request
     total = contexts[-1] + (3 * args.steps + 8) * per_step
     cuda = torch.cuda.is_available()
-    kw = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", replay_window=16,
-              state_dtype="float32", kv_block_size=16, max_num_batched_tokens=8192, load_format="dummy",
-              cuda_graphs=cuda, replayssm=replayssm, max_num_seqs=args.batch,
-              max_model_len=args.prompt + total + per_step, async_scheduling=async_scheduling)
-    if args.spec_k:
-        kw.update(num_speculative_tokens=args.spec_k, speculative_method="synthetic",
-                  synthetic_acceptance_length=args.acceptance)
-    engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
-    rng = random.Random(f"gaps-{replayssm}")
-    params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(f"r{i}", [rng.randrange(3, cfg["vocab_size"]) for _ in range(args.prompt)], params)
-    gc.collect()
-    gc.freeze()
+    engine = decode_engine(cfg, model_dir, replayssm, args.batch, args.prompt, total, cuda,
+                           max_model_len=args.prompt + total + per_step, async_scheduling=async_scheduling,
+                           spec_k=args.spec_k, acceptance=args.acceptance, seed=f"gaps-{replayssm}")
     out: dict[str, Any] = {"replayssm": replayssm, "async_scheduling": engine.async_scheduling,
                            "interleave": engine.interleave, "points": []}
     # Two interleaved request groups step in turns: a "step" here is one turn of each (every row once).
@@ -291,9 +314,10 @@ def write(doc: dict, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     stem = "e2e-gaps-spec" if doc.get("spec_k") else "e2e-gaps"
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
-    (out / f"{stem}.md").write_text(render(doc))
+    text = render(doc)
+    (out / f"{stem}.md").write_text(text)
     plot(doc, out / f"{stem}.png")
-    return render(doc)
+    return text
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from bench_e2e import NEMOTRON_H_8B, TINY  # noqa: E402
-from profile_gaps import mean_context  # noqa: E402
+from profile_gaps import decode_engine, device_events, mean_context  # noqa: E402
 
 
 def device_gaps(prof, steps: int) -> dict:
@@ -35,18 +34,17 @@ def device_gaps(prof, steps: int) -> dict:
         prof.export_chrome_trace(tmp + "/t.json")
         trace = json.loads(Path(tmp + "/t.json").read_text())
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    dev = sorted((e["ts"], e["ts"] + e["dur"], e["name"][:50]) for e in events
-                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    dev = device_events(events)
     if not dev:
         return {"error": "no device events"}
-    busy, gaps, end, prev = 0.0, [], None, None
-    for a, b, name in dev:
-        if end is not None and a > end:
-            gaps.append((a - end, prev, name))
-        if end is None or b > end:
-            busy += b - max(a, end if end is not None else a)
-            end = b
-        prev = name
+    # One pass in start order: a gap opens wherever a launch starts after every earlier one ended; it is
+    # named by the launch that ended last before it and the one that closes it.
+    t0, t1, last, gaps = dev[0][0], dev[0][1], dev[0][2], []
+    for a, b, name in dev[1:]:
+        if a > t1:
+            gaps.append((a - t1, last[:50], name[:50]))
+        if b > t1:
+            t1, last = b, name
     gaps.sort(reverse=True)
     long = sum(g for g, _, _ in gaps if g >= 20)
     ops: dict[str, float] = {}
@@ -54,7 +52,7 @@ def device_gaps(prof, steps: int) -> dict:
         if e.get("cat") == "cpu_op":
             ops[e["name"]] = ops.get(e["name"], 0.0) + e["dur"]
     per = steps * 1e3
-    return {"device_span_ms": (dev[-1][1] - dev[0][0]) / per, "busy_ms": busy / per,
+    return {"device_span_ms": (t1 - t0) / per, "busy_ms": (t1 - t0 - sum(g for g, _, _ in gaps)) / per,
             "gaps_20us_ms": long / per, "gaps_20us": sum(g >= 20 for g, _, _ in gaps),
             "short_gaps_ms": (sum(g for g, _, _ in gaps) - long) / per,
             "longest": [(round(g, 1), a, b) for g, a, b in gaps[:12]],
@@ -65,21 +63,9 @@ def run(cfg: dict, model_dir: str, on: bool, args, cuda: bool) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from replayssm.config import EngineConfig
-    from replayssm.engine.llm_engine import LLMEngine
-    from replayssm.sampling_params import SamplingParams
-
     batch, prompt = (256, 32) if cuda else (4, 5)
-    kw = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", replay_window=16,
-              state_dtype="float32", kv_block_size=16, max_num_batched_tokens=8192, load_format="dummy",
-              cuda_graphs=cuda, replayssm=on, max_num_seqs=batch, max_model_len=args.context + 600)
-    engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.context + 500, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{i}", [rng.randrange(3, cfg["vocab_size"]) for _ in range(prompt)], params)
-    gc.collect()
-    gc.freeze()
+    engine = decode_engine(cfg, model_dir, on, batch, prompt, args.context + 500, cuda,
+                           max_model_len=args.context + 600, seed="0")
     if args.no_gc:
         gc.disable()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
