@@ -4,19 +4,23 @@ one device-gap trace (no host labels).
     PYTHONPATH=. python3 benchmarks/step_windows.py [--context 900] [--settings on,off] [--no-gc]
 
 Builds the mode (a) engine (Nemotron-H-8B shape, batch 256, 32-token prompts, fp32 state, W = 16,
-CUDA graphs, async scheduling) per setting, decodes to --context, then times windows of 16, 64, 16
+CUDA graphs, async scheduling) per setting, decodes to --context (per --bucket steps of that ramp: wall,
+the wait for the sampled tokens and the launch of the next step), then times windows of 16, 64, 16
 and 128 steps (each after a device sync), 64 steps without a sync before them, and 32 steps under
 torch.profiler: from that trace, the device's busy time (union of kernels and copies), its gaps of
-20 µs or more (the longest listed with the launches around them) and the host ops' time. Answers
+20 µs or more (the longest listed with the launches around them) and the host ops' time; with
+--cprofile N, N more steps under cProfile. Answers
 whether a step's wall above its GPU work depends on the window (a pipeline fill after a sync) or on
 host pauses (--no-gc turns the collector off after the warm-up). Prints one line per setting and a
-JSON line at the end. Needs CUDA (a tiny model on the CPU with --quick, as a check of the script).
+JSON line at the end; `--report OUT LOG[:COMMIT]...` turns such logs into OUT.json / .md / .png.
+Needs CUDA (a tiny model on the CPU with --quick, as a check of the script).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import sys
 import tempfile
@@ -27,12 +31,18 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from bench_e2e import NEMOTRON_H_8B, TINY  # noqa: E402
 from profile_gaps import decode_engine, device_events, mean_context  # noqa: E402
 
+GAP_BINS = (2, 5, 10, 20)  # µs: a gap's bin is the first bound above it (last: >= 20)
 
-def device_gaps(prof, steps: int) -> dict:
-    """Busy ms/step, gaps >= 20 µs (ms/step and the 12 longest with their neighbours), host ops."""
+
+def device_gaps(prof, steps: int, trace_out: str = "") -> dict:
+    """Busy ms/step, gaps >= 20 µs (ms/step and the 12 longest with their neighbours), every gap's
+    ms/step by size bin and by the (ended, starting) launch pair around it, host ops."""
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(tmp + "/t.json")
-        trace = json.loads(Path(tmp + "/t.json").read_text())
+        raw = Path(tmp + "/t.json").read_bytes()
+        trace = json.loads(raw)
+    if trace_out:
+        Path(trace_out).write_bytes(gzip.compress(raw))
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     dev = device_events(events)
     if not dev:
@@ -52,11 +62,62 @@ def device_gaps(prof, steps: int) -> dict:
         if e.get("cat") == "cpu_op":
             ops[e["name"]] = ops.get(e["name"], 0.0) + e["dur"]
     per = steps * 1e3
-    return {"device_span_ms": (t1 - t0) / per, "busy_ms": (t1 - t0 - sum(g for g, _, _ in gaps)) / per,
+    bins: dict[str, float] = {}
+    pairs: dict[tuple[str, str], list[float]] = {}
+    for g, a, b in gaps:
+        key = next((f"< {x} us" for x in GAP_BINS if g < x), f">= {GAP_BINS[-1]} us")
+        bins[key] = bins.get(key, 0.0) + g / per
+        n_t = pairs.setdefault((a, b), [0, 0.0])
+        n_t[0] += 1
+        n_t[1] += g
+    top_pairs = sorted(pairs.items(), key=lambda kv: -kv[1][1])[:16]
+    return {"kernels_per_step": len(dev) / steps,
+            "gaps_by_size_ms": {k: round(v, 4) for k, v in bins.items()},
+            "gap_pairs": [{"after": a, "before": b, "per_step": n / steps, "ms_per_step": round(t / per, 4)}
+                          for (a, b), (n, t) in top_pairs],
+            "device_span_ms": (t1 - t0) / per, "busy_ms": (t1 - t0 - sum(g for g, _, _ in gaps)) / per,
             "gaps_20us_ms": long / per, "gaps_20us": sum(g >= 20 for g, _, _ in gaps),
             "short_gaps_ms": (sum(g for g, _, _ in gaps) - long) / per,
             "longest": [(round(g, 1), a, b) for g, a, b in gaps[:12]],
             "host_ops_ms": {k: round(v / per, 3) for k, v in sorted(ops.items(), key=lambda x: -x[1])[:12]}}
+
+
+def ramp_steps(engine, context: int, bucket: int) -> list[dict]:
+    """Step `engine` until its rows' mean context reaches `context`; per `bucket` steps: the mean
+    context, wall ms/step, and of it the ms/step spent in `LaunchedStep.results` (the wait for the
+    sampled tokens' copy, then the lists) and in `launch_ahead` (queueing the next step). With async
+    scheduling the host does the rest of a step while the device runs the step launched ahead: a
+    wait near zero means the device waited on the host instead."""
+    from replayssm.engine import engine_step, llm_engine
+
+    spent = {"wait": 0.0, "launch": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return wrapper
+
+    results, ahead = engine_step.LaunchedStep.results, llm_engine.launch_ahead
+    engine_step.LaunchedStep.results = timed(results, "wait")
+    llm_engine.launch_ahead = timed(ahead, "launch")
+    rows, n, t0 = [], 0, time.perf_counter()
+    try:
+        while not engine.scheduler.running or mean_context(engine) < context:
+            engine.step()
+            n += 1
+            if n == bucket:
+                wall = (time.perf_counter() - t0) / n * 1e3
+                rows.append({"context": round(mean_context(engine)), "steps": n, "wall_ms": round(wall, 3),
+                             **{f"{k}_ms": round(v / n * 1e3, 3) for k, v in spent.items()}})
+                spent.update(wait=0.0, launch=0.0)
+                n, t0 = 0, time.perf_counter()
+    finally:
+        engine_step.LaunchedStep.results, llm_engine.launch_ahead = results, ahead
+    return rows
 
 
 def run(cfg: dict, model_dir: str, on: bool, args, cuda: bool) -> dict:
@@ -69,8 +130,7 @@ def run(cfg: dict, model_dir: str, on: bool, args, cuda: bool) -> dict:
     if args.no_gc:
         gc.disable()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    while not engine.scheduler.running or mean_context(engine) < args.context:
-        engine.step()
+    ramp = ramp_steps(engine, args.context, args.bucket)
     windows = []
     for n in (16, 64, 16, 128):
         sync()
@@ -93,8 +153,25 @@ def run(cfg: dict, model_dir: str, on: bool, args, cuda: bool) -> dict:
             engine.step()
         sync()
         traced = (time.perf_counter() - t) / 32 * 1e3
-    out = {"replayssm": on, "context": round(mean_context(engine)), "windows_ms_per_step": windows,
-           "traced_wall_ms_per_step": traced, **device_gaps(prof, 32)}
+    host_profile = None
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        sync()
+        with cProfile.Profile() as cp:
+            for _ in range(args.cprofile):
+                engine.step()
+            sync()
+        text = io.StringIO()
+        pstats.Stats(cp, stream=text).sort_stats("tottime").print_stats(25)
+        host_profile = text.getvalue()
+        print(host_profile, flush=True)
+    trace_out = f"{args.trace_out}-{'on' if on else 'off'}.json.gz" if args.trace_out else ""
+    out = {"replayssm": on, "context": round(mean_context(engine)), "ramp": ramp,
+           "windows_ms_per_step": windows, "traced_wall_ms_per_step": traced, "host_profile": host_profile,
+           **device_gaps(prof, 32, trace_out)}
     del engine
     gc.enable()
     gc.unfreeze()
@@ -109,8 +186,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=900, help="mean context to decode to before timing")
     ap.add_argument("--settings", default="on,off", help="ReplaySSM settings, in order")
     ap.add_argument("--no-gc", action="store_true", help="the garbage collector off after the warm-up")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="then this many steps under cProfile (top 25 functions by own time printed)")
+    ap.add_argument("--trace-out", default="", help="save each setting's trace as PREFIX-on/off.json.gz")
+    ap.add_argument("--bucket", type=int, default=100,
+                    help="steps per row of the ramp to --context (wall, token wait and launch per step)")
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (a check of the script)")
+    ap.add_argument("--report", nargs="+", metavar=("OUT", "LOG"),
+                    help="no run: OUT.json / .md / .png from logs (LOG or LOG:COMMIT)")
     args = ap.parse_args()
+    if args.report:
+        report(args.report[0], args.report[1:])
+        return
     import torch
 
     cuda = torch.cuda.is_available() and not args.quick
@@ -128,10 +215,90 @@ def main() -> None:
                   f"traced {r['traced_wall_ms_per_step']:.2f}, busy {r.get('busy_ms', float('nan')):.2f}, "
                   f"gaps >= 20 us {r.get('gaps_20us_ms', 0):.3f}",
                   flush=True)
+            for row in r["ramp"]:
+                print(f"  ramp context {row['context']:5d}: {row['wall_ms']:.2f} ms/step, waiting for tokens "
+                      f"{row['wait_ms']:.2f}, launching ahead {row['launch_ms']:.2f}", flush=True)
+            print(f"  {r.get('kernels_per_step', 0):.0f} device events per step; gaps, ms/step: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r.get("gaps_by_size_ms", {}).items()), flush=True)
+            for g in r.get("gap_pairs", [])[:10]:
+                print(f"  gaps {g['ms_per_step']:.3f} ms/step ({g['per_step']:.1f} per step) "
+                      f"after {g['after']!r} before {g['before']!r}", flush=True)
             for g in r.get("longest", [])[:6]:
                 print(f"  gap {g[0]:8.1f} us after {g[1]!r} before {g[2]!r}", flush=True)
+    from bench_kernels import git_commit
+
     print(json.dumps({"command": " ".join(["python3", "benchmarks/step_windows.py", *sys.argv[1:]]),
+                      "commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
                       "no_gc": args.no_gc, "settings": res}))
+
+
+def report(out: str, logs: list[str]) -> None:
+    """OUT.json / .md / .png from the JSON lines of step_windows logs (LOG or LOG:COMMIT, the commit
+    for lines that carry none): each run's ramp (wall and token wait per step by context, ON against
+    OFF), its windows and its traced gaps."""
+    runs = []
+    for spec in logs:
+        path, _, commit = spec.partition(":")
+        for line in Path(path).read_text().splitlines():
+            if line.startswith('{"command"'):
+                run = json.loads(line)
+                run.setdefault("commit", commit or "unknown")
+                run.setdefault("device", "NVIDIA H200")
+                runs.append(run)
+    md = ["# Graph-replayed decode steps of mode (a): the ramp, windows and device gaps", "",
+          "Mode (a)'s engine (batch 256, 32-token prompts, fp32 state, W = 16, CUDA graphs, async "
+          "scheduling), decoded from its prompts to the run's context. Ramp rows: per step, the wall, "
+          "the time the host waited for the sampled tokens (`LaunchedStep.results`) and the time it "
+          "spent queueing the next step (`launch_ahead`); the device ran the step launched ahead "
+          "meanwhile, so a wait well above zero means the host was not what the device waited on.", ""]
+    for k, run in enumerate(runs, 1):
+        md += [f"## Run {k}: `{run['command']}`", "",
+               f"- commit `{run['commit']}`, device {run['device']}", "",
+               "| context | ON ms/step | ON wait | ON launch | OFF ms/step | OFF wait | OFF launch "
+               "| OFF / ON |",
+               "|---|---|---|---|---|---|---|---|"]
+        by = {s["replayssm"]: s for s in run["settings"]}
+        if True in by and False in by:
+            for a, b in zip(by[True]["ramp"][1:], by[False]["ramp"][1:]):  # the first row holds the prefill
+                md.append(f"| {a['context']} | {a['wall_ms']:.2f} | {a['wait_ms']:.2f} | "
+                          f"{a['launch_ms']:.2f} | {b['wall_ms']:.2f} | {b['wait_ms']:.2f} | "
+                          f"{b['launch_ms']:.2f} | {b['wall_ms'] / a['wall_ms']:.3f} |")
+        md += ["", "| setting | context | windows, ms/step | traced wall | GPU busy | device events / step | "
+               "gaps by size, ms/step |", "|---|---|---|---|---|---|---|"]
+        for s in run["settings"]:
+            w = ", ".join(f"{v:.2f}" for _, v in s["windows_ms_per_step"])
+            gaps = ", ".join(f"{g} {v:.3f}" for g, v in s.get("gaps_by_size_ms", {}).items()) or "-"
+            ev = f"{s['kernels_per_step']:.0f}" if "kernels_per_step" in s else "-"
+            busy = s.get("busy_ms", float("nan"))
+            md.append(f"| {'on' if s['replayssm'] else 'off'} | {s['context']} | {w} | "
+                      f"{s['traced_wall_ms_per_step']:.2f} | {busy:.2f} | {ev} | {gaps} |")
+        md.append("")
+    Path(out + ".md").write_text("\n".join(md))
+    Path(out + ".json").write_text(json.dumps({"runs": runs}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, run in enumerate(runs, 1):
+        for s in run["settings"]:
+            ramp = s["ramp"][1:]
+            name = "on" if s["replayssm"] else "off"
+            ctx = [r["context"] for r in ramp]
+            ax.plot(ctx, [r["wall_ms"] for r in ramp], "o-", label=f"run {k} {name}: step")
+            ax.plot(ctx, [r["wait_ms"] for r in ramp], "x--",
+                    label=f"run {k} {name}: host waits for tokens")
+    ax.set_xlabel("mean context (tokens)")
+    ax.set_ylabel("ms per step")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    ax.set_title("Mode (a) decode steps: wall and host wait (H200)")
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`replayssm bench --profile`: kernels attributed to layer parts; the CPU smoke run writes its files."""
 
 import json
+from pathlib import Path
 
 from replayssm.cli import _load_benchmark, main
 
@@ -116,6 +117,10 @@ def test_step_windows_device_gaps():
     assert abs(got["gaps_20us_ms"] - 0.13) < 1e-9 and got["gaps_20us"] == 2
     assert abs(got["short_gaps_ms"] - 0.01) < 1e-9
     assert got["longest"][0] == (100.0, "copy", "c") and got["host_ops_ms"] == {"aten::copy_": 2.0}
+    assert got["kernels_per_step"] == 5
+    assert got["gaps_by_size_ms"] == {"< 20 us": 0.01, ">= 20 us": 0.13}
+    assert [(g["after"], g["before"], g["per_step"], g["ms_per_step"]) for g in got["gap_pairs"]] == \
+        [("copy", "c", 1, 0.1), ("c", "set", 1, 0.03), ("b", "copy", 1, 0.01)]
     assert "error" in sw.device_gaps(_Trace([_x("cpu_op", "aten::mm", 0, 5)]), steps=1)
 
 
@@ -125,13 +130,44 @@ def test_step_windows_quick(capsys):
     import sys
     from unittest import mock
 
-    with mock.patch.object(sys, "argv", ["step_windows.py", "--quick", "--settings", "on", "--no-gc"]):
+    with mock.patch.object(sys, "argv", ["step_windows.py", "--quick", "--settings", "on", "--no-gc",
+                                         "--bucket", "10"]):
         sw.main()
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (res,) = doc["settings"]
     assert doc["no_gc"] and res["replayssm"] and [w[0] for w in res["windows_ms_per_step"]] == \
         [16, 64, 16, 128, "64 no sync"]
     assert all(w[1] > 0 for w in res["windows_ms_per_step"]) and res["context"] >= 40
+    # The ramp to the context (~35 steps): a row per 10, each with its wall and the parts of it spent
+    # waiting for tokens and launching ahead, contexts rising.
+    ramp = res["ramp"]
+    assert len(ramp) >= 2 and [r["context"] for r in ramp] == sorted(r["context"] for r in ramp)
+    for row in ramp:
+        assert row["steps"] == 10 and row["wall_ms"] > 0 and 0 <= row["wait_ms"] <= row["wall_ms"]
+
+
+def test_step_windows_report(tmp_path, capsys):
+    """step_windows.py --report: the ramp table pairs ON and OFF rows by position (the first, which
+    holds the prefill, left out) with OFF / ON; one windows row per setting; a JSON of the runs."""
+    sw = _load_benchmark("step_windows")
+
+    def setting(on, walls):
+        ramp = [{"context": 100 * (i + 1), "steps": 100, "wall_ms": w, "wait_ms": w / 2, "launch_ms": 1.0}
+                for i, w in enumerate(walls)]
+        return {"replayssm": on, "context": 300, "ramp": ramp, "windows_ms_per_step": [[16, walls[-1]]],
+                "traced_wall_ms_per_step": walls[-1], "busy_ms": walls[-1] - 1}
+
+    log = tmp_path / "sw.log"
+    log.write_text("noise\n" + json.dumps({"command": "python3 benchmarks/step_windows.py", "no_gc": False,
+                                             "settings": [setting(True, [90.0, 16.0, 17.0]),
+                                                          setting(False, [40.0, 20.0, 21.25])]}) + "\n")
+    out = str(tmp_path / "r")
+    sw.report(out, [f"{log}:abc123"])
+    md = Path(out + ".md").read_text()
+    assert "| 200 | 16.00 | 8.00 | 1.00 | 20.00 | 10.00 | 1.00 | 1.250 |" in md
+    assert "| 300 | 17.00 | 8.50 | 1.00 | 21.25 | 10.62 | 1.00 | 1.250 |" in md and "| 100 |" not in md
+    assert "commit `abc123`" in md and "| on | 300 | 17.00 | 17.00 | 16.00 | - | - |" in md
+    assert json.loads(Path(out + ".json").read_text())["runs"][0]["commit"] == "abc123"
 
 
 def test_host_step_spec_phases(tmp_path):
