@@ -219,6 +219,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="abc",
                         help="which modes to run: a decode, b speculative, c prefix caching (default: abc)")
     parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    for flag, what in (("shared-context", "shared context tokens"), ("turns", "turns per conversation"),
+                       ("turn-input", "new input tokens per turn"),
+                       ("turn-output", "output tokens per turn")):
+        parser.add_argument(f"--{flag}", type=int, default=None,
+                            help=f"mode (c)'s {what}, after --scale (default: the workload's; the seeds "
+                            "ran 51,200 shared tokens and 20 turns of 2,048 in / 1,024 out)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other modes' rows of an existing e2e.json (split one benchmark over "
                         "several commands)")
@@ -255,6 +261,11 @@ def run_bench(args: argparse.Namespace) -> int:
         workload = bench.h200_workload(args.scale)
     else:
         raise ValueError("the full benchmark needs a CUDA GPU; use --quick for the CPU smoke run")
+    sizes = {f: getattr(args, f) for f in ("shared_context", "turns", "turn_input", "turn_output")}
+    for f, v in sizes.items():
+        if v is not None and v < 1:
+            raise ValueError(f"--{f.replace('_', '-')} must be >= 1, got {v}")
+    workload = dataclasses.replace(workload, **{f: v for f, v in sizes.items() if v is not None})
     if args.cuda_graphs is not None:
         workload = dataclasses.replace(workload, cuda_graphs=args.cuda_graphs)
     if args.no_async_scheduling:

@@ -143,3 +143,23 @@ def test_bench_cuda_graphs_flag_reaches_the_engines(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "replayssm bench: error:" in err and "cuda_graphs" in err
     assert not (tmp_path / "e2e.json").exists() or not json.loads((tmp_path / "e2e.json").read_text())["rows"]
+
+
+def test_bench_multiturn_sizes_from_flags(tmp_path, capsys):
+    """--shared-context / --turns / --turn-input / --turn-output set mode (c)'s sizes after --scale:
+    the rows and the note carry them, and each conversation runs that many turns (one TTFT per turn
+    after the first); a size below 1 is refused with a message naming the flag."""
+    out = tmp_path / "c"
+    assert main(["bench", "--quick", "--modes", "c", "--scale", "0.5", "--shared-context", "20",
+                 "--turns", "3", "--turn-input", "5", "--turn-output", "2", "--out", str(out)]) == 0
+    doc = json.loads((out / "e2e.json").read_text())
+    w = doc["workload"]
+    assert (w["shared_context"], w["turns"], w["turn_input"], w["turn_output"]) == (20, 3, 5, 2)
+    assert len(doc["rows"]) == 4
+    for r in doc["rows"]:
+        assert (r["shared_context"], r["turns"], r["turn_input"], r["output_len"]) == (20, 3, 5, 2)
+        n = w["conversations"] * 3
+        assert r["num_requests"] == n and r["output_tokens"] == n * 2
+    assert "20 shared tokens" in doc["notes"]["c"] and "3 turns" in doc["notes"]["c"]
+    assert main(["bench", "--quick", "--modes", "c", "--turns", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--turns must be >= 1, got 0" in capsys.readouterr().err
