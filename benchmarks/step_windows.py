@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_e2e import NEMOTRON_H_8B, TINY  # noqa: E402
+from bench_e2e import ACCEPTANCE_LENGTH, NEMOTRON_H_8B, TINY  # noqa: E402
 from profile_gaps import decode_engine, device_events, mean_context  # noqa: E402
 
 GAP_BINS = (2, 5, 10, 20)  # µs: a gap's bin is the first bound above it (last: >= 20)
@@ -85,9 +85,9 @@ def device_gaps(prof, steps: int, trace_out: str = "") -> dict:
 def ramp_steps(engine, context: int, bucket: int) -> list[dict]:
     """Step `engine` until its rows' mean context reaches `context`; per `bucket` steps: the mean
     context, wall ms/step, and of it the ms/step spent in `LaunchedStep.results` (the wait for the
-    sampled tokens' copy, then the lists) and in `launch_ahead` (queueing the next step). With async
-    scheduling the host does the rest of a step while the device runs the step launched ahead: a
-    wait near zero means the device waited on the host instead."""
+    sampled tokens' copy, then the lists) and in `launch` / `launch_ahead` (queueing a step). With
+    async scheduling (or two interleaved request groups) the host does the rest of a step while the
+    device runs the step queued before: a wait near zero means the device waited on the host."""
     from replayssm.engine import engine_step, llm_engine
 
     spent = {"wait": 0.0, "launch": 0.0}
@@ -101,9 +101,10 @@ def ramp_steps(engine, context: int, bucket: int) -> list[dict]:
                 spent[key] += time.perf_counter() - t
         return wrapper
 
-    results, ahead = engine_step.LaunchedStep.results, llm_engine.launch_ahead
+    results, ahead, launch = engine_step.LaunchedStep.results, llm_engine.launch_ahead, llm_engine.launch
     engine_step.LaunchedStep.results = timed(results, "wait")
     llm_engine.launch_ahead = timed(ahead, "launch")
+    llm_engine.launch = timed(launch, "launch")
     rows, n, t0 = [], 0, time.perf_counter()
     try:
         while not engine.scheduler.running or mean_context(engine) < context:
@@ -116,7 +117,7 @@ def ramp_steps(engine, context: int, bucket: int) -> list[dict]:
                 spent.update(wait=0.0, launch=0.0)
                 n, t0 = 0, time.perf_counter()
     finally:
-        engine_step.LaunchedStep.results, llm_engine.launch_ahead = results, ahead
+        engine_step.LaunchedStep.results, llm_engine.launch_ahead, llm_engine.launch = results, ahead, launch
     return rows
 
 
@@ -125,8 +126,11 @@ def run(cfg: dict, model_dir: str, on: bool, args, cuda: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     batch, prompt = (256, 32) if cuda else (4, 5)
-    engine = decode_engine(cfg, model_dir, on, batch, prompt, args.context + 500, cuda,
-                           max_model_len=args.context + 600, seed="0")
+    per_step = 1 + args.spec_k  # most tokens a step adds to a row
+    total = args.context + 520 * per_step  # the ramp, then ~440 steps of windows, trace and profile
+    engine = decode_engine(cfg, model_dir, on, batch, prompt, total, cuda,
+                           max_model_len=prompt + total + per_step, spec_k=args.spec_k,
+                           acceptance=args.acceptance, seed="0")
     if args.no_gc:
         gc.disable()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -191,6 +195,11 @@ def main() -> None:
     ap.add_argument("--trace-out", default="", help="save each setting's trace as PREFIX-on/off.json.gz")
     ap.add_argument("--bucket", type=int, default=100,
                     help="steps per row of the ramp to --context (wall, token wait and launch per step)")
+    ap.add_argument("--spec-k", type=int, default=0,
+                    help="mode (b)'s engine instead: K synthetic drafts a row (a step is then one call of "
+                    "engine.step: one request group's verify step where the groups interleave)")
+    ap.add_argument("--acceptance", type=float, default=ACCEPTANCE_LENGTH,
+                    help="with --spec-k: the drafts' mean acceptance length")
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (a check of the script)")
     ap.add_argument("--report", nargs="+", metavar=("OUT", "LOG"),
                     help="no run: OUT.json / .md / .png from logs (LOG or LOG:COMMIT)")
@@ -217,7 +226,7 @@ def main() -> None:
                   flush=True)
             for row in r["ramp"]:
                 print(f"  ramp context {row['context']:5d}: {row['wall_ms']:.2f} ms/step, waiting for tokens "
-                      f"{row['wait_ms']:.2f}, launching ahead {row['launch_ms']:.2f}", flush=True)
+                      f"{row['wait_ms']:.2f}, launching {row['launch_ms']:.2f}", flush=True)
             print(f"  {r.get('kernels_per_step', 0):.0f} device events per step; gaps, ms/step: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r.get("gaps_by_size_ms", {}).items()), flush=True)
             for g in r.get("gap_pairs", [])[:10]:
