@@ -243,20 +243,25 @@ def main() -> None:
 
 def report(out: str, logs: list[str]) -> None:
     """OUT.json / .md / .png from the JSON lines of step_windows logs (LOG or LOG:COMMIT, the commit
-    for lines that carry none): each run's ramp (wall and token wait per step by context, ON against
-    OFF), its windows and its traced gaps."""
+    measured where the line's own is missing or stale): each run's ramp (wall and token wait per
+    step by context, ON against OFF), its windows and its traced gaps."""
     runs = []
     for spec in logs:
         path, _, commit = spec.partition(":")
         for line in Path(path).read_text().splitlines():
             if line.startswith('{"command"'):
                 run = json.loads(line)
-                run.setdefault("commit", commit or "unknown")
+                if commit or "commit" not in run:  # given: it beats the device's (perhaps stale) git HEAD
+                    run["commit"] = commit or "unknown"
                 run.setdefault("device", "NVIDIA H200")
                 runs.append(run)
-    md = ["# Graph-replayed decode steps of mode (a): the ramp, windows and device gaps", "",
+    spec = any("--spec-k" in run["command"] for run in runs)
+    what = ("verify steps of mode (b) (k synthetic drafts a row, two request groups taking turns: a step "
+            "is one group's, 128 rows)" if spec else "decode steps of mode (a)")
+    md = [f"# Graph-replayed {what}: the ramp, windows and device gaps", "",
           "Mode (a)'s engine (batch 256, 32-token prompts, fp32 state, W = 16, CUDA graphs, async "
-          "scheduling), decoded from its prompts to the run's context. Ramp rows: per step, the wall, "
+          "scheduling; with --spec-k, mode (b)'s drafts), decoded from its prompts to the run's context. "
+          "Ramp rows: per step, the wall, "
           "the time the host waited for the sampled tokens (`LaunchedStep.results`) and the time it "
           "spent queueing the next step (`launch_ahead`); the device ran the step launched ahead "
           "meanwhile, so a wait well above zero means the host was not what the device waited on.", ""]
@@ -305,7 +310,8 @@ def report(out: str, logs: list[str]) -> None:
     ax.set_ylabel("ms per step")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
-    ax.set_title("Mode (a) decode steps: wall and host wait (H200)")
+    ax.set_title(f"Mode ({'b' if spec else 'a'}) {'verify' if spec else 'decode'} steps: wall and host wait "
+                 f"({runs[0]['device']})")
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=120)
 

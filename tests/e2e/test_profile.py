@@ -148,7 +148,8 @@ def test_step_windows_quick(capsys):
 
 def test_step_windows_report(tmp_path, capsys):
     """step_windows.py --report: the ramp table pairs ON and OFF rows by position (the first, which
-    holds the prefill, left out) with OFF / ON; one windows row per setting; a JSON of the runs."""
+    holds the prefill, left out) with OFF / ON; one windows row per setting; a JSON of the runs; the
+    commit given with the log replaces the line's own (the device's git HEAD can be stale)."""
     sw = _load_benchmark("step_windows")
 
     def setting(on, walls):
@@ -158,7 +159,8 @@ def test_step_windows_report(tmp_path, capsys):
                 "traced_wall_ms_per_step": walls[-1], "busy_ms": walls[-1] - 1}
 
     log = tmp_path / "sw.log"
-    log.write_text("noise\n" + json.dumps({"command": "python3 benchmarks/step_windows.py", "no_gc": False,
+    log.write_text("noise\n" + json.dumps({"command": "python3 benchmarks/step_windows.py", "commit": "stale",
+                                             "no_gc": False,
                                              "settings": [setting(True, [90.0, 16.0, 17.0]),
                                                           setting(False, [40.0, 20.0, 21.25])]}) + "\n")
     out = str(tmp_path / "r")
