@@ -8,10 +8,11 @@ CUDA graphs, async scheduling) per setting, decodes to --context (per --bucket s
 the wait for the sampled tokens and the launch of the next step), then times windows of 16, 64, 16
 and 128 steps (each after a device sync), 64 steps without a sync before them, and 32 steps under
 torch.profiler: from that trace, the device's busy time (union of kernels and copies), its gaps of
-20 µs or more (the longest listed with the launches around them) and the host ops' time; with
---cprofile N, N more steps under cProfile. Answers
-whether a step's wall above its GPU work depends on the window (a pipeline fill after a sync) or on
-host pauses (--no-gc turns the collector off after the warm-up). Prints one line per setting and a
+20 µs or more (the longest listed with the launches around them), all its gaps by size and by the
+launches around them, and the host ops' time; with --cprofile N, N more steps under cProfile; with
+--spec-k K, mode (b)'s verify steps instead. Answers whether a step's wall above its GPU work depends
+on the window (a pipeline fill after a sync), on host pauses (--no-gc turns the collector off after
+the warm-up) or on the host's own time per step (the ramp's wait). Prints one line per setting and a
 JSON line at the end; `--report OUT LOG[:COMMIT]...` turns such logs into OUT.json / .md / .png.
 Needs CUDA (a tiny model on the CPU with --quick, as a check of the script).
 """
@@ -246,8 +247,8 @@ def report(out: str, logs: list[str]) -> None:
     measured where the line's own is missing or stale): each run's ramp (wall and token wait per
     step by context, ON against OFF), its windows and its traced gaps."""
     runs = []
-    for spec in logs:
-        path, _, commit = spec.partition(":")
+    for item in logs:
+        path, _, commit = item.partition(":")
         for line in Path(path).read_text().splitlines():
             if line.startswith('{"command"'):
                 run = json.loads(line)
@@ -263,7 +264,7 @@ def report(out: str, logs: list[str]) -> None:
           "scheduling; with --spec-k, mode (b)'s drafts), decoded from its prompts to the run's context. "
           "Ramp rows: per step, the wall, "
           "the time the host waited for the sampled tokens (`LaunchedStep.results`) and the time it "
-          "spent queueing the next step (`launch_ahead`); the device ran the step launched ahead "
+          "spent queueing steps (`launch`, `launch_ahead`); the device ran the step queued before "
           "meanwhile, so a wait well above zero means the host was not what the device waited on.", ""]
     for k, run in enumerate(runs, 1):
         md += [f"## Run {k}: `{run['command']}`", "",
