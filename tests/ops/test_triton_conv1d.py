@@ -31,12 +31,14 @@ def test_conv_gpu(act, K, q):
 
 @requires_cuda
 @pytest.mark.parametrize("q", [1, 2])
-def test_conv_advance_gpu_engine_size(q):
+@pytest.mark.parametrize("flat", [False, True])
+def test_conv_advance_gpu_engine_size(q, flat):
     """On the GPU at the 8B decode size (D_conv 10,240, 256 rows, bf16): advance_window's windows
-    equal a full commit's step after step (no thread writes a column before another read it)."""
+    equal a full commit's step after step (no thread writes a column before another read it), per
+    channel and as contiguous runs."""
     from triton_cases import check_conv_advance
 
-    check_conv_advance("cuda", q=q)
+    check_conv_advance("cuda", q=q, flat=flat)
 
 
 # (K, D_conv, bias, x a strided column slice)

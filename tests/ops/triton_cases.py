@@ -312,13 +312,18 @@ def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=Tru
     _close("conv split", torch.cat(got, dim=2), causal_conv1d_update_ref(xs, w, bb, cs, idx, "silu"), act)
     assert torch.equal(park[:b, :q], xs), "parked inputs differ"
     assert park[b:].isnan().all() and park[:, q:].isnan().all(), "parked past the view"
-    # advance_window: the same outputs, and the windows an a = q commit writes (others untouched).
-    c1, c2 = cs.clone(), cs.clone()
-    got = conv1d.causal_conv1d_update_triton(xs, w, bb, c1, idx, "silu", advance_window=True)
-    _close("conv advance y", got, causal_conv1d_update_ref(xs, w, bb, cs, idx, "silu"), act)
+    # advance_window (per channel, and as contiguous runs): the same outputs, and the windows an a = q
+    # commit writes (others untouched).
+    c2 = cs.clone()
     causal_conv1d_commit_ref(c2, xs, torch.full((b,), q, dtype=torch.int32, device=device), idx)
-    assert torch.equal(c1, c2), "advanced windows differ from an a = q commit"
-    assert not torch.equal(c1, cs), "nothing advanced"
+    for flat in (False, True):
+        c1 = cs.clone()
+        got = conv1d.causal_conv1d_update_triton(xs, w, bb, c1, idx, "silu", advance_window=True,
+                                                 flat_window=flat)
+        want = causal_conv1d_update_ref(xs, w, bb, cs, idx, "silu")
+        _close(f"conv advance y (flat {flat})", got, want, act)
+        assert torch.equal(c1, c2), f"advanced windows (flat {flat}) differ from an a = q commit"
+        assert not torch.equal(c1, cs), "nothing advanced"
     for moved in (False, True):
         acc = (torch.arange(b) % (q + 1)).to(torch.int32).to(device)
         dst = None
@@ -332,7 +337,7 @@ def check_conv(device, *, Dc=40, K=4, b=5, q=3, S=9, act=torch.float32, bias=Tru
 
 
 def check_conv_advance(device, *, Dc=10240, K=4, b=256, q=1, S=300, steps=4, act=torch.bfloat16,
-                       seed=0) -> None:
+                       flat=None, seed=0) -> None:
     """Decode steps at the engine's size with advance_window (every program writes its windows after
     its reads, many warps in flight): each step's windows equal an a = q commit's, outputs the
     reference's, the other slots untouched."""
@@ -347,7 +352,8 @@ def check_conv_advance(device, *, Dc=10240, K=4, b=256, q=1, S=300, steps=4, act
     full = torch.full((b,), q, dtype=torch.int32, device=device)
     for step in range(steps):
         x = torch.randn(b, q, Dc + 64).to(act).to(device)[:, :, 32:32 + Dc]  # strided rows, as in the engine
-        y = conv1d.causal_conv1d_update_triton(x, w, bb, c1, idx, "silu", advance_window=True)
+        y = conv1d.causal_conv1d_update_triton(x, w, bb, c1, idx, "silu", advance_window=True,
+                                               flat_window=flat)
         _close(f"conv advance y, step {step}", y, causal_conv1d_update_ref(x, w, bb, c2, idx, "silu"), act)
         causal_conv1d_commit_ref(c2, x, full, idx)
         assert torch.equal(c1, c2), f"advanced windows differ at step {step}"
@@ -584,6 +590,10 @@ def run_interpreter(part: str) -> None:
     elif part == "conv":
         check_conv("cpu")
         check_conv("cpu", K=2, q=1, act=torch.bfloat16, bias=False)
+        # Fewer tokens than window columns (the advance shifts window columns down), and two channel
+        # blocks of 256, the second cut short: the contiguous-run advance's offsets across programs.
+        check_conv("cpu", Dc=300, q=1, act=torch.bfloat16)
+        check_conv("cpu", Dc=300, q=2, b=3)
         # Tiles of 8 tokens x 16 channels: sequences span blocks and blocks hold several sequences.
         check_conv_varlen("cpu", blocks=(8, 16))
         check_conv_varlen("cpu", K=2, act=torch.bfloat16, bias=False, strided=True, blocks=(8, 16))

@@ -14,6 +14,7 @@ import triton.language as tl
 
 BLOCK_D = 256  # update / commit: channels per program
 DECODE_WARPS = 4
+FLAT_WINDOW = True  # the update's window advance as contiguous runs (see _conv_update_kernel)
 
 
 @triton.jit
@@ -42,7 +43,8 @@ def _window_after(win_ptr, xrow, a, live, c, cm, sx_t, K1: tl.constexpr, KB: tl.
 def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr, y2_ptr, save_ptr, Dc, D1, D2,
                         sx_b, sx_t, s0_b, s0_t, s1_b, s1_t, s2_b, s2_t, ss_b, ss_t, scs_s, scs_d,
                         Q: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        SAVE: tl.constexpr, ADVANCE: tl.constexpr, KB: tl.constexpr, BLOCK_D: tl.constexpr):
+                        SAVE: tl.constexpr, ADVANCE: tl.constexpr, KB: tl.constexpr, BLOCK_D: tl.constexpr,
+                        FLAT: tl.constexpr = False):
     # Channels [0, D1) go to y0, [D1, D1 + D2) to y1, the rest to y2 (one output: D1 = Dc).
     pid_d = tl.program_id(0)
     i = tl.program_id(1)
@@ -72,7 +74,26 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr,
         tl.store(y0_ptr + i * s0_b + t * s0_t + c, acc.to(y0_ptr.dtype.element_ty), mask=m0)
         tl.store(y1_ptr + i * s1_b + t * s1_t + (c - D1), acc.to(y1_ptr.dtype.element_ty), mask=m1)
         tl.store(y2_ptr + i * s2_b + t * s2_t + (c - D1 - D2), acc.to(y2_ptr.dtype.element_ty), mask=m2)
-    if ADVANCE:  # this program alone owns these window elements: write them after all its reads
+    if ADVANCE and FLAT:
+        # The program's windows are one contiguous run of BLOCK_D (K-1) elements (scs_d = K-1), read
+        # and written as K-1 pieces of BLOCK_D consecutive elements: element e = c (K-1) + k becomes
+        # element Q + k of [window, x] of channel c, read from e + Q (the same or the next piece)
+        # while Q + k < K-1. Piece r reads above its own start only and writes below the next
+        # piece's reads, so one barrier per piece (its reads before its writes) suffices.
+        K1: tl.constexpr = K - 1
+        base = cs_ptr + tl.maximum(s, 0).to(tl.int64) * scs_s + pid_d * (BLOCK_D * K1)
+        tl.debug_barrier()  # the taps above are read before the first piece writes
+        for r in tl.static_range(K1):
+            e = r * BLOCK_D + tl.arange(0, BLOCK_D)
+            ch = pid_d * BLOCK_D + e // K1
+            pos = e % K1 + Q
+            em = (ch < Dc) & ((ch * 0 + s) >= 0)  # a vector mask (a scalar in it trips the interpreter)
+            wv = tl.load(base + e + Q, mask=em & (pos < K1), other=0.0)
+            xv = tl.load(x_ptr + i * sx_b + (pos - K1) * sx_t + ch, mask=em & (pos >= K1), other=0.0)
+            new = tl.where(pos < K1, wv, xv.to(wv.dtype))
+            tl.debug_barrier()
+            tl.store(base + e, new, mask=em)
+    elif ADVANCE:  # this program alone owns these window elements: write them after all its reads
         new, mw = _window_after(win_ptr[None, :], xrow[None, :], Q, wmask, c, cm, sx_t, K - 1, KB)
         tl.debug_barrier()  # a column another thread read (for a tap or above) may be written here
         tl.store(win_ptr[None, :] + tl.arange(0, KB)[:, None], new, mask=mw)
@@ -81,14 +102,15 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr,
 def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 conv_state: torch.Tensor, state_indices: torch.Tensor,
                                 activation: str | None = "silu", *, outs=None, inputs_out=None,
-                                advance_window: bool = False):
+                                advance_window: bool = False, flat_window: bool | None = None):
     """Conv outputs of q new tokens per row from the window (unchanged); API.md `causal_conv1d_update`.
 
     x (b, q, D), rows and tokens at any stride; weight (D, K); bias (D,) or None; conv_state
     (S, D, K-1); state_indices (b,) int32, -1 = padding (zero output). Returns y (b, q, D) in
     x.dtype, or writes its channels into `outs` (up to three (b, q, D_i) tensors, in order) and
     returns them; inputs_out (b, q, D) receives x; advance_window: window <- last K-1 of [window, x]
-    (distinct live slots).
+    (distinct live slots), written as contiguous runs where each slot's window is contiguous and
+    flat_window (default FLAT_WINDOW) says so, else per channel.
     """
     b, q, Dc = x.shape
     K = weight.shape[1]
@@ -111,6 +133,7 @@ def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
         conv_state.stride(0), conv_state.stride(1),
         Q=q, K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", SAVE=inputs_out is not None,
         ADVANCE=advance_window and K > 1, KB=max(triton.next_power_of_2(K - 1), 2), BLOCK_D=BLOCK_D,
+        FLAT=(FLAT_WINDOW if flat_window is None else flat_window) and conv_state.stride(1) == K - 1,
         num_warps=DECODE_WARPS,
     )
     return ys if outs is not None else ys[0]
