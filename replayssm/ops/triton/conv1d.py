@@ -2,8 +2,9 @@
 
 Update / commit: grid (channel blocks, b); each program owns BLOCK_D channels of one row, reads
 its K-1 window columns and q inputs into registers, and (commit, or update with ADVANCE) writes
-the new window only after every read, so src == dst is safe. Varlen prefill: two launches, see
-`causal_conv1d_varlen_triton`.
+the new window only after every read that could see the old values, so src == dst is safe (the
+update's contiguous-run advance writes piece by piece, each after the reads of its elements).
+Varlen prefill: two launches, see `causal_conv1d_varlen_triton`.
 """
 
 from __future__ import annotations
