@@ -70,3 +70,27 @@ def test_serve_process_answers_and_exits_cleanly(tmp_path):
         output, _ = proc.communicate(timeout=30)
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught so the parent sees it.
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in output, output
+
+
+def test_serve_freezes_the_heap_before_serving(monkeypatch):
+    """serve_main moves everything alive once the engine is built out of the collector's scans
+    before uvicorn starts (a full collection over them is a pause every request waits through), and
+    shuts the engine loop down when uvicorn returns."""
+    import gc
+    import types
+
+    import uvicorn
+
+    from replayssm.server import launch
+
+    seen = {}
+    loop = types.SimpleNamespace(shutdown=lambda: seen.setdefault("shutdown", True))
+    monkeypatch.setattr(launch, "build_engine", lambda args: "engine")
+    monkeypatch.setattr(launch, "build_app", lambda engine, name: ("app", loop))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("frozen", gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        assert launch.serve_main(parse("serve", "--model", "demo")) == 0
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > 1000 and seen["shutdown"]
