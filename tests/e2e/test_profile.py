@@ -283,3 +283,16 @@ def test_decode_attention_report(tmp_path):
     assert (tmp_path / "decode-attention.md").read_text() == md
     path.write_text(json.dumps(dict(meta=meta, rows=[row("auto", 34.0), row("splits=1", 380.0)])))
     assert "| auto | 34.00 | 1565 | 11.18x |" in bda.report(path)
+
+
+def test_gc_pauses_quick():
+    """gc_pauses.py: every collection of the steps is timed by generation; --freeze moves the heap out
+    of the collector's view (and the script unfreezes it before returning)."""
+    import gc
+
+    gp = _load_benchmark("gc_pauses")
+    out = gp.main(["--steps", "3", "--batch", "2", "--freeze"])
+    assert out["frozen_objects"] > 10 * out["tracked_objects"] and gc.get_freeze_count() == 0
+    for g, row in out["by_generation"].items():
+        assert int(g) in (0, 1, 2) and row["count"] >= 1 and row["max_ms"] <= row["total_ms"]
+    assert gp.main(["--steps", "2", "--batch", "2"])["frozen_objects"] == 0
