@@ -24,26 +24,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from host_step import TINY_8B  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--freeze", action="store_true", help="gc.collect() and gc.freeze() after the build")
-    args = ap.parse_args(argv)
-    import transformers  # noqa: F401  (loaded in a server process: its objects count)
-
+def _run(args, timed, pauses: list[tuple[int, float]]) -> dict:
+    """Build, optionally freeze, step with `timed` among gc.callbacks; the result row."""
     from replayssm.config import EngineConfig
     from replayssm.engine.llm_engine import LLMEngine
     from replayssm.sampling_params import SamplingParams
-
-    pauses: list[tuple[int, float]] = []
-    start: list[float] = []
-
-    def timed(phase: str, info: dict) -> None:
-        if phase == "start":
-            start.append(time.perf_counter())
-        else:
-            pauses.append((info["generation"], (time.perf_counter() - start.pop()) * 1e3))
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(TINY_8B))
@@ -68,11 +53,33 @@ def main(argv: list[str] | None = None) -> dict:
     by: dict[int, list[float]] = {}
     for g, ms in pauses:
         by.setdefault(g, []).append(ms)
-    out = {"freeze": args.freeze, "steps": args.steps, "batch": args.batch, "wall_s": round(wall, 2),
-           "tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count(),
-           "by_generation": {g: {"count": len(v), "total_ms": round(sum(v), 1), "max_ms": round(max(v), 1)}
-                             for g, v in sorted(by.items())}}
-    gc.unfreeze()
+    return {"freeze": args.freeze, "steps": args.steps, "batch": args.batch, "wall_s": round(wall, 2),
+            "tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count(),
+            "by_generation": {g: {"count": len(v), "total_ms": round(sum(v), 1), "max_ms": round(max(v), 1)}
+                              for g, v in sorted(by.items())}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--freeze", action="store_true", help="gc.collect() and gc.freeze() after the build")
+    args = ap.parse_args(argv)
+    import transformers  # noqa: F401  (loaded in a server process: its objects count)
+
+    pauses: list[tuple[int, float]] = []
+    start: list[float] = []
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            start.append(time.perf_counter())
+        else:
+            pauses.append((info["generation"], (time.perf_counter() - start.pop()) * 1e3))
+
+    try:
+        out = _run(args, timed, pauses)
+    finally:
+        gc.unfreeze()  # the frozen heap would otherwise never be collected in this process
     print(json.dumps(out))
     return out
 
