@@ -45,7 +45,7 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, y0_ptr, y1_ptr,
                         sx_b, sx_t, s0_b, s0_t, s1_b, s1_t, s2_b, s2_t, ss_b, ss_t, scs_s, scs_d,
                         Q: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                         SAVE: tl.constexpr, ADVANCE: tl.constexpr, KB: tl.constexpr, BLOCK_D: tl.constexpr,
-                        FLAT: tl.constexpr = False):
+                        FLAT: tl.constexpr):
     # Channels [0, D1) go to y0, [D1, D1 + D2) to y1, the rest to y2 (one output: D1 = Dc).
     pid_d = tl.program_id(0)
     i = tl.program_id(1)
