@@ -3,10 +3,11 @@ built (what `replayssm serve` does, `server/launch.freeze_heap`).
 
     PYTHONPATH=. python3 benchmarks/gc_pauses.py [--steps 300] [--batch 256] [--freeze]
 
-Builds an LLMEngine on the CPU with the Nemotron-H-8B layer pattern at a tiny width (host_step.py's
-config; torch and transformers imported, as in a server process), admits --batch greedy requests of
-8-token prompts and times every collection of --steps steps by generation (gc.callbacks). Prints one
-JSON line: the count, total and longest pause per generation, the objects still tracked and frozen.
+Builds the mode (a) engine of profile_gaps.decode_engine on the CPU with the Nemotron-H-8B layer
+pattern at a tiny width (host_step.py's config; torch and transformers imported, as in a server
+process), holding --batch greedy requests of 8-token prompts, and times every collection of --steps
+steps by generation (gc.callbacks). Prints one JSON line: the count, total and longest pause per
+generation, the objects still tracked and frozen.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import sys
 import tempfile
 import time
@@ -22,26 +22,16 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from host_step import TINY_8B  # noqa: E402
+from profile_gaps import decode_engine  # noqa: E402
 
 
 def _run(args, timed, pauses: list[tuple[int, float]]) -> dict:
-    """Build, optionally freeze, step with `timed` among gc.callbacks; the result row."""
-    from replayssm.config import EngineConfig
-    from replayssm.engine.llm_engine import LLMEngine
-    from replayssm.sampling_params import SamplingParams
-
+    """Build (profile_gaps.decode_engine, on the CPU), optionally freeze, step with `timed` among
+    gc.callbacks; the result row."""
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(TINY_8B))
-        engine = LLMEngine(EngineConfig.from_kwargs(
-            d, device="cpu", dtype="float32", replay_window=16, state_dtype="float32", kv_block_size=16,
-            load_format="dummy", max_num_seqs=args.batch, max_model_len=args.steps + 64))
-        if args.freeze:
-            gc.collect()
-            gc.freeze()
-        rng = random.Random(0)
-        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 16, ignore_eos=True)
-        for i in range(args.batch):
-            engine.add_request(f"r{i}", [rng.randrange(3, TINY_8B["vocab_size"]) for _ in range(8)], params)
+        engine = decode_engine(TINY_8B, d, True, args.batch, 8, args.steps + 16, False,
+                               max_model_len=args.steps + 64, seed="gc", freeze=args.freeze)
         gc.callbacks.append(timed)
         t0 = time.perf_counter()
         try:
@@ -63,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--freeze", action="store_true", help="gc.collect() and gc.freeze() after the build")
+    ap.add_argument("--freeze", action="store_true",
+                    help="gc.collect() and gc.freeze() once the engine holds its requests")
     args = ap.parse_args(argv)
     import transformers  # noqa: F401  (loaded in a server process: its objects count)
 

@@ -145,10 +145,10 @@ def cprofile_top(prof, steps: int, n: int = 30) -> list[str]:
 
 def decode_engine(cfg: dict, model_dir: str, replayssm: bool, batch: int, prompt: int, max_tokens: int,
                   cuda: bool, *, max_model_len: int, async_scheduling: bool | None = None, spec_k: int = 0,
-                  acceptance: float | None = None, seed: str = "gaps"):
+                  acceptance: float | None = None, seed: str = "gaps", freeze: bool = True):
     """Mode (a)'s engine (W = 16, fp32 state, dummy weights; CUDA graphs on CUDA; with spec_k, mode (b)'s
-    synthetic drafts) holding `batch` greedy requests of random `prompt`-token prompts; the objects
-    made so far frozen out of the garbage collector's scans."""
+    synthetic drafts) holding `batch` greedy requests of random `prompt`-token prompts; with freeze,
+    the objects made so far frozen out of the garbage collector's scans."""
     from replayssm.config import EngineConfig
     from replayssm.engine.llm_engine import LLMEngine
     from replayssm.sampling_params import SamplingParams
@@ -165,8 +165,9 @@ def decode_engine(cfg: dict, model_dir: str, replayssm: bool, batch: int, prompt
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", [rng.randrange(3, cfg["vocab_size"]) for _ in range(prompt)], params)
-    gc.collect()
-    gc.freeze()
+    if freeze:
+        gc.collect()
+        gc.freeze()
     return engine
 
 
