@@ -9,7 +9,8 @@ CUDA-graph replays of whole W-step cycles, as bench_kernels). MIX is how each st
 "given" (bench_kernels' random order), "first" (the flush rows moved to the front by the host, every
 row keeping its slot: a diagnostic of what the order alone is worth) or "noflush" (every cursor capped
 at W - q: no row flushes). One line per case on stdout; --report turns such logs (each with the commit
-it ran) into OUT.json, OUT.md and OUT.png.
+it ran) into OUT.json, OUT.md and OUT.png. A ROUTE "baseline[.ef]:PxW" times the baseline state update
+(.ef: its state tiles evict-first in L2) on the same pools.
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def main() -> None:
             cursors = noflush if mix == "noflush" else bench.cursors
             order = row_orders(cursors, bench.idx, q, bk.WINDOW, mix)
             try:
-                us = bk.time_graph(bench.body("replay", bk.Tile.parse(route), order, cursors),
+                impl = "baseline" if route.startswith("baseline") else "replay"
+                us = bk.time_graph(bench.body(impl, bk.Tile.parse(route), order, cursors),
                                    bk.WINDOW * bench.n_sets)[0]
                 out.append(f"{mix} {route} {us:.2f}")
             except Exception as e:  # a route that refuses this case: the rest still run
