@@ -100,6 +100,7 @@ class Workload:
     window: int = 16
     cuda_graphs: bool | None = None  # the engine's default (graphs wherever supported) unless set
     async_scheduling: bool | None = None  # the engine's default (on with CUDA) unless set
+    replay_stagger: bool | None = None  # the engine's default (staggered checkpoints on) unless set
     # One untimed warm-up run per (mode, setting, batch) before the timed ones (see warmup_sizes).
     warmup: bool = True
 
@@ -264,7 +265,8 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     each group; the kwargs come from w, the fn runs the sizes it is given (w, or warmup_sizes(w))."""
     base = dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype="float32",
                 kv_block_size=w.kv_block_size, max_num_batched_tokens=w.max_num_batched_tokens,
-                load_format="dummy", cuda_graphs=w.cuda_graphs, async_scheduling=w.async_scheduling)
+                load_format="dummy", cuda_graphs=w.cuda_graphs, async_scheduling=w.async_scheduling,
+                **({} if w.replay_stagger is None else {"replay_stagger": w.replay_stagger}))
     runs = []
     for s in ORDER:
         kw = dict(base, replayssm=s == "on", max_num_seqs=w.decode_batch,
@@ -370,7 +372,7 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
                    "graph_error": run["graph_error"],
                    # Steps launched ahead of the previous step's read-back (LLMEngine.step).
                    "async_scheduling": run["async_scheduling"], "ahead_steps": m.get("num_ahead_steps", 0),
-                   "interleave": run.get("interleave", False),
+                   "interleave": run.get("interleave", False), "replay_stagger": config.replay_stagger,
                    **summarize(run["trace"], m, run["wall"],
                                ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
                                k=kw.get("num_speculative_tokens", 0))}

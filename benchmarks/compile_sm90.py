@@ -2,7 +2,8 @@
 """Compile a decode kernel for sm_90 on a CPU-only host and count what it does (no GPU needed).
 
 Kernels: replay_stream.py's `_stream_kernel` (default) and `_flush_kernel`, replay_step.py's
-`_weights_kernel`, replay_flush.py's fold-only `_lean_flush_kernel` ("fold"), replay_mono.py's
+`_weights_kernel`, replay_flush.py's `_lean_flush_kernel` fold-only ("fold") or with outputs
+("leanflush"), replay_mono.py's
 `_mono_kernel`, replay_mono_mma.py's `_mono_mma_kernel` ("monot"), replay_lean.py's output launch
 `_lean_kernel` ("lean", bare products) with its `_lean_finish_kernel` ("finish") and replay_ring.py's
 `_ring_term_kernel` ("ring"). Triton ships
@@ -54,7 +55,8 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 def args_parse():
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--kernel", default="stream",
-                   choices=["stream", "flush", "weights", "fold", "mono", "monot", "lean", "ring", "finish"])
+                   choices=["stream", "flush", "weights", "fold", "leanflush", "mono", "monot", "lean",
+                            "ring", "finish"])
     a.add_argument("--H", type=int, default=128)
     a.add_argument("--P", type=int, default=64)
     a.add_argument("--N", type=int, default=128)
@@ -152,11 +154,13 @@ def build(a):
             TT=max(QB, 16) if a.mma else QB,
             JJ=max(HB, 16) if a.mma else HB,
         )
-    elif a.kernel == "fold":  # replay_flush.py's persistent launch, fold-only (lean, stream-list.o)
+    elif a.kernel in ("fold", "leanflush"):
+        # replay_flush.py's persistent launch: fold-only (lean.o, stream-list.o), or with the flush rows'
+        # outputs ("leanflush": the lean route's flush launch, .nN's FEW on)
         from replayssm.ops.triton.replay_flush import _lean_flush_kernel as fn
 
         del meta["MMA"]
-        meta.update(DOT=True, OUT=False)
+        meta.update(DOT=True, OUT=a.kernel == "leanflush", FEW=a.kernel == "leanflush")
     elif a.kernel == "mono":
         from replayssm.ops.triton.replay_mono import _mono_kernel as fn
 

@@ -33,7 +33,8 @@ _SIZE_UNITS = {
 # Engine fields exposed as flags (model is a flag of its own; each subcommand sets the seed).
 ENGINE_FLAGS = {
     EngineConfig: (
-        "device", "dtype", "replayssm", "replay_window", "tokenizer", "load_format", "cuda_graphs",
+        "device", "dtype", "replayssm", "replay_window", "replay_stagger", "tokenizer", "load_format",
+        "cuda_graphs",
         "tensor_parallel_size", "host_threads", "async_scheduling",
     ),
     CacheConfig: (
@@ -231,6 +232,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="replay decode/verify steps as CUDA graphs (default: the engine's, on wherever "
                         "supported; --no-cuda-graphs: eager steps)")
+    parser.add_argument("--replay-stagger", action=argparse.BooleanOptionalAction, default=None,
+                        help="staggered ReplaySSM checkpoints (default: the engine's, on; "
+                        "--no-replay-stagger: every request's first state write W tokens in, so a batch "
+                        "admitted together flushes on one step)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="run every engine with async scheduling off (default: the engine's, on with "
                         "CUDA)")
@@ -270,6 +275,8 @@ def run_bench(args: argparse.Namespace) -> int:
         workload = dataclasses.replace(workload, cuda_graphs=args.cuda_graphs)
     if args.no_async_scheduling:
         workload = dataclasses.replace(workload, async_scheduling=False)
+    if args.replay_stagger is not None:
+        workload = dataclasses.replace(workload, replay_stagger=args.replay_stagger)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     out = args.out or str(report.ROOT / "benchmarks" / "results")
     command = ["replayssm", *args.argv]

@@ -140,6 +140,11 @@ class EngineConfig:
     dtype: str = _doc("auto", "activation/weight dtype: auto (bfloat16 on CUDA, float32 on CPU), or a name")
     replayssm: bool = _doc(True, "decode Mamba layers with ReplaySSM (off: baseline state update)")
     replay_window: int = _doc(16, "ReplaySSM window W: ring entries kept before a state write")
+    replay_stagger: bool = _doc(
+        True, "ReplaySSM: start each request's first window with 0, 1, ..., W - q null entries in turn, so "
+        "requests that start decoding together write their states on different steps instead of all on one "
+        "(the results are those of an empty ring); off: every first state write comes W tokens in"
+    )
     seed: int = _doc(
         0, "engine seed: draws the seeds of requests that set none (and the runner's rounding seed)"
     )
@@ -184,6 +189,8 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
         _check_int("replay_window", self.replay_window, 1)
+        if not isinstance(self.replay_stagger, bool):
+            raise ValueError(f"replay_stagger must be True or False, got {self.replay_stagger!r}")
         _check_int("seed", self.seed, 0)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")

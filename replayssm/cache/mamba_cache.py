@@ -93,6 +93,14 @@ class MambaCache:
         srcs = [t[s] for t in tensors for s, _ in pairs]
         torch._foreach_copy_(dsts, srcs)
 
+    def set_null_history(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """committed = counts (for slots whose cursors are 0) over zeroed ring rows: Δ = 0 and x = B = 0,
+        entries that change nothing (engine/model_runner.py, staggered checkpoints). Zeroing x and B
+        too keeps a slot clear of whatever an earlier request left in its rows (0 * NaN = NaN)."""
+        for t in (*self.ring_x, *self.ring_B, *self.ring_dt):
+            t.index_fill_(0, slots, 0.0)
+        self.committed[slots] = counts
+
     def reset_cursors(self, slots: torch.Tensor) -> None:
         """committed = ring_start = 0 for `slots` (after a prefill wrote a clean S_0)."""
         self.ring_start[slots] = 0

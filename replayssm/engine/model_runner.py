@@ -15,6 +15,14 @@ it as the request's slot. The conv window is committed into that slot too. `row.
 one of the spec_slots (the source is read before any write), so a request can own exactly
 1 + k slots.
 
+Staggered checkpoints (replay_stagger, ReplaySSM on): a request's first decode step after its prefill
+starts from j null history entries instead of none (Δ = 0: they neither decay S_0 nor add to an
+output or a fold, so every result is that of the empty ring), j = 0, 1, ..., W - q_max in turn over
+the requests. Its ring then fills after W - j entries, so requests that start decoding together
+write their states on different steps of the window instead of all on one (a batch decoding in
+lock-step otherwise flushes every row on one step in W: benchmarks/NOTES-kernels.md, session 27).
+The entries count as history everywhere (a materialize or a fold replays them as no-ops).
+
 The host mirrors the cursors exactly (it knows q and a), so nothing here syncs with the device:
 inputs go up through pinned memory without blocking, and the model's decode path (MoE routing
 included) reads nothing back on CUDA.
@@ -67,7 +75,8 @@ class ModelRunner:
                  state_dtype: str | torch.dtype = "float32", num_speculative_tokens: int = 0,
                  num_kv_blocks: int = 64, kv_block_size: int = 16, num_slots: int = 8, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
-                 cuda_graphs: bool | None = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 cuda_graphs: bool | None = False, tp_rank: int = 0, tp_size: int = 1,
+                 replay_stagger: bool = True) -> None:
         for name, value, low in (("replay_window", replay_window, 1), ("num_speculative_tokens",
                                  num_speculative_tokens, 0), ("num_kv_blocks", num_kv_blocks, 1),
                                  ("kv_block_size", kv_block_size, 1), ("num_slots", num_slots, 1),
@@ -107,6 +116,11 @@ class ModelRunner:
         self._ring_start = [0] * (num_slots + 1)
         self._committed = [0] * (num_slots + 1)
         self._block_tables = BlockTables(num_slots, num_kv_blocks)  # host tables of the last steps
+        # Staggered checkpoints (module docstring): null entries 0 .. span - 1 in turn; slots prefilled
+        # since their last decode step take theirs on the next one.
+        self._stagger_span = replay_window - self.q_max + 1 if replayssm and replay_stagger else 0
+        self._stagger_next = 0
+        self._fresh: set[int] = set()
         self._seed, self._step = seed, 0
         self._pending: BatchInputs | None = None
         self._hidden: torch.Tensor | None = None
@@ -203,6 +217,8 @@ class ModelRunner:
             batch.input_ids.copy_(tokens.index_select(0, to_device(index, torch.int64, tokens.device)))
         if self.replayssm and batch.prefill:
             self._prepare_prefill_slots(batch.prefill)
+        if self._fresh and batch.decode:
+            self._stagger([r.slot for r in batch.decode if r.slot in self._fresh])
         self._reset_cursors([d for v in views for _, d in v.checkpoints or ()])
         ctx = ForwardContext(attn=batch.attn, mamba=batch.mamba, kv_cache=self.kv_cache,
                              mamba_cache=self.mamba_cache, replayssm=self.replayssm, window=self.window,
@@ -313,6 +329,24 @@ class ModelRunner:
                                        rand_seed=self._next_seed())
                     state[r.slot] = state[cache.scratch_slot]
         self._reset_cursors([r.slot for r in prefill])
+        if self._stagger_span > 1:
+            self._fresh.update(r.slot for r in prefill)
+
+    def _stagger(self, slots: list[int]) -> None:
+        """First decode step of freshly prefilled slots (cursors 0): give each j null history
+        entries (j = 0 .. span - 1 in turn; Δ = 0 in ring rows [0, j): module docstring)."""
+        if not slots:
+            return
+        self._fresh.difference_update(slots)
+        pads = [(self._stagger_next + i) % self._stagger_span for i in range(len(slots))]
+        self._stagger_next += len(slots)
+        padded = [(s, j) for s, j in zip(slots, pads) if j]
+        if not padded:
+            return
+        self.mamba_cache.set_null_history(to_device([s for s, _ in padded], torch.int64, self.device),
+                                          to_device([j for _, j in padded], torch.int32, self.device))
+        for s, j in padded:
+            self._committed[s] = j
 
     def _reset_cursors(self, slots: list[int]) -> None:
         """ring_start = committed = 0 on the device and in the host mirror."""
@@ -350,8 +384,14 @@ class ModelRunner:
         # 2 of 5 per-layer tensors instead of all.
         ring = any(self._committed[s] for s in src)
         self.mamba_cache.copy_slots(src, dst, ring=ring)
-        for s, d in zip(src, dst):
+        fresh = [s in self._fresh for s in src]
+        for s, d, f in zip(src, dst, fresh):
             self._ring_start[d], self._committed[d] = self._ring_start[s], self._committed[s]
+            # dst now holds src's cursors: it takes its null entries where src would have.
+            if f:
+                self._fresh.add(d)
+            else:
+                self._fresh.discard(d)
 
     # ---- validation ---------------------------------------------------------------------------------
 

@@ -128,6 +128,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         dtype=dtype,
         replayssm=config.replayssm,
         replay_window=config.replay_window,
+        replay_stagger=config.replay_stagger,
         state_dtype=cache.state_dtype,
         num_speculative_tokens=spec.num_speculative_tokens,
         num_kv_blocks=plan.num_kv_blocks,

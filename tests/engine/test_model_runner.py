@@ -185,6 +185,30 @@ def test_prefill_on_committed_ring_materializes():
     s.check()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stagger", [True, False])
+def test_staggered_checkpoints_spread_the_flushes(stagger, device):
+    """Four requests prefilled together then decoded in lock-step (W = 4): with staggered checkpoints
+    their first decode steps start from 0, 1, 2, 3 null history entries, so one row flushes per step
+    instead of all four on one; the logits are transformers' either way, from slots whose rings held
+    NaN (the null entries are zeroed rows, not whatever the slot held)."""
+    kind = "nemotron_h"
+    runner = make_runner(kind, device=device, replay_stagger=stagger)
+    seqs = [Seq(kind, 18, [i], [5 * i + j for j in range(5)], seed=20 + i) for i in range(4)]
+    step(runner, seqs, [s.prefill(5) for s in seqs], [1] * 4)
+    flushing = []
+    while seqs[0].t < 18:
+        flushing.append(sum(runner.cursors(s.slot)[1] + 1 > 4 for s in seqs))
+        rows = [s.verify(0) for s in seqs]
+        step(runner, seqs, rows, [1] * 4)
+        if len(flushing) == 1:
+            assert sorted(runner.cursors(s.slot)[1] for s in seqs) == ([1, 2, 3, 4] if stagger else [1] * 4)
+    # Host-mirrored cursors before each step (checked against the device's in `step`).
+    assert flushing[4:] == ([1] * 9 if stagger else [4, 0, 0, 0, 4, 0, 0, 0, 4])
+    for s in seqs:
+        s.check(device)
+
+
 def test_copy_slot_moves_everything():
     """copy_slot mid-decode (ring non-empty) moves state, conv, ring and cursors; decoding goes on exactly."""
     kind = "nemotron_h"

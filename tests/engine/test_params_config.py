@@ -89,3 +89,15 @@ def test_cpu_engine_keeps_torch_threads():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_replay_stagger_reaches_the_runner():
+    """replay_stagger (staggered checkpoints) must be a bool, and the engine's runner takes it."""
+    from replayssm.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="replay_stagger"):
+        EngineConfig.from_kwargs("p", replay_stagger="yes")
+    for stagger in (True, False):
+        engine = LLMEngine(EngineConfig.from_kwargs("demo", device="cpu", max_num_seqs=2, replay_window=8,
+                                                    replay_stagger=stagger))
+        assert engine.runner._stagger_span == (8 if stagger else 0)
