@@ -47,8 +47,7 @@ IMPLS = ("baseline", "replay")
 
 @dataclass(frozen=True)
 class Tile:
-    """A replay route ("" for the baseline, else fused | split | mma) and its tile config (a baseline
-    route ending in ".ef": its state tiles evict-first in L2)."""
+    """A replay route ("" for the baseline, else fused | split | mma) and its tile config."""
 
     route: str
     config: LaunchConfig | None  # None: the route picks (route "auto": what the public op runs)
@@ -218,8 +217,7 @@ class Bench:
                     idx = self.idx[j] if orders is None else orders[k][j]
                     if impl == "baseline":
                         tssu.launch_ssu(self.state, self.x, self.dt, self.A, self.B, self.C, self.D,
-                                        self.dt_bias, idx, self.dst[j], True, k, self.y, config,
-                                        evict_first=tile.route.endswith(".ef"))
+                                        self.dt_bias, idx, self.dst[j], True, k, self.y, config)
                     else:
                         treplay.launch_replay_forward(
                             self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.state,

@@ -9,8 +9,8 @@ CUDA-graph replays of whole W-step cycles, as bench_kernels). MIX is how each st
 "given" (bench_kernels' random order), "first" (the flush rows moved to the front by the host, every
 row keeping its slot: a diagnostic of what the order alone is worth) or "noflush" (every cursor capped
 at W - q: no row flushes). One line per case on stdout; --report turns such logs (each with the commit
-it ran) into OUT.json, OUT.md and OUT.png. A ROUTE "baseline[.ef]:PxW" times the baseline state update
-(.ef: its state tiles evict-first in L2) on the same pools.
+it ran) into OUT.json, OUT.md and OUT.png. A ROUTE "baseline:PxW" times the baseline state update on the
+same pools.
 """
 
 from __future__ import annotations

@@ -267,6 +267,25 @@ def test_order_bench_row_orders_and_report(tmp_path):
     assert data["meta"]["commits"] == ["abc1234", "def5678"] and len(data["rows"]) == 11
 
 
+def test_flush_step_report(tmp_path):
+    """bench_flush_step: its log lines become one row per route with the lock-step cycle (15 plain steps
+    and one flush step over 16) and the flush step over the baseline's step; a failed route leaves none."""
+    fs = _load_benchmark("bench_flush_step")
+    log = tmp_path / "flush.log"
+    log.write_text("flush fractions per step [0.0, 1.0]; flush step 1, plain step 0\n"
+                   "baseline:64x4: flush 540.0 us (3971 GB/s state); plain 542.0 us (1978 GB/s state)\n"
+                   "lean.a.y.v1.n1:32x4: flush 675.0 us (3173 GB/s state); plain 288.0 us (3725 GB/s state)\n"
+                   "lean.o:32x4: failed ValueError: no; failed ValueError: no\n")
+    md = fs.report(tmp_path / "fs", f"{log}:abc1234")
+    data = json.loads((tmp_path / "fs.json").read_text())
+    assert [r["route"] for r in data["rows"]] == ["baseline:64x4", "lean.a.y.v1.n1:32x4"]
+    lean = data["rows"][1]
+    assert abs(lean["cycle_us_per_step"] - (15 * 288.0 + 675.0) / 16) < 1e-9
+    assert abs(lean["flush_over_baseline"] - 675.0 / 540.0) < 1e-9
+    assert "| lean.a.y.v1.n1:32x4 | 675.0 | 288.0 | 312.2 | 1.25 |" in md
+    assert data["meta"]["commit"] == "abc1234"
+
+
 def test_decode_attention_report(tmp_path):
     """bench_decode_attention --report: one table line per (case, variant) with µs, GB/s and the speed-up
     over the kernel before session 24 ("tiles 64,4,3,1") where it was timed, else over "splits=1"."""

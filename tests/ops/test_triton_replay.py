@@ -61,7 +61,7 @@ def test_replay_cycle_stream_gpu(state_dtype, route, q):
 
 LEAN_ROUTES = ["lean", "lean.i8.s2", "lean.c", "lean.e", "lean.c.f32.w8.h2", "lean.p8.f16.w2.e", "lean.o",
                "lean.a", "lean.a.y", "lean.c.y", "lean.a.b", "lean.a.y.v1", "lean.a.y.v1.p2",
-               "lean.a.y.v1.n2", "lean.a.y.v1.n1", "lean.a.y.v1.n1.ef"]
+               "lean.a.y.v1.n2", "lean.a.y.v1.n1"]
 
 
 @requires_cuda
@@ -88,8 +88,7 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4)),
-                                          ("mono.t.o.ef", (64, 2))])
+@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4))])
 @pytest.mark.parametrize("b", [12, 300])
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b, lockstep):

@@ -42,14 +42,6 @@ def test_ssu_tiles_gpu(q, verify, block):
 
 
 @requires_cuda
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("q,verify", [(1, False), (4, True)])
-def test_ssu_evict_first_gpu(state_dtype, q, verify):
-    """On the GPU: the state tiles marked evict-first in L2 (a cache hint) give the same results."""
-    _ssu_gpu(q=q, verify=verify, state_dtype=state_dtype, evict_first=True)
-
-
-@requires_cuda
 def test_ssu_dispatch_gpu():
     """The public op on CUDA tensors runs the Triton kernel (bit-identical to calling it directly)."""
     from replayssm.ops.ssu import selective_state_update

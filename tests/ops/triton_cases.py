@@ -87,9 +87,8 @@ def check_rounding(device, n: int = 4099, seed: int = 1234) -> None:
 
 
 def check_ssu(device, *, H=4, P=12, N=12, G=2, b=5, q=1, S=11, state_dtype=torch.float32, act=torch.float32,
-              verify=False, config=None, seed=0, evict_first=False) -> None:
-    """Baseline SSU (plain or per-draft verify) vs reference (evict_first: the state tiles marked
-    evict-first in L2, which must not change a bit)."""
+              verify=False, config=None, seed=0) -> None:
+    """Baseline SSU (plain or per-draft verify) vs reference."""
     from replayssm.ops.triton import ssu
 
     torch.manual_seed(seed)
@@ -110,8 +109,7 @@ def check_ssu(device, *, H=4, P=12, N=12, G=2, b=5, q=1, S=11, state_dtype=torch
     runs = []
     for _ in range(2):
         st = state0.clone()
-        y = ssu.launch_ssu(st, *args, dst, True, 7, torch.full_like(x, float("nan")), cfg,
-                           evict_first=evict_first)
+        y = ssu.launch_ssu(st, *args, dst, True, 7, torch.full_like(x, float("nan")), cfg)
         runs.append((y, st))
     st_ref = state0.clone()
     y_ref = selective_state_update_ref(st_ref, *args, dst_indices=dst, rand_seed=7)
@@ -502,10 +500,6 @@ def _replay_lean(small) -> None:
     # piece (the interpreter's one SM: 1 of 4); the whole grid on steps where the batch flushes.
     check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7)
     check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7, lockstep=True)
-    # .ef: the state tiles evict-first (a cache hint: the same results), with the fold-only flush launch.
-    check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1.ef", steps=7)
-    check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o.ef",
-                       steps=12, act=torch.bfloat16)
 
 
 def _replay_stream(small) -> None:
@@ -567,10 +561,6 @@ def _replay_mono(small) -> None:
                        act=torch.bfloat16)
     check_replay_cycle("cpu", q=1, P=16, N=32, W=4, config=LaunchConfig(16, 1), route="mono.o", steps=6,
                        lockstep=True)
-    # .ef: the state tiles evict-first in L2 (a cache hint: the same results).
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono.t.o.ef", steps=6,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=1, P=16, N=32, W=4, config=LaunchConfig(16, 1), route="mono.ef", steps=6)
 
 
 # The replay cases in four parts, each its own interpreter process (and test), so no one test
@@ -591,7 +581,6 @@ def run_interpreter(part: str) -> None:
             check_ssu("cpu", q=1, state_dtype=sd, config=small)
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
-        check_ssu("cpu", q=2, verify=True, config=small, evict_first=True)
     elif part in REPLAY_PARTS:
         REPLAY_PARTS[part](small)
     elif part == "norm":

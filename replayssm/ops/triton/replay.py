@@ -262,8 +262,7 @@ _OPTIONS = {
                     {**_SPLIT_FLAGS, "t": ("bc_dot", True), "l": ("pdl", True), "h": ("hoist_c", True)}),
     "lean": ({**_SPLIT_NAMES, "f": "flush_block_p", "w": "flush_warps", "h": "heads_per_program",
               "n": "few_flush_programs_per_sm"},
-             {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True),
-              "ef": ("evict_first", True)}),
+             {**_SPLIT_FLAGS, "d": ("dot_fold", True), "e": ("dot_fold", False), "a": ("parallel", True)}),
     "weights": (dict(v="weights_warps"), dict(t=("bc_dot", True))),
 }
 
@@ -322,13 +321,12 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # high-priority side stream, bf16 hi + lo state products (several tokens, bf16 C and y). lean
         # also takes .d / .e (fold flush tiles with a 3xTF32 product, the default / fp32 rank-one
         # updates), .fROWS / .wWARPS (flush tile), .hN (heads per ring-term program), .nN (flush
-        # programs per SM while at most half the rows flush), .a (the small launches beside the
-        # output launch, `launch_lean` parallel) and .ef (the state tiles evict-first in L2);
-        # stream-list .t (the weights launch's B·C as tensor-core products), .rN / .gN (register caps
-        # of the streaming / flush launch), .fN (the flush pieces in N column parts), .kN (the flush
-        # loop's pipeline stages with .fN), .l (the streaming launch programmatically dependent on the
-        # weights launch), .vN (the weights launch's warps; lean takes it too). The benchmarks sweep
-        # them.
+        # programs per SM while at most half the rows flush) and .a (the small launches beside the
+        # output launch, `launch_lean` parallel); stream-list .t (the weights launch's B·C as
+        # tensor-core products), .rN / .gN (register caps of the streaming / flush launch), .fN (the
+        # flush pieces in N column parts), .kN (the flush loop's pipeline stages with .fN), .l (the
+        # streaming launch programmatically dependent on the weights launch), .vN (the weights
+        # launch's warps; lean takes it too). The benchmarks sweep them.
         lean = route.startswith("lean")
         kw = route_options(route)
         cfg = config or CONFIG
@@ -342,22 +340,18 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps, **kw)
         return y
-    evict = route.startswith("mono") and route.endswith(".ef")
-    if evict:
-        route = route.removesuffix(".ef")
     if route in ("mono", "mono.o", "mono.t", "mono.t.o", "mono.t.x", "mono.t.x.o"):
-        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`); .ef (last): the
-        # state tiles evict-first in L2.
+        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`).
         cfg = config or CONFIG
         family, order = route.removesuffix(".o"), route.endswith(".o")
         if family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        order=order, evict_first=evict)
+                        order=order)
         else:
             launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                             state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                            exact=family == "mono.t.x", order=order, evict_first=evict)
+                            exact=family == "mono.t.x", order=order)
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:

@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
-from replayssm.ops.triton.ssu import evict_policy
 
 FLUSH_PROGRAMS_PER_SM = 4
 # Rows per iteration of the one-program flush list kernels: fixed, so every batch size (every CUDA
@@ -29,20 +28,18 @@ LIST_BLOCK = 1024
 
 @triton.jit
 def fold_chunks(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix, N: tl.constexpr,
-                CW: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, EV: tl.constexpr):
+                CW: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr):
     """S0 <- decay S0 + xf B_rowsᵀ over a (BLOCK_P, N) tile, CW columns at a time: one (BLOCK_P, KB) x
     (KB, CW) 3xTF32 product per chunk onto the decayed chunk, rounded and stored (xf: the history x
-    scaled by the fold coefficients, zero past h_c; jm masks the history B rows; EV: the state's
-    eviction policy, `ssu.evict_policy`)."""
+    scaled by the fold coefficients, zero past h_c; jm masks the history B rows)."""
     for c in tl.static_range(N // CW):
         n = c * CW + tl.arange(0, CW)
         tile = p[:, None] * N + n[None, :]
-        S0 = tl.load(state_ptr + sbase + tile, eviction_policy=EV).to(tl.float32)
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
         Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
                      other=0.0).to(tl.float32)  # (KB, CW)
         S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
-        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV),
-                 eviction_policy=EV)
+        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
 
 
 @triton.jit
@@ -73,7 +70,7 @@ def _lean_flush_kernel(
     sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, b, few,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, DOT: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, OUT: tl.constexpr, FEW: tl.constexpr = False, EV: tl.constexpr = "",
+    MAXV: tl.constexpr, OUT: tl.constexpr, FEW: tl.constexpr = False,
 ):
     # Persistent over the (head, P tile) pieces of the listed rows. A piece loads its tile once,
     # writes y_t = e^{Λ_t} (S0 C_t) + r_t, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32
@@ -118,11 +115,11 @@ def _lean_flush_kernel(
                          other=0.0).to(tl.float32) * tl.load(w_ptr + wf + j, mask=jm, other=0.0)[None, :]
             decay = tl.load(sc_ptr + scbase + Q)
             fold_chunks(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix, N, NS, STATE_DTYPE,
-                        MAXV, EV)
+                        MAXV)
         elif DOT:
             n = tl.arange(0, N)
             tile = p[:, None] * N + n[None, :]
-            S0 = tl.load(state_ptr + sbase + tile, eviction_policy=EV).to(tl.float32)
+            S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
             if Q > 1:
                 # Several tokens: S0 C^T on the tensor cores, as `_lean_piece`.
                 TB: tl.constexpr = 16 if QB < 16 else QB
@@ -159,7 +156,7 @@ def _lean_flush_kernel(
             # The tile as (N / NS chunks, BLOCK_P, NS), as `_lean_piece`.
             ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
             tile = p[None, :, None] * N + ncol[:, None, :]
-            S0 = tl.load(state_ptr + sbase + tile, eviction_policy=EV).to(tl.float32)
+            S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
             for t in tl.static_range(Q):
                 Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
                 yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
@@ -174,19 +171,17 @@ def _lean_flush_kernel(
                 Bj = Bj.to(tl.float32)
                 S += (fj * xj)[None, :, None] * Bj[:, None, :]
         if OUT:
-            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV),
-                     eviction_policy=EV)
+            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
 
 
 def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w, sc,
                  r, block_p: int, num_warps: int, programs_per_sm: int = 4, dot_fold: bool = True,
-                 outputs: bool = True, few_programs_per_sm: int = 0, evict_first: bool = False) -> None:
+                 outputs: bool = True, few_programs_per_sm: int = 0) -> None:
     """List the rows that flush this step, then fold them with a persistent launch (programs_per_sm
     programs per SM); outputs: the same launch writes their y from r (else it only folds, and needs
     block_p >= 16). w, sc: the weights launch's scratch; r: the ring term (unused without outputs).
     few_programs_per_sm (0: off): on steps where at most half the rows flush, only that many programs
-    per SM work (decided on the device from the list's count). evict_first: the state tiles' loads and
-    stores marked evict-first in L2 (`ssu.evict_policy`)."""
+    per SM work (decided on the device from the list's count)."""
     S, H, P, N = state.shape
     b, q = C.shape[:2]
     G, R = ring_B.shape[1], ring_x.shape[2]
@@ -202,7 +197,7 @@ def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices,
         flush_programs(C.device, few_programs_per_sm) if few_programs_per_sm else 0,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         NS=min(N, 32), DOT=dot_fold and block_p >= 16, STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT=outputs,
-        FEW=few_programs_per_sm > 0, EV=evict_policy(evict_first), num_warps=num_warps,
+        FEW=few_programs_per_sm > 0, num_warps=num_warps,
     )
 
 

@@ -27,7 +27,6 @@ from replayssm.ops.triton.replay_flush import launch_flush
 from replayssm.ops.triton.replay_ring import launch_ring_term
 from replayssm.ops.triton.replay_step import launch_weights, weights_scratch
 from replayssm.ops.triton.replay_stream import piece_products, run_beside, stream_items
-from replayssm.ops.triton.ssu import evict_policy
 from replayssm.ops.triton.tf32 import dot_bf16_split
 
 
@@ -35,7 +34,7 @@ from replayssm.ops.triton.tf32 import dot_bf16_split
 def _lean_piece(
     k, first, i, s64, valid, C_ptr, state_ptr, y_ptr, sc_ptr, r_ptr, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G,
     Q: tl.constexpr, QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
-    NS: tl.constexpr, MMA: tl.constexpr, RAW: tl.constexpr, EV: tl.constexpr,
+    NS: tl.constexpr, MMA: tl.constexpr, RAW: tl.constexpr,
 ):
     # Outputs of one (head, P tile) piece of row i: e^{Λ_t} (S0 C_t) + r_t, or with RAW the bare
     # products S0 C_t (fp32 into y_ptr, zero on padding rows) for `_lean_finish_kernel` to scale.
@@ -57,7 +56,7 @@ def _lean_piece(
         acc = tl.zeros((BLOCK_P, TB), dtype=tl.float32)
         for c in tl.static_range(N // NS):
             n = c * NS + tl.arange(0, NS)
-            S0 = tl.load(state_ptr + sbase + p[:, None] * N + n[None, :], eviction_policy=EV).to(tl.float32)
+            S0 = tl.load(state_ptr + sbase + p[:, None] * N + n[None, :]).to(tl.float32)
             Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :],
                          other=0.0).to(tl.float32)
             if MMA == 2:
@@ -83,8 +82,7 @@ def _lean_piece(
         # reduction is mostly in-thread (as `_piece`).
         NC: tl.constexpr = N // NS
         ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
-        S0 = tl.load(state_ptr + sbase + p[None, :, None] * N + ncol[:, None, :], eviction_policy=EV)
-        S0 = S0.to(tl.float32)
+        S0 = tl.load(state_ptr + sbase + p[None, :, None] * N + ncol[:, None, :]).to(tl.float32)
         for t in tl.static_range(Q):
             Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
             yt = tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
@@ -102,7 +100,7 @@ def _lean_kernel(
     sy_b, sy_t, sy_h, H, G,
     Q: tl.constexpr, QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
     NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr, ALL: tl.constexpr,
-    RAW: tl.constexpr, EV: tl.constexpr = "",
+    RAW: tl.constexpr,
 ):
     # ITEMS consecutive pieces of one row (ITEMS divides the row's piece count); the slot and the
     # flush flag are both indexed by the row, so the tile load waits on one small load only.
@@ -122,7 +120,7 @@ def _lean_kernel(
     if f == 0:
         for k in tl.range(0, ITEMS, num_stages=STAGES):
             _lean_piece(k, first, i, s64, s >= 0, C_ptr, state_ptr, y_ptr, sc_ptr, r_ptr, sC_b, sC_t, sC_g,
-                        sy_b, sy_t, sy_h, H, G, Q, QB, P, N, BLOCK_P, NS, MMA, RAW, EV)
+                        sy_b, sy_t, sy_h, H, G, Q, QB, P, N, BLOCK_P, NS, MMA, RAW)
 
 
 @triton.jit
@@ -149,7 +147,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
                 flush_block_p: int | None = None, flush_warps: int | None = None,
                 flush_programs_per_sm: int = 4, outputs_all: bool = False, parallel: bool = False,
                 priority: bool = False, bf16_products: bool = False, weights_warps: int = 4,
-                few_flush_programs_per_sm: int = 0, evict_first: bool = False) -> None:
+                few_flush_programs_per_sm: int = 0) -> None:
     """Weights, ring term, outputs of the non-flush rows, then the flush rows listed and folded
     (concurrent, on CUDA: the two flush launches on a side stream beside the output launch).
 
@@ -165,8 +163,7 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
     the step's critical path; not with outputs_all). priority: that side stream is high-priority.
     bf16_products: several tokens' products take the tile as bf16 hi + lo (bf16 C, 16-bit y).
     weights_warps: the weights launch's warps. few_flush_programs_per_sm (0: off): the flush launch's
-    programs per SM on steps where at most half the rows flush (`launch_flush`). evict_first: both
-    launches mark the state tiles' loads and stores evict-first in L2 (`ssu.evict_policy`).
+    programs per SM on steps where at most half the rows flush (`launch_flush`).
     """
     flush_block_p = flush_block_p or block_p
     outputs_all = outputs_all and flush_block_p >= 16 and not parallel  # fold-only pieces are products
@@ -194,15 +191,13 @@ def launch_lean(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         _lean_kernel[(b * H * (P // block_p) // k,)](
             C, state, state_indices, flags, committed, out, sc, r, int(window), *C.stride()[:3],
             *out.stride()[:3], H, G, Q=q, QB=QB, P=P, N=N, BLOCK_P=block_p, NS=min(N, 32), ITEMS=k,
-            STAGES=stages, MMA=mma, ALL=outputs_all, RAW=parallel, EV=evict_policy(evict_first),
-            num_warps=num_warps,
+            STAGES=stages, MMA=mma, ALL=outputs_all, RAW=parallel, num_warps=num_warps,
         )
 
     def flush() -> None:
         launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w,
                      sc, r, flush_block_p, flush_warps, flush_programs_per_sm, dot_fold,
-                     outputs=not outputs_all, few_programs_per_sm=few_flush_programs_per_sm,
-                     evict_first=evict_first)
+                     outputs=not outputs_all, few_programs_per_sm=few_flush_programs_per_sm)
 
     if parallel:
         def side() -> None:

@@ -30,7 +30,7 @@ import triton.language as tl
 from replayssm.ops.triton.replay_flush import fold_chunks
 from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
-from replayssm.ops.triton.ssu import evict_policy, softplus_dt
+from replayssm.ops.triton.ssu import softplus_dt
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _mono_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ORDER: tl.constexpr, EV: tl.constexpr = "",
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ORDER: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -128,7 +128,7 @@ def _mono_kernel(
         wh = tl.where((t == tt)[:, None], wht[None, :], wh)
         wn = tl.where((t == tt)[:, None], wnt[None, :], wn)
 
-    S0 = tl.load(state_ptr + sbase + tile, eviction_policy=EV).to(tl.float32)  # (NC, BLOCK_P, NS): `_piece`
+    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # (NC, BLOCK_P, NS), as `_piece`
     xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
                  other=0.0).to(tl.float32)  # (HB, BLOCK_P)
     xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
@@ -150,7 +150,7 @@ def _mono_kernel(
              xrow0, Brow0, P, N, R)
     if valid & (hc + Q > window):
         _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
-              P, N, R, HB, NS, STATE_DTYPE, MAXV, EV)
+              P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
 
 @triton.jit
@@ -171,7 +171,7 @@ def _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n
 @triton.jit
 def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
           P: tl.constexpr, N: tl.constexpr, R, HB: tl.constexpr, NS: tl.constexpr, STATE_DTYPE: tl.constexpr,
-          MAXV: tl.constexpr, EV: tl.constexpr):
+          MAXV: tl.constexpr):
     """A flush row's fold: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, an NS-column chunk at a time as one
     (BLOCK_P, KB) x (KB, NS) 3xTF32 product onto the decayed chunk (as the lean fold-only launch), the
     chunk read again (an L2 hit): the whole-tile fold's registers would cut the occupancy of every
@@ -186,16 +186,15 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
                  other=0.0).to(tl.float32) * fk[None, :]  # (BLOCK_P, KB)
     FNS: tl.constexpr = 16 if NS > 16 else NS  # narrow chunks: few registers live in the fold
     fold_chunks(state_ptr, rB_ptr, xf, tl.exp(lam_h), krows, jkm, p, sbase, Brow0, seed_mix, N, FNS,
-                STATE_DTYPE, MAXV, EV)
+                STATE_DTYPE, MAXV)
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                order: bool = False, evict_first: bool = False) -> None:
+                order: bool = False) -> None:
     """One launch, grid (P / block_p, H, b) (2b with `order`: the flush rows' programs first,
     `_ordered_row`); needs whole tiles (`replay_stream.stream_supported`) of >= 16 rows (the fold's
-    tensor-core product); evict_first: the state tiles' loads and stores marked evict-first in L2
-    (`ssu.evict_policy`)."""
+    tensor-core product)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -208,5 +207,5 @@ def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         *y.stride()[:3], H, G, R,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
-        MAXV=max_finite(sdt), ORDER=bool(order), EV=evict_policy(evict_first), num_warps=num_warps,
+        MAXV=max_finite(sdt), ORDER=bool(order), num_warps=num_warps,
     )

@@ -26,7 +26,6 @@ import triton.language as tl
 from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _ordered_row, _row_head
 from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
-from replayssm.ops.triton.ssu import evict_policy
 from replayssm.ops.triton.tf32 import dot_out
 
 
@@ -38,7 +37,6 @@ def _mono_mma_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
-    EV: tl.constexpr = "",
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -76,8 +74,7 @@ def _mono_mma_kernel(
                       other=0.0).to(tl.float32)  # (NS, HB)
         Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
                       other=0.0).to(tl.float32)  # (NS, QB)
-        S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None],
-                      eviction_policy=EV).to(tl.float32)  # (NS, BLOCK_P)
+        S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
         cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
         cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
         acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
@@ -103,15 +100,15 @@ def _mono_mma_kernel(
              xrow0, Brow0, P, N, R)
     if valid & (hc + Q > window):
         _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
-              P, N, R, HB, NS, STATE_DTYPE, MAXV, EV)
+              P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, order: bool = False, evict_first: bool = False) -> None:
+                    exact: bool = False, order: bool = False) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
     `order` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each
-    there; evict_first as there)."""
+    there)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -126,5 +123,5 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=bool(order), EV=evict_policy(evict_first), num_warps=num_warps,
+        ORDER=bool(order), num_warps=num_warps,
     )  # fmt: skip

@@ -29,11 +29,6 @@ class LaunchConfig:
 CONFIG = LaunchConfig(block_p=64, num_warps=4)
 
 
-def evict_policy(evict_first: bool) -> str:
-    """A state tile load's or store's `eviction_policy`: "evict_first" or the default."""
-    return "evict_first" if evict_first else ""
-
-
 @triton.jit
 def softplus_dt(dt, bias, DT_SOFTPLUS: tl.constexpr):
     """Δ = softplus(dt + bias) with identity above 20 (or the biased value when off)."""
@@ -56,10 +51,8 @@ def _ssu_kernel(
     Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DST: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, EV: tl.constexpr = "",
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
-    # EV: the state's eviction policy ("evict_first": each tile is read once and written once, so
-    # its L2 lines go before the step's small tensors).
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
@@ -78,8 +71,7 @@ def _ssu_kernel(
     A = tl.load(A_ptr + h)
     Dh = tl.load(D_ptr + h)
     bias = tl.load(dt_bias_ptr + h)
-    S = tl.load(state_ptr + (s64 * H + h) * (P * N) + tile, mask=tmask, other=0.0,
-                eviction_policy=EV).to(tl.float32)
+    S = tl.load(state_ptr + (s64 * H + h) * (P * N) + tile, mask=tmask, other=0.0).to(tl.float32)
     for t in tl.static_range(Q):
         xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p, mask=pm, other=0.0).to(tl.float32)
         dt_raw = tl.load(dt_ptr + i * sdt_b + t * sdt_t + h * sdt_h).to(tl.float32)
@@ -94,17 +86,16 @@ def _ssu_kernel(
             d = tl.load(dst_ptr + i * Q + t)
             base = (tl.maximum(d, 0).to(tl.int64) * H + h) * (P * N)
             val = stochastic_round(S, base + tile, seed_mix, STATE_DTYPE, MAXV)
-            tl.store(state_ptr + base + tile, val, mask=tmask & ((tile * 0 + d) >= 0), eviction_policy=EV)
+            tl.store(state_ptr + base + tile, val, mask=tmask & ((tile * 0 + d) >= 0))
     if not HAS_DST:
         base = (s64 * H + h) * (P * N)
         val = stochastic_round(S, base + tile, seed_mix, STATE_DTYPE, MAXV)
-        tl.store(state_ptr + base + tile, val, mask=tmask, eviction_policy=EV)
+        tl.store(state_ptr + base + tile, val, mask=tmask)
 
 
 def launch_ssu(state, x, dt, A, B, C, D, dt_bias, state_indices, dst_indices, dt_softplus, rand_seed, out,
-               config: LaunchConfig, evict_first: bool = False) -> torch.Tensor:
-    """Launch the baseline kernel with an explicit tile config (the benchmark sweeps it);
-    evict_first: the state tiles' loads and stores marked evict-first in L2."""
+               config: LaunchConfig) -> torch.Tensor:
+    """Launch the baseline kernel with an explicit tile config (the benchmark sweeps it)."""
     S, H, P, N = state.shape
     b, q, _, _ = x.shape
     G = B.shape[2]
@@ -128,7 +119,7 @@ def launch_ssu(state, x, dt, A, B, C, D, dt_bias, state_indices, dst_indices, dt
         Q=q, P=P, N=N, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N),
         HAS_DST=dst_indices is not None, DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=tl_dtype(state.dtype), MAXV=max_finite(tl_dtype(state.dtype)),
-        EV=evict_policy(evict_first), num_warps=config.num_warps,
+        num_warps=config.num_warps,
     )
     return y
 
