@@ -213,7 +213,9 @@ def test_auto_route_policy():
     from replayssm.ops.triton.replay import auto_route
 
     assert auto_route(1, 1, 128, 64, 128)[0] == "mono"
-    assert auto_route(128, 1, 16, 64, 128)[0] == "mono"  # TP8 shape, b = 128: one token stays unordered
+    assert auto_route(128, 1, 16, 64, 128)[0] == "mono.o"  # TP8 shape, b = 128: many short rows, ordered
+    assert auto_route(64, 1, 16, 64, 128)[0] == "mono.o" and auto_route(32, 1, 16, 64, 128)[0] == "mono"
+    assert auto_route(16, 1, 128, 64, 128)[0] == "mono"  # 2,048 row-heads in 16 long rows: unordered
     assert auto_route(32, 1, 128, 64, 128)[0] == "lean.a.y.v1"  # 4,096 row-heads
     # One token, fp32 state: fewer flush programs while few rows flush, from 8,192 row-heads.
     assert auto_route(512, 1, 16, 64, 128)[0] == "lean.a.y.v1.n2"  # TP8 shape, 8,192
@@ -238,7 +240,7 @@ def test_auto_route_policy():
     assert auto_route(64, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
     assert auto_route(128, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
     assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
-    assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono"  # one token: as fp32
+    assert auto_route(128, 1, 16, 64, 128, f16)[0] == "mono.o"  # one token: as fp32
     assert auto_route(256, 1, 128, 64, 128, f16)[0] == "lean.a.y.v1"
     assert auto_route(1, 1, 4, 24, 12) is None  # no whole tile: the masked routes
     # Their tiles by size and state dtype: two warps above 512 row-heads (128 for mono.t and for 16-bit

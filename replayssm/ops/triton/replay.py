@@ -39,7 +39,7 @@ Routes (all read S0 once per row and write it only on flush rows):
   dispatches the flush rows' programs first.
 - "mono" / "mono.t" (`replay_mono.py`, `replay_mono_mma.py`): one launch, one program per (P tile,
   head, row) that reads its tile, writes the outputs and appends, and on a flush row folds after.
-  "auto" takes "mono" for small one-token steps ("mono.o" is an option: it loses in lock-step).
+  "auto" takes "mono" for small one-token steps, as "mono.o" from 64 rows (`MONO_ORDER_ROWS`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -178,11 +178,19 @@ MONO_MAX_ROW_HEADS = 2048  # b * H at or below which "auto" takes "mono" (one to
 # 26.7 -> 23.9 (auto); above 1,024 the 16-bit streaming route stays ahead (TP8 b = 128 34.7 vs .o 38.7).
 # One token (mono 32x2 -> .o), random mix: TP8 b = 64 18.3 -> 17.1, b = 128 29.9 -> 28.1 (fp16 29.3 ->
 # 26.2); but lock-step (a batch that began together, e2e mode (a): 15 steps in 16 flush no row, and the
-# doubled grid is all cost) 15.8 -> 16.8 and 27.0 -> 28.9. So one token stays unordered ("mono.o" is an
-# option); verify steps' rows drift apart with their accept counts.
+# doubled grid is all cost) 15.8 -> 16.8 and 27.0 -> 28.9. So one token stayed unordered until the engine
+# staggered its requests' checkpoints (session 27: `MONO_ORDER_ROWS` below); verify steps' rows drift
+# apart with their accept counts.
 # Several tokens, by fp32 (True) or 16-bit (False) state: "auto" takes "mono.t" up to the second b * H
 # (16-bit: session 13, 1,024), as "mono.t.o" from the first.
 MONO_T_ROW_HEADS = {True: (1024, 4096), False: (1024, 1024)}
+# One token takes "mono.o" from this many rows (session 27, call 5, µs, the random mix, mono 32x2 -> .o):
+# fp32 TP8 b = 64 18.3 -> 17.0, b = 128 29.8 -> 28.1; fp16 b = 64 19.0 -> 17.5, b = 128 29.4 -> 26.2.
+# Fewer, longer rows lose (8B b = 8 / 16: fp32 16.1 / 27.4 -> 16.4 / 28.3, fp16 14.5 / 24.5 -> 15.0 /
+# 24.4; TP8 b = 32 fp16 13.6 -> 14.0, fp32 at its 32x4 tile 12.2 -> 11.5). Lock-step still loses (TP8
+# b = 64 / 128: 15.7 / 26.9 -> 16.6 / 28.7), but the engine staggers its requests' checkpoints
+# (engine/model_runner.py), so a batch admitted together no longer flushes on one step.
+MONO_ORDER_ROWS = 64
 MONO_T_NO_STREAM_ROW_HEADS = 8192  # "mono.t" with fp32 state where the streaming tile does not fit
 # Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
@@ -229,7 +237,7 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     wide = state_dtype == torch.float32
     route, cfg = AUTO_ROUTES[q > 1]
     lo, hi = MONO_T_ROW_HEADS[wide] if q > 1 else (None, MONO_MAX_ROW_HEADS)
-    ordered = q > 1 and lo <= b * H <= hi
+    ordered = lo <= b * H <= hi if q > 1 else b >= MONO_ORDER_ROWS
     mono_max = hi
     if q > 1 and wide and not stream_supported(P, N, cfg.block_p):
         mono_max = MONO_T_NO_STREAM_ROW_HEADS  # no streaming tile: mono.t as far as it beat the others
