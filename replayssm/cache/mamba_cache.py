@@ -15,12 +15,15 @@ What mutates when (one engine step):
     | phase            | state      | conv        | ring        | cursors          | scratch |
     |------------------|------------|-------------|-------------|------------------|---------|
     | prefill forward  | written    | written     | -           | reset to 0 first | -       |
+    | 1st decode (**)  | -          | -           | zeroed      | committed = j    | -       |
     | decode forward   | flush only | read only   | appended    | read only        | written |
     | baseline decode  | written*   | read only   | -           | -                | written |
     | commit           | -          | advanced    | -           | moved (§2)       | read    |
     | copy_slots       | copied     | copied      | copied      | copied           | -       |
 
     * baseline verify writes the state after token t into spec slot t, never into the source.
+    ** staggered checkpoints: before a slot's first decode forward after a prefill, j null entries
+       (`set_null_history`; engine/model_runner.py says why and how j is chosen).
 
 KV cache, per attention layer: k, v (num_blocks, block_size, kv_heads, head_dim) in act dtype.
 Everything is zero-initialized so an unused row never holds garbage (NaN * 0 = NaN).
