@@ -16,12 +16,14 @@ one of the spec_slots (the source is read before any write), so a request can ow
 1 + k slots.
 
 Staggered checkpoints (replay_stagger, ReplaySSM on): a request's first decode step after its prefill
-starts from j null history entries instead of none (Δ = 0: they neither decay S_0 nor add to an
-output or a fold, so every result is that of the empty ring), j = 0, 1, ..., W - q_max in turn over
-the requests. Its ring then fills after W - j entries, so requests that start decoding together
-write their states on different steps of the window instead of all on one (a batch decoding in
-lock-step otherwise flushes every row on one step in W: benchmarks/NOTES-kernels.md, session 27).
-The entries count as history everywhere (a materialize or a fold replays them as no-ops).
+starts from j null history entries instead of none, j = 0, 1, ..., W - q_max in turn over the
+requests. They are zeroed ring rows (Δ = x = B = 0): they neither decay S_0 nor add to an output or
+a fold, so every result is that of the empty ring (to fp32 rounding: the sums associate differently).
+Its ring then fills after W - j entries, so requests that start decoding together write their states
+on different steps of the window instead of all on one (a batch decoding in lock-step otherwise
+flushes every row on one step in W: benchmarks/NOTES-kernels.md, session 27). The entries count as
+history everywhere (a materialize or a fold replays them as no-ops). DESIGN.md's lifecycle resets a
+prefilled slot's cursors to 0; this sets committed = j just before its first decode forward.
 
 The host mirrors the cursors exactly (it knows q and a), so nothing here syncs with the device:
 inputs go up through pinned memory without blocking, and the model's decode path (MoE routing
@@ -334,7 +336,7 @@ class ModelRunner:
 
     def _stagger(self, slots: list[int]) -> None:
         """First decode step of freshly prefilled slots (cursors 0): give each j null history
-        entries (j = 0 .. span - 1 in turn; Δ = 0 in ring rows [0, j): module docstring)."""
+        entries (j = 0 .. span - 1 in turn; its ring rows zeroed, so Δ = x = B = 0: module docstring)."""
         if not slots:
             return
         self._fresh.difference_update(slots)
