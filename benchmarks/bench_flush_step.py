@@ -84,9 +84,6 @@ def main() -> None:
         ap.error("give routes, or --report")
     import bench_kernels as bk  # benchmarks/ is the script's own folder on sys.path
 
-    from replayssm.ops.triton import replay as treplay
-    from replayssm.ops.triton import ssu as tssu
-
     bench = bk.Bench(bk.Case(a.shape, a.batch, "fp32", 1, lockstep=True))
     fr = [float((c[bench.idx[0].long()] + 1 > bk.WINDOW).float().mean()) for _, c in bench.cursors]
     kf = max(range(len(fr)), key=lambda k: fr[k])
@@ -95,22 +92,13 @@ def main() -> None:
     read = a.batch * bench.H * bench.P * bench.N * 4
     for spec in a.routes.split("+"):
         tile = bk.Tile.parse(spec)
+        impl = "baseline" if tile.route == "baseline" else "replay"
         out = []
         for k in (kf, kn):
-            start, comm = bench.cursors[k]
-
-            def run(start=start, comm=comm, k=k, tile=tile):
-                for j in range(bench.n_sets):
-                    if tile.route == "baseline":
-                        tssu.launch_ssu(bench.state, bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D,
-                                        bench.dt_bias, bench.idx[j], None, True, k, bench.y, tile.config)
-                        continue
-                    treplay.launch_replay_forward(
-                        bench.x, bench.dt, bench.A, bench.B, bench.C, bench.D, bench.dt_bias, bench.state,
-                        bench.ring_x, bench.ring_B, bench.ring_dt, start, comm, bench.idx[j], bk.WINDOW, True,
-                        k, bench.y, tile.config, tile.route)
+            # bench_kernels' cycle body with step k's cursors at all W steps: W replays of that step.
+            run = bench.body(impl, tile, cursors=[bench.cursors[k]] * bk.WINDOW)
             try:
-                us = bk.time_graph(run, bench.n_sets)[0]
+                us = bk.time_graph(run, bk.WINDOW * bench.n_sets)[0]
                 gb = (2 if k == kf else 1) * read / us / 1e3
                 out.append(f"{'flush' if k == kf else 'plain'} {us:.1f} us ({gb:.0f} GB/s state)")
             except Exception as e:  # a route that refuses this case: the rest still run

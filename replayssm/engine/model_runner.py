@@ -119,7 +119,9 @@ class ModelRunner:
         self._committed = [0] * (num_slots + 1)
         self._block_tables = BlockTables(num_slots, num_kv_blocks)  # host tables of the last steps
         # Staggered checkpoints (module docstring): null entries 0 .. span - 1 in turn; slots prefilled
-        # since their last decode step take theirs on the next one.
+        # since their last decode step take theirs on the next one. Kept as a set, not read off the host
+        # mirror (committed 0): with async scheduling a step launches before the last one's counts
+        # reach the mirror, which then still shows 0 for a slot that has decoded.
         self._stagger_span = replay_window - self.q_max + 1 if replayssm and replay_stagger else 0
         self._stagger_next = 0
         self._fresh: set[int] = set()
@@ -386,11 +388,10 @@ class ModelRunner:
         # 2 of 5 per-layer tensors instead of all.
         ring = any(self._committed[s] for s in src)
         self.mamba_cache.copy_slots(src, dst, ring=ring)
-        fresh = [s in self._fresh for s in src]
-        for s, d, f in zip(src, dst, fresh):
+        for s, d in zip(src, dst):
             self._ring_start[d], self._committed[d] = self._ring_start[s], self._committed[s]
-            # dst now holds src's cursors: it takes its null entries where src would have.
-            if f:
+            # dst now holds src's cursors: it takes its null entries where src would have (dst is not in src).
+            if s in self._fresh:
                 self._fresh.add(d)
             else:
                 self._fresh.discard(d)

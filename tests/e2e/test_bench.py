@@ -145,6 +145,15 @@ def test_bench_cuda_graphs_flag_reaches_the_engines(tmp_path, capsys):
     assert not (tmp_path / "e2e.json").exists() or not json.loads((tmp_path / "e2e.json").read_text())["rows"]
 
 
+def test_bench_replay_stagger_flag_reaches_the_engines(tmp_path):
+    """Staggered checkpoints follow the engine's default (on) unless --no-replay-stagger; rows record it."""
+    for flags, wanted in (([], True), (["--no-replay-stagger"], False)):
+        out = tmp_path / str(wanted)
+        assert main(["bench", "--quick", "--modes", "a", "--scale", "0.5", "--out", str(out), *flags]) == 0
+        doc = json.loads((out / "e2e.json").read_text())
+        assert doc["rows"] and all(r["replay_stagger"] is wanted for r in doc["rows"])
+
+
 def test_bench_multiturn_sizes_from_flags(tmp_path, capsys):
     """--shared-context / --turns / --turn-input / --turn-output set mode (c)'s sizes after --scale:
     the rows and the note carry them, and each conversation runs that many turns (one TTFT per turn
