@@ -77,9 +77,10 @@ def test_replay_cycle_lean_gpu(state_dtype, q, route):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
 @pytest.mark.parametrize("block", [(64, 4), (32, 4), (16, 2), (64, 2), (32, 2)])
-@pytest.mark.parametrize("route", ["mono", "mono.t", "mono.t.x"])
+@pytest.mark.parametrize("route", ["mono", "mono.t", "mono.t.x", "mono.j16", "mono.t.j16"])
 def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
-    """On the GPU: the one-launch routes (small batches) match the reference at each tile."""
+    """On the GPU: the one-launch routes (small batches) match the reference at each tile, also with a
+    flush row's outputs and fold in one pass (.j16)."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
     _cycle_gpu(q=q, state_dtype=state_dtype, route=route, config=LaunchConfig(*block))
@@ -88,7 +89,9 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4))])
+@pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4)),
+                                          ("mono.o.j16", (32, 2)), ("mono.o.j32", (32, 2)),
+                                          ("mono.t.o.j16", (64, 2)), ("mono.t.o.j32", (64, 2))])
 @pytest.mark.parametrize("b", [12, 300])
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b, lockstep):

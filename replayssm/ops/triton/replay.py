@@ -51,6 +51,7 @@ Appended rows never overlap history rows (h_c + q <= R), so no launch reads what
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 import triton
@@ -293,6 +294,13 @@ def _parse_route(route: str) -> tuple:
                   **dict(flags[o] for o in opts if o in flags)}.items())
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_mono(route: str) -> tuple[str, bool, int] | None:
+    """(family, order, join rows) of a one-launch route "mono[.t[.x]][.o][.jN]"; None for other routes."""
+    m = re.fullmatch(r"(mono(?:\.t(?:\.x)?)?)(\.o)?(?:\.j(\d+))?", route)
+    return None if m is None else (m[1], bool(m[2]), int(m[3] or 0))
+
+
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                           state_indices, window, dt_softplus, rand_seed, out,
                           config: LaunchConfig | None = None, route: str = "auto") -> torch.Tensor:
@@ -348,18 +356,20 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps, **kw)
         return y
-    if route in ("mono", "mono.o", "mono.t", "mono.t.o", "mono.t.x", "mono.t.x.o"):
-        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`).
+    mono = _parse_mono(route)
+    if mono is not None:
+        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`); .jN: a flush row's
+        # outputs and fold in one pass, N rows at a time (`replay_mono._joined_pass`).
         cfg = config or CONFIG
-        family, order = route.removesuffix(".o"), route.endswith(".o")
+        family, order, join = mono
         if family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        order=order)
+                        order=order, join=join)
         else:
             launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                             state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                            exact=family == "mono.t.x", order=order)
+                            exact=family == "mono.t.x", order=order, join=join)
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:

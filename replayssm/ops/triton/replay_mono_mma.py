@@ -23,7 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _ordered_row, _row_head
+from replayssm.ops.triton.replay_mono import (
+    _appends,
+    _decays,
+    _fold,
+    _joined_pass,
+    _ordered_row,
+    _row_head,
+    check_join,
+)
 from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.tf32 import dot_out
@@ -37,6 +45,7 @@ def _mono_mma_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
+    JOIN: tl.constexpr, FP: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -61,60 +70,72 @@ def _mono_mma_kernel(
     A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
                                              i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
 
-    # One pass over N in NS-column chunks (no (rows, N) tile live): C·B of the history and of this
-    # step, and C S0ᵀ (the state tile read as (NS, BLOCK_P) pieces).
-    cb_h = tl.zeros((QB, HB), dtype=tl.float32)
-    cb_n = tl.zeros((QB, QB), dtype=tl.float32)
-    acc = tl.zeros((QB, BLOCK_P), dtype=tl.float32)
-    for c in range(N // NS):
-        ncs = c * NS + tl.arange(0, NS)
-        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
-                     other=0.0).to(tl.float32)  # (QB, NS)
-        Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
-                      other=0.0).to(tl.float32)  # (NS, HB)
-        Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
-                      other=0.0).to(tl.float32)  # (NS, QB)
-        S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
-        cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
-        cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
-        acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
-    wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * cb_h  # zero past hc: Δ = 0
-    wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
-    wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
-    acc = tl.exp(cumn)[:, None] * acc
-    xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
-                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
-    xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
-    xn_raw = tl.load(xrows, mask=tm[:, None], other=0.0)
-    xn = xn_raw.to(tl.float32)
-    acc = dot_out(wh, xh, acc, False, RING16, OUT16)
-    acc = dot_out(wn, xn, acc, False, X16, OUT16)
-    acc += tl.load(D_ptr + h) * xn
-    acc = tl.where(valid, acc, 0.0)
-    tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + p[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=tm[:, None])
+    flush = valid & (hc + Q > window)
+    if flush & JOIN:
+        _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr,
+                     rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P, sbase, xrow0, Brow0, R,
+                     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
+                     sy_b, sy_t, sy_h,
+                     Q, QB, HB, P, N, BLOCK_P, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
+        xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None],
+                         other=0.0)
+    else:
+        # One pass over N in NS-column chunks (no (rows, N) tile live): C·B of the history and of this
+        # step, and C S0ᵀ (the state tile read as (NS, BLOCK_P) pieces).
+        cb_h = tl.zeros((QB, HB), dtype=tl.float32)
+        cb_n = tl.zeros((QB, QB), dtype=tl.float32)
+        acc = tl.zeros((QB, BLOCK_P), dtype=tl.float32)
+        for c in range(N // NS):
+            ncs = c * NS + tl.arange(0, NS)
+            Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
+                         other=0.0).to(tl.float32)  # (QB, NS)
+            Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
+                          other=0.0).to(tl.float32)  # (NS, HB)
+            Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
+                          other=0.0).to(tl.float32)  # (NS, QB)
+            S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
+            cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
+            cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
+            acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
+        # zero past hc: Δ = 0
+        wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * cb_h
+        wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
+        wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
+        acc = tl.exp(cumn)[:, None] * acc
+        xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
+                     other=0.0).to(tl.float32)  # (HB, BLOCK_P)
+        xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
+        xn_raw = tl.load(xrows, mask=tm[:, None], other=0.0)
+        xn = xn_raw.to(tl.float32)
+        acc = dot_out(wh, xh, acc, False, RING16, OUT16)
+        acc = dot_out(wn, xn, acc, False, X16, OUT16)
+        acc += tl.load(D_ptr + h) * xn
+        acc = tl.where(valid, acc, 0.0)
+        tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + p[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=tm[:, None])
 
     Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :],
                      mask=tm[:, None] & nm[None, :], other=0.0)  # read again for the append (an L1/L2 hit)
     _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
              xrow0, Brow0, P, N, R)
-    if valid & (hc + Q > window):
+    if flush & (not JOIN):
         _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
               P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, order: bool = False) -> None:
+                    exact: bool = False, order: bool = False, join: int = 0) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
-    `order` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32 pass each
-    there)."""
+    `order` and `join` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32
+    pass each there)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16 or N < 16:
         raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
                          f"(P={P}, N={N})")
+    check_join(join, block_p)
     sdt = tl_dtype(state.dtype)
     _mono_mma_kernel[(P // block_p, H, b * (1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
@@ -123,5 +144,5 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=bool(order), num_warps=num_warps,
+        ORDER=bool(order), JOIN=join > 0, FP=join or 16, num_warps=num_warps,
     )  # fmt: skip
