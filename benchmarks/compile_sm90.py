@@ -76,7 +76,6 @@ def args_parse():
     a.add_argument("--pdl", action="store_true", help="PDL constexpr (streaming / weights launch)")
     a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
     a.add_argument("--join", type=int, default=0, help="mono / monot: option .jN (JOIN, FP = N rows)")
-    a.add_argument("--join-cols", type=int, default=32, help="mono / monot: option .jNcM (FNS = M columns)")
     a.add_argument("--order", action="store_true", help="mono / monot: option .o (ORDER)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
@@ -169,14 +168,13 @@ def build(a):
 
         del meta["MMA"]
         meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True, JOIN=a.join > 0, FP=a.join or 16,
-                    FNS=a.join_cols, ORDER=a.order, QJ=max(16, QB), KJ=max(16, HB))
+                    ORDER=a.order, QJ=max(16, QB), KJ=max(16, HB))
     elif a.kernel == "monot":  # replay_mono_mma.py's one-launch step with tensor-core products (mono.t)
         from replayssm.ops.triton.replay_mono_mma import _mono_mma_kernel as fn
 
         del meta["MMA"]
         meta.update(QB=max(16, QB), HB=max(16, HB), BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True,
-                    OUT16=a.act_dtype != "fp32", JOIN=a.join > 0, FP=a.join or 16, FNS=a.join_cols,
-                    ORDER=a.order)
+                    OUT16=a.act_dtype != "fp32", JOIN=a.join > 0, FP=a.join or 16, ORDER=a.order)
     elif a.kernel == "lean":  # replay_lean.py's output launch, bare products (lean.a: RAW)
         from replayssm.ops.triton.replay_lean import _lean_kernel as fn
 

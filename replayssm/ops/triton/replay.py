@@ -295,11 +295,10 @@ def _parse_route(route: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_mono(route: str) -> tuple[str, bool, int, int] | None:
-    """(family, order, join rows, join columns) of a one-launch route "mono[.t[.x]][.o][.jN[cM]]"; None for
-    other routes."""
-    m = re.fullmatch(r"(mono(?:\.t(?:\.x)?)?)(\.o)?(?:\.j(\d+)(?:c(\d+))?)?", route)
-    return None if m is None else (m[1], bool(m[2]), int(m[3] or 0), int(m[4] or 0))
+def _parse_mono(route: str) -> tuple[str, bool, int] | None:
+    """(family, order, join rows) of a one-launch route "mono[.t[.x]][.o][.jN]"; None for other routes."""
+    m = re.fullmatch(r"(mono(?:\.t(?:\.x)?)?)(\.o)?(?:\.j(\d+))?", route)
+    return None if m is None else (m[1], bool(m[2]), int(m[3] or 0))
 
 
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
@@ -359,19 +358,18 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         return y
     mono = _parse_mono(route)
     if mono is not None:
-        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`); .jN[cM]: a flush
-        # row's outputs and fold in one pass, N rows (and M columns, default 32) at a time
-        # (`replay_mono._joined_pass`).
+        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`); .jN: a flush row's
+        # outputs and fold in one pass, N rows at a time (`replay_mono._joined_pass`).
         cfg = config or CONFIG
-        family, order, join, cols = mono
+        family, order, join = mono
         if family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        order=order, join=join, join_cols=cols)
+                        order=order, join=join)
         else:
             launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                             state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                            exact=family == "mono.t.x", order=order, join=join, join_cols=cols)
+                            exact=family == "mono.t.x", order=order, join=join)
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:

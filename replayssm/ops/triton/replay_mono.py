@@ -86,7 +86,7 @@ def _mono_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ORDER: tl.constexpr, JOIN: tl.constexpr,
-    FP: tl.constexpr, FNS: tl.constexpr, QJ: tl.constexpr, KJ: tl.constexpr,
+    FP: tl.constexpr, QJ: tl.constexpr, KJ: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -121,7 +121,7 @@ def _mono_kernel(
                      rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P, sbase, xrow0, Brow0, R,
                      sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
                      sy_b, sy_t, sy_h,
-                     Q, QJ, KJ, P, N, BLOCK_P, FP, FNS, DT_SOFTPLUS, STATE_DTYPE, MAXV, False)
+                     Q, QJ, KJ, P, N, BLOCK_P, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, False)
     else:
         Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)  # (HB, BLOCK_N)
@@ -214,9 +214,9 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
     equal to the outputs from S0 and the history (w_tj = e^{Λ_t - Λ_h} f_j C_t·B_j). Each (FNS, FP) chunk of
     the tile is read once, folded by one tensor-core product with the history (`dot_split`: fp32
     accuracy), written (rounded for 16-bit pools) and, unrounded, multiplied into the outputs; the
-    BLOCK_P rows go FP at a time (the chunks stay small), each through its own pipelined loop over N
-    (the split routes re-read a flush tile for the fold: an L2 hit, but a second pass). The program's
-    ring appends are its caller's. QB, KB >= 16: tokens and history padded for the products."""
+    BLOCK_P rows go FP at a time through one flat loop, so the loop's loads pipeline and the chunks stay
+    small (the split routes re-read a flush tile for the fold: an L2 hit, but a second pass). The
+    program's ring appends are its caller's. QB, KB >= 16: tokens and history padded for the products."""
     X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32
     RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
     j = tl.arange(0, KB)
@@ -241,41 +241,45 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
     fk = dth * tl.exp(tl.minimum(lam_h - cumh, 0.0))  # fold coefficients; zero past h_c (Δ masked to 0)
     decay = tl.exp(lam_h)
     Dh = tl.load(D_ptr + h)
-    for sub in tl.static_range(BLOCK_P // FP):
-        ps = p0 + sub * FP + tl.arange(0, FP)
+    NCF: tl.constexpr = N // FNS
+    acc = tl.zeros((QB, FP), dtype=tl.float32)
+    for k in range((BLOCK_P // FP) * NCF):
+        c = k % NCF
+        ps = p0 + (k // NCF) * FP + tl.arange(0, FP)
+        ncs = c * FNS + tl.arange(0, FNS)
         xf = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + ps[None, :], mask=jm[:, None],
                      other=0.0).to(tl.float32) * fk[:, None]  # (KB, FP)
-        acc = tl.zeros((QB, FP), dtype=tl.float32)
-        for c in range(N // FNS):
-            ncs = c * FNS + tl.arange(0, FNS)
-            Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
-                          other=0.0).to(tl.float32)  # (FNS, KB)
-            at = sbase + ps[None, :] * N + ncs[:, None]  # (FNS, FP): the chunk, transposed
-            S = dot_split(Bhc, xf, tl.load(state_ptr + at).to(tl.float32) * decay, RING16, False)
-            tl.store(state_ptr + at, stochastic_round(S, at, seed_mix, STATE_DTYPE, MAXV))
-            Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
-                         other=0.0).to(tl.float32)  # (QB, FNS)
-            acc = dot_out(Cc, S, acc, X16, False, OUT16)
+        Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
+                      other=0.0).to(tl.float32)  # (FNS, KB)
+        at = sbase + ps[None, :] * N + ncs[:, None]  # (FNS, FP): the chunk, transposed
+        S = dot_split(Bhc, xf, tl.load(state_ptr + at).to(tl.float32) * decay, RING16, False)
+        tl.store(state_ptr + at, stochastic_round(S, at, seed_mix, STATE_DTYPE, MAXV))
+        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
+                     other=0.0).to(tl.float32)  # (QB, FNS)
+        acc = dot_out(Cc, S, acc, X16, False, OUT16)
+        # The FP rows' outputs once their last chunk is in; the store masked (not branched), so the
+        # loop stays one straight body that Triton can pipeline.
         xs = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + ps[None, :], mask=tm[:, None],
                      other=0.0).to(tl.float32)  # (QB, FP)
         yv = dot_out(wn, xs, er[:, None] * acc + Dh * xs, False, X16, OUT16)
+        last = (t * 0 + c) == NCF - 1  # as a tensor: a scalar bool in a mask trips the interpreter
         tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + ps[None, :], yv.to(y_ptr.dtype.element_ty),
-                 mask=tm[:, None])
+                 mask=(tm & last)[:, None])
+        acc = tl.where(last[:, None], 0.0, acc)
 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                order: bool = False, join: int = 0, join_cols: int = 0) -> None:
+                order: bool = False, join: int = 0) -> None:
     """One launch, grid (P / block_p, H, b) (2b with `order`: the flush rows' programs first,
     `_ordered_row`); needs whole tiles (`replay_stream.stream_supported`) of >= 16 rows (the fold's
-    tensor-core product). join > 0: flush rows take `_joined_pass`, `join` rows and `join_cols` columns
-    (0: min(N, 32)) at a time."""
+    tensor-core product). join > 0: flush rows take `_joined_pass`, `join` rows at a time."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16:
         raise ValueError(f"route 'mono' needs block_p >= 16 dividing P and N a multiple of 32 (P={P}, N={N})")
-    fns = check_join(join, join_cols, block_p, N)
+    check_join(join, block_p)
     sdt = tl_dtype(state.dtype)
     _mono_kernel[(P // block_p, H, b * (1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
@@ -283,17 +287,13 @@ def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         *y.stride()[:3], H, G, R,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
-        MAXV=max_finite(sdt), ORDER=bool(order), JOIN=join > 0, FP=join or 16, FNS=fns,
+        MAXV=max_finite(sdt), ORDER=bool(order), JOIN=join > 0, FP=join or 16,
         QJ=max(16, triton.next_power_of_2(q)), KJ=max(16, triton.next_power_of_2(int(window))),
         num_warps=num_warps,
     )
 
 
-def check_join(join: int, cols: int, block_p: int, N: int) -> int:
-    """Option .jN[cM]: N rows and M columns at a time through `_joined_pass`, each at least 16 (its
-    products) and dividing the tile's rows / N. Returns M (0: min(N, 32))."""
-    cols = cols or min(N, 32)
-    if join and (join < 16 or block_p % join or cols < 16 or N % cols):
-        raise ValueError(f"option .j{join}c{cols} needs 16 <= {join} dividing block_p = {block_p} and 16 <= "
-                         f"{cols} dividing N = {N}")
-    return cols
+def check_join(join: int, block_p: int) -> None:
+    """Option .jN: N rows at a time through `_joined_pass`: at least 16 (its products), dividing the tile."""
+    if join and (join < 16 or block_p % join):
+        raise ValueError(f"option .j{join} needs 16 <= {join} dividing block_p = {block_p}")

@@ -45,7 +45,7 @@ def _mono_mma_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
-    JOIN: tl.constexpr, FP: tl.constexpr, FNS: tl.constexpr,
+    JOIN: tl.constexpr, FP: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -76,7 +76,7 @@ def _mono_mma_kernel(
                      rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P, sbase, xrow0, Brow0, R,
                      sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
                      sy_b, sy_t, sy_h,
-                     Q, QB, HB, P, N, BLOCK_P, FP, FNS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
+                     Q, QB, HB, P, N, BLOCK_P, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
         xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None],
                          other=0.0)
     else:
@@ -125,17 +125,17 @@ def _mono_mma_kernel(
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, order: bool = False, join: int = 0, join_cols: int = 0) -> None:
+                    exact: bool = False, order: bool = False, join: int = 0) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
-    `order`, `join` and `join_cols` as there). exact: fp32-accurate products even where y is 16-bit
-    (else one TF32 pass each there)."""
+    `order` and `join` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32
+    pass each there)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16 or N < 16:
         raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
                          f"(P={P}, N={N})")
-    fns = check_join(join, join_cols, block_p, N)
+    check_join(join, block_p)
     sdt = tl_dtype(state.dtype)
     _mono_mma_kernel[(P // block_p, H, b * (1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
@@ -144,5 +144,5 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=bool(order), JOIN=join > 0, FP=join or 16, FNS=fns, num_warps=num_warps,
+        ORDER=bool(order), JOIN=join > 0, FP=join or 16, num_warps=num_warps,
     )  # fmt: skip
