@@ -225,10 +225,11 @@ def test_auto_route_policy():
     assert auto_route(128, 1, 128, 64, 128)[0] == "lean.a.y.v1.n2"  # 16,384
     assert auto_route(256, 1, 128, 64, 128)[0] == "lean.a.y.v1.n1"  # 32,768
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
-    assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t"  # 512 row-heads
+    assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t.j32"  # 512 row-heads in 32 rows: flush rows joined
+    assert auto_route(8, 4, 16, 64, 128)[0] == "mono.t"  # 8 rows: not joined
     assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t.o"  # 1,024 row-heads
-    assert auto_route(64, 4, 16, 64, 128)[0] == "mono.t.o"  # TP8 shape, 1,024
-    assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t.o"  # TP8 shape, 2,048
+    assert auto_route(64, 4, 16, 64, 128)[0] == "mono.t.o"  # TP8, 1,024: 64-row tiles join from 128 rows
+    assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t.o.j32"  # TP8 shape, 2,048
     assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t.o"  # 4,096 row-heads
     fp32 = "stream-list.c.y.b.t.p2.l.v1.h.g160.r72"
     assert auto_route(512, 4, 16, 64, 128)[0] == fp32 + ".i2"  # TP8 shape, 8,192 row-heads
@@ -237,8 +238,9 @@ def test_auto_route_policy():
     assert auto_route(256, 4, 128, 64, 128)[0] == fp32
     # 16-bit states: mono.t up to 1,024 row-heads, then the flush pieces in column parts, .l only with .i2.
     f16 = torch.float16
-    assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t.o"  # 1,024 row-heads
-    assert auto_route(32, 4, 16, 64, 128, f16)[0] == "mono.t"
+    assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t.o.j32"  # 1,024 row-heads; joined at any size
+    assert auto_route(32, 4, 16, 64, 128, f16)[0] == "mono.t.j32"
+    assert auto_route(1, 4, 128, 64, 128, f16)[0] == "mono.t.j32"
     assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
     assert auto_route(64, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
     assert auto_route(128, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
@@ -256,15 +258,15 @@ def test_auto_route_policy():
     assert auto_route(8, 4, 16, 64, 128)[1] == L(32, 4) and auto_route(32, 4, 16, 64, 128)[1] == L(32, 2)
     assert auto_route(64, 4, 16, 64, 128)[1] == L(64, 2) and auto_route(64, 4, 16, 32, 128)[1] == L(32, 2)
     # No streaming tile (P = 32): fp32 steps keep mono.t up to 8,192 row-heads.
-    assert auto_route(128, 4, 16, 32, 128) == ("mono.t.o", L(32, 2))
-    assert auto_route(512, 4, 16, 32, 128) == ("mono.t", L(32, 2))
+    assert auto_route(128, 4, 16, 32, 128) == ("mono.t.o.j32", L(32, 2))
+    assert auto_route(512, 4, 16, 32, 128) == ("mono.t.j32", L(32, 2))
     assert auto_route(1024, 4, 16, 32, 128) is None
     assert auto_route(64, 4, 16, 64, 128, f16)[1] == L(32, 2)
 
 
 
 @pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e", "stream-list.a",
-                                   "lean.f", "lean.t", "weights.x", "weights.t.w2"])
+                                   "lean.f", "lean.t", "weights.x", "weights.t.w2", "mono.j16.o"])
 def test_route_options_are_checked(route):
     """A route option the route does not take, or an unknown route, is refused (no silent default)."""
     from replayssm.ops.triton.replay import launch_replay_forward
@@ -277,3 +279,19 @@ def test_route_options_are_checked(route):
             torch.zeros(S, **i32), torch.zeros(b, **i32))
     with pytest.raises(ValueError, match="unknown"):
         launch_replay_forward(*args, W, True, 0, None, route=route)
+
+
+@pytest.mark.parametrize("route", ["mono.j8", "mono.t.j24", "mono.t.o.j64"])
+def test_join_rows_are_checked(route):
+    """Option .jN takes N >= 16 dividing the tile's rows (a 32-row tile here), else a clear error."""
+    from replayssm.ops.triton.replay import launch_replay_forward
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    b, q, H, P, N, G, S, R, W = 1, 2, 2, 32, 32, 1, 2, 6, 4
+    i32 = dict(dtype=torch.int32)
+    args = (torch.randn(b, q, H, P), torch.randn(b, q, H), -torch.ones(H), torch.randn(b, q, G, N),
+            torch.randn(b, q, G, N), torch.ones(H), torch.zeros(H), torch.randn(S, H, P, N),
+            torch.randn(S, H, R, P), torch.randn(S, G, R, N), torch.rand(S, H, R), torch.zeros(S, **i32),
+            torch.zeros(S, **i32), torch.zeros(b, **i32))
+    with pytest.raises(ValueError, match="needs 16 <="):
+        launch_replay_forward(*args, W, True, 0, None, LaunchConfig(32, 1), route=route)

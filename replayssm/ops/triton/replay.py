@@ -192,6 +192,18 @@ MONO_T_ROW_HEADS = {True: (1024, 4096), False: (1024, 1024)}
 # b = 64 / 128: 15.7 / 26.9 -> 16.6 / 28.7), but the engine staggers its requests' checkpoints
 # (engine/model_runner.py), so a batch admitted together no longer flushes on one step.
 MONO_ORDER_ROWS = 64
+# Several tokens: a flush row's outputs and fold in one pass, 32 rows at a time (.j32, the fold first and
+# the outputs from the folded state; replay_mono._joined_pass), from this many rows, by fp32 (True) or
+# 16-bit (False) state and the tile's rows (absent: never). Session 28 (calls 1-4, µs, the usual mix,
+# two timings each, mono.t -> .j32 at auto's tile and order): 16-bit states gain at every size timed
+# (TP8 b = 1 / 8 / 16 / 32 6.8 / 12.0 / 15.0 / 17.3 -> 6.0 / 9.3 / 11.8 / 16.3, b = 64 .o 23.9 -> 23.2;
+# 8B b = 1 / 2 / 4 7.6 / 9.9 / 13.0 -> 7.0 / 8.6 / 11.7, b = 8 .o 20.7 -> 19.9). fp32 gains with many
+# rows (32-row tiles: TP8 b = 16 / 32 11.3 / 14.4 -> 10.6 / 13.4; 64-row tiles: TP8 b = 128 / 256 34.5 /
+# 60.0 -> 33.1 / 58.7) and loses or ties with few (8B b = 4 12.4 -> 13.7, TP8 b = 1 6.0 -> 6.0, TP8 b = 64
+# 22.3 -> 23.2, 8B b = 8 / 16 / 32 20.8 / 34.5 / 60.4 -> 21.3 / 34.6 / 61.4), except 8B b = 1 / 2 (7.2 /
+# 9.1 -> 7.1 / 8.7), left out with the rest of the few-row sizes. One token (mono) loses (TP8 b = 64 / 128
+# 17.1 / 28.6 -> 18.8 / 32.1).
+MONO_T_JOIN_ROWS = {True: {32: 16, 64: 128}, False: {32: 1, 64: 1}}
 MONO_T_NO_STREAM_ROW_HEADS = 8192  # "mono.t" with fp32 state where the streaming tile does not fit
 # Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
@@ -248,7 +260,8 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
         tile = next(c for most, c in sizes if most is None or b * H <= most)
         for c in (tile, LaunchConfig(32, tile.num_warps)):
             if stream_supported(P, N, c.block_p):
-                return one, c
+                join = q > 1 and b >= MONO_T_JOIN_ROWS[wide].get(c.block_p, b + 1)
+                return one + (".j32" if join else ""), c
     if not stream_supported(P, N, cfg.block_p):
         return None
     few = q > 1 and b * H * (P // cfg.block_p) <= FEW_PIECES
