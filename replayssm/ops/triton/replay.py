@@ -36,10 +36,11 @@ Routes (all read S0 once per row and write it only on flush rows):
   of eight (.i2, `FEW_PIECES`; the 16-bit route then as before the caps, with .l:
   "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"). Small steps take "mono.t" (`auto_route`): up to
   4,096 row-heads with fp32 state (1,024 with 16-bit states), from 1,024 on as "mono.t.o", which
-  dispatches the flush rows' programs first.
+  dispatches the flush rows' programs first, and with ".j32" by rows (`MONO_T_JOIN_ROWS`).
 - "mono" / "mono.t" (`replay_mono.py`, `replay_mono_mma.py`): one launch, one program per (P tile,
-  head, row) that reads its tile, writes the outputs and appends, and on a flush row folds after.
-  "auto" takes "mono" for small one-token steps, as "mono.o" from 64 rows (`MONO_ORDER_ROWS`).
+  head, row) that reads its tile, writes the outputs and appends, and on a flush row folds after
+  (with .jN: folds first and forms its outputs from the folded state in the same pass, N rows at a
+  time). "auto" takes "mono" for small one-token steps, as "mono.o" from 64 rows (`MONO_ORDER_ROWS`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0

@@ -20,6 +20,10 @@ P tile) does it all:
     4. flush rows (h_c + Q > W): S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, one 3xTF32 tensor-core
        product per column chunk (~2^-21 relative error per product, as the other routes' folds),
        written with stochastic rounding for 16-bit pools.
+
+Option .jN (`_joined_pass`; "auto" takes it for several tokens, mono.t, by rows): a flush row folds
+first and forms its outputs from the folded state, in the same pass over its tile, instead of steps
+2 and 4 reading the tile twice.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ the three products over N in one pass of NS-column chunks, the state tile never 
 
 with fp32 accuracy (`tf32.dot_split`: one TF32 pass for two 16-bit operands, two with one fp32),
 or one pass each where y is 16-bit (`tf32.dot_out`: the products reach only y). Appends and the
-flush fold are replay_mono.py's.
+flush fold are replay_mono.py's, as is option .jN, which sends a flush row through its one-pass
+fold and outputs (`_joined_pass`) instead.
 """
 
 from __future__ import annotations
