@@ -265,20 +265,24 @@ def test_auto_route_policy():
 
 
 
+def _tiny_step(q: int, P: int, N: int) -> tuple:
+    """The forward's tensors for one row of q tokens, H = 2, G = 1, S = 2 slots, R = 6 (CPU)."""
+    b, H, G, S, R = 1, 2, 1, 2, 6
+    i32 = dict(dtype=torch.int32)
+    return (torch.randn(b, q, H, P), torch.randn(b, q, H), -torch.ones(H), torch.randn(b, q, G, N),
+            torch.randn(b, q, G, N), torch.ones(H), torch.zeros(H), torch.randn(S, H, P, N),
+            torch.randn(S, H, R, P), torch.randn(S, G, R, N), torch.rand(S, H, R), torch.zeros(S, **i32),
+            torch.zeros(S, **i32), torch.zeros(b, **i32))
+
+
 @pytest.mark.parametrize("route", ["stream-list.d", "stream-list.m", "lean.x3", "mono.e", "stream-list.a",
                                    "lean.f", "lean.t", "weights.x", "weights.t.w2", "mono.j16.o"])
 def test_route_options_are_checked(route):
     """A route option the route does not take, or an unknown route, is refused (no silent default)."""
     from replayssm.ops.triton.replay import launch_replay_forward
 
-    b, q, H, P, N, G, S, R, W = 1, 1, 2, 16, 32, 1, 2, 6, 4
-    i32 = dict(dtype=torch.int32)
-    args = (torch.randn(b, q, H, P), torch.randn(b, q, H), -torch.ones(H), torch.randn(b, q, G, N),
-            torch.randn(b, q, G, N), torch.ones(H), torch.zeros(H), torch.randn(S, H, P, N),
-            torch.randn(S, H, R, P), torch.randn(S, G, R, N), torch.rand(S, H, R), torch.zeros(S, **i32),
-            torch.zeros(S, **i32), torch.zeros(b, **i32))
     with pytest.raises(ValueError, match="unknown"):
-        launch_replay_forward(*args, W, True, 0, None, route=route)
+        launch_replay_forward(*_tiny_step(1, 16, 32), 4, True, 0, None, route=route)
 
 
 @pytest.mark.parametrize("route", ["mono.j8", "mono.t.j24", "mono.t.o.j64"])
@@ -287,11 +291,5 @@ def test_join_rows_are_checked(route):
     from replayssm.ops.triton.replay import launch_replay_forward
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    b, q, H, P, N, G, S, R, W = 1, 2, 2, 32, 32, 1, 2, 6, 4
-    i32 = dict(dtype=torch.int32)
-    args = (torch.randn(b, q, H, P), torch.randn(b, q, H), -torch.ones(H), torch.randn(b, q, G, N),
-            torch.randn(b, q, G, N), torch.ones(H), torch.zeros(H), torch.randn(S, H, P, N),
-            torch.randn(S, H, R, P), torch.randn(S, G, R, N), torch.rand(S, H, R), torch.zeros(S, **i32),
-            torch.zeros(S, **i32), torch.zeros(b, **i32))
     with pytest.raises(ValueError, match="needs 16 <="):
-        launch_replay_forward(*args, W, True, 0, None, LaunchConfig(32, 1), route=route)
+        launch_replay_forward(*_tiny_step(2, 32, 32), 4, True, 0, None, LaunchConfig(32, 1), route=route)
