@@ -75,7 +75,7 @@ def args_parse():
     a.add_argument("--split", type=int, default=1, help="SPLIT constexpr (flush launch)")
     a.add_argument("--pdl", action="store_true", help="PDL constexpr (streaming / weights launch)")
     a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
-    a.add_argument("--join", type=int, default=0, help="mono / monot: option .jN (JOIN, FP = N rows)")
+    a.add_argument("--join", type=int, default=0, help="monot: option .jN (JOIN, FP = N rows)")
     a.add_argument("--order", action="store_true", help="mono / monot: option .o (ORDER)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
@@ -167,8 +167,7 @@ def build(a):
         from replayssm.ops.triton.replay_mono import _mono_kernel as fn
 
         del meta["MMA"]
-        meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True, JOIN=a.join > 0, FP=a.join or 16,
-                    ORDER=a.order, QJ=max(16, QB), KJ=max(16, HB))
+        meta.update(BLOCK_N=triton.next_power_of_2(N), DT_SOFTPLUS=True, ORDER=a.order)
     elif a.kernel == "monot":  # replay_mono_mma.py's one-launch step with tensor-core products (mono.t)
         from replayssm.ops.triton.replay_mono_mma import _mono_mma_kernel as fn
 

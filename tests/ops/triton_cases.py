@@ -561,14 +561,14 @@ def _replay_mono(small) -> None:
                        act=torch.bfloat16)
     check_replay_cycle("cpu", q=1, P=16, N=32, W=4, config=LaunchConfig(16, 1), route="mono.o", steps=6,
                        lockstep=True)
-    # .jN: a flush row's fold first and its outputs from the folded state, one pass, N rows at a time
-    # (two sub-tiles of a 32-row tile, several column chunks); fp32 and 16-bit pools, one and several
-    # tokens, ordered or not, fp32-accurate products (.t.x).
+    # mono.t .jN: a flush row's fold first and its outputs from the folded state, one pass, N rows at a
+    # time (two sub-tiles of a 32-row tile, several column chunks); fp32 and 16-bit pools, one and several
+    # tokens (q = 1 in lock-step: every row flushing on one step), ordered or not, fp32-accurate products.
     check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(32, 1), route="mono.t.o.j16", steps=6,
                        act=torch.bfloat16)
     check_replay_cycle("cpu", q=4, P=32, N=64, W=8, config=LaunchConfig(32, 1), route="mono.t.j32", steps=8,
                        state_dtype=torch.float16)
-    check_replay_cycle("cpu", q=1, P=32, N=64, W=4, config=LaunchConfig(32, 1), route="mono.o.j16", steps=6,
+    check_replay_cycle("cpu", q=1, P=32, N=64, W=4, config=LaunchConfig(32, 1), route="mono.t.o.j16", steps=6,
                        lockstep=True)
     check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x.j16", steps=6,
                        act=torch.bfloat16)

@@ -39,8 +39,8 @@ Routes (all read S0 once per row and write it only on flush rows):
   dispatches the flush rows' programs first, and with ".j32" by rows (`MONO_T_JOIN_ROWS`).
 - "mono" / "mono.t" (`replay_mono.py`, `replay_mono_mma.py`): one launch, one program per (P tile,
   head, row) that reads its tile, writes the outputs and appends, and on a flush row folds after
-  (with .jN: folds first and forms its outputs from the folded state in the same pass, N rows at a
-  time). "auto" takes "mono" for small one-token steps, as "mono.o" from 64 rows (`MONO_ORDER_ROWS`).
+  (mono.t with .jN: folds first and forms its outputs from the folded state in the same pass, N rows at
+  a time). "auto" takes "mono" for small one-token steps, as "mono.o" from 64 rows (`MONO_ORDER_ROWS`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -194,7 +194,7 @@ MONO_T_ROW_HEADS = {True: (1024, 4096), False: (1024, 1024)}
 # (engine/model_runner.py), so a batch admitted together no longer flushes on one step.
 MONO_ORDER_ROWS = 64
 # Several tokens: a flush row's outputs and fold in one pass, 32 rows at a time (.j32, the fold first and
-# the outputs from the folded state; replay_mono._joined_pass), from this many rows, by fp32 (True) or
+# the outputs from the folded state; replay_mono_mma._joined_pass), from this many rows, by fp32 (True) or
 # 16-bit (False) state and the tile's rows (absent: never). Session 28 (calls 1-4, µs, the usual mix,
 # two timings each, mono.t -> .j32 at auto's tile and order): 16-bit states gain at every size timed
 # (TP8 b = 1 / 8 / 16 / 32 6.8 / 12.0 / 15.0 / 17.3 -> 6.0 / 9.3 / 11.8 / 16.3, b = 64 .o 23.9 -> 23.2;
@@ -310,8 +310,11 @@ def _parse_route(route: str) -> tuple:
 
 @functools.lru_cache(maxsize=64)
 def _parse_mono(route: str) -> tuple[str, bool, int] | None:
-    """(family, order, join rows) of a one-launch route "mono[.t[.x]][.o][.jN]"; None for other routes."""
-    m = re.fullmatch(r"(mono(?:\.t(?:\.x)?)?)(\.o)?(?:\.j(\d+))?", route)
+    """(family, order, join rows) of a one-launch route "mono[.o]" or "mono.t[.x][.o][.jN]"; None for
+    other routes."""
+    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x)(\.o)?(?:\.j(\d+))?", route)
+    if m is not None and m[1] == "mono" and m[3]:
+        raise ValueError(f"route {route!r}: option .jN is mono.t's (several tokens); route 'mono' has none")
     return None if m is None else (m[1], bool(m[2]), int(m[3] or 0))
 
 
@@ -372,14 +375,14 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         return y
     mono = _parse_mono(route)
     if mono is not None:
-        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`); .jN: a flush row's
-        # outputs and fold in one pass, N rows at a time (`replay_mono._joined_pass`).
+        # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`); .jN (mono.t): a flush
+        # row's outputs and fold in one pass, N rows at a time (`replay_mono_mma._joined_pass`).
         cfg = config or CONFIG
         family, order, join = mono
         if family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                        order=order, join=join)
+                        order=order)
         else:
             launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                             state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,

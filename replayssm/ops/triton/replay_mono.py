@@ -20,10 +20,6 @@ P tile) does it all:
     4. flush rows (h_c + Q > W): S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, one 3xTF32 tensor-core
        product per column chunk (~2^-21 relative error per product, as the other routes' folds),
        written with stochastic rounding for 16-bit pools.
-
-Option .jN (`_joined_pass`; "auto" takes it for several tokens, mono.t, by rows): a flush row folds
-first and forms its outputs from the folded state, in the same pass over its tile, instead of steps
-2 and 4 reading the tile twice.
 """
 
 from __future__ import annotations
@@ -33,9 +29,8 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import fold_chunks
 from replayssm.ops.triton.replay_stream import stream_supported
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.ssu import softplus_dt
-from replayssm.ops.triton.tf32 import dot_out, dot_split
 
 
 @triton.jit
@@ -89,8 +84,7 @@ def _mono_kernel(
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ORDER: tl.constexpr, JOIN: tl.constexpr,
-    FP: tl.constexpr, QJ: tl.constexpr, KJ: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, ORDER: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -113,56 +107,48 @@ def _mono_kernel(
     rows = (o + j) % R
     Brow0 = s64 * G * R + g * R
     xrow0 = s64 * H * R + h * R
+    Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_N)
     tn = tm[:, None] & nm[None, :]
     Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :], mask=tn, other=0.0)
+    Bn = Bn_raw.to(tl.float32)  # (QB, BLOCK_N)
     A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
                                              i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
+
+    # Coefficients one token at a time, so no (tokens, history, N) product is ever live, and
+    # before the tile is loaded, so B never shares the registers with it.
+    wh = tl.zeros((QB, HB), dtype=tl.float32)
+    wn = tl.zeros((QB, QB), dtype=tl.float32)
+    for tt in tl.static_range(Q):
+        Crow = tl.load(C_ptr + i * sC_b + tt * sC_t + g * sC_g + n, mask=nm, other=0.0).to(tl.float32)
+        cum_t = tl.sum(tl.where(t == tt, cumn, 0.0))
+        wht = dth * tl.exp(tl.minimum(cum_t - cumh, 0.0)) * tl.sum(Crow[None, :] * Bh, axis=1)
+        wnt = dtn * tl.exp(tl.minimum(cum_t - cumn, 0.0)) * tl.sum(Crow[None, :] * Bn, axis=1)
+        wnt = tl.where(t <= tt, wnt, 0.0)  # causal: token k <= t
+        wh = tl.where((t == tt)[:, None], wht[None, :], wh)
+        wn = tl.where((t == tt)[:, None], wnt[None, :], wn)
+
+    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # (NC, BLOCK_P, NS), as `_piece`
+    xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
+                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
     xrows = x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :]
     xn_raw = tl.load(xrows, mask=tm[:, None], other=0.0)
-    flush = valid & (hc + Q > window)
-    if flush & JOIN:
-        _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr,
-                     rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P, sbase, xrow0, Brow0, R,
-                     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
-                     sy_b, sy_t, sy_h,
-                     Q, QJ, KJ, P, N, BLOCK_P, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, False)
-    else:
-        Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None] & nm[None, :],
-                     other=0.0).to(tl.float32)  # (HB, BLOCK_N)
-        Bn = Bn_raw.to(tl.float32)  # (QB, BLOCK_N)
-        # Coefficients one token at a time, so no (tokens, history, N) product is ever live, and
-        # before the tile is loaded, so B never shares the registers with it.
-        wh = tl.zeros((QB, HB), dtype=tl.float32)
-        wn = tl.zeros((QB, QB), dtype=tl.float32)
-        for tt in tl.static_range(Q):
-            Crow = tl.load(C_ptr + i * sC_b + tt * sC_t + g * sC_g + n, mask=nm, other=0.0).to(tl.float32)
-            cum_t = tl.sum(tl.where(t == tt, cumn, 0.0))
-            wht = dth * tl.exp(tl.minimum(cum_t - cumh, 0.0)) * tl.sum(Crow[None, :] * Bh, axis=1)
-            wnt = dtn * tl.exp(tl.minimum(cum_t - cumn, 0.0)) * tl.sum(Crow[None, :] * Bn, axis=1)
-            wnt = tl.where(t <= tt, wnt, 0.0)  # causal: token k <= t
-            wh = tl.where((t == tt)[:, None], wht[None, :], wh)
-            wn = tl.where((t == tt)[:, None], wnt[None, :], wn)
-
-        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # (NC, BLOCK_P, NS), as `_piece`
-        xh = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + p[None, :], mask=jm[:, None],
-                     other=0.0).to(tl.float32)  # (HB, BLOCK_P)
-        xn = xn_raw.to(tl.float32)
-        Dh = tl.load(D_ptr + h)
-        for tt in tl.static_range(Q):
-            sel = t == tt
-            Ct = tl.load(C_ptr + i * sC_b + tt * sC_t + g * sC_g + ncol).to(tl.float32)
-            yt = tl.exp(tl.sum(tl.where(sel, cumn, 0.0))) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0),
-                                                                   axis=1)
-            wht = tl.sum(tl.where(sel[:, None], wh, 0.0), axis=0)
-            wnt = tl.sum(tl.where(sel[:, None], wn, 0.0), axis=0)
-            xt = tl.sum(tl.where(sel[:, None], xn, 0.0), axis=0)
-            yt += tl.sum(wht[:, None] * xh, axis=0) + tl.sum(wnt[:, None] * xn, axis=0) + Dh * xt
-            yt = tl.where(valid, yt, 0.0)
-            tl.store(y_ptr + i * sy_b + tt * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+    xn = xn_raw.to(tl.float32)
+    Dh = tl.load(D_ptr + h)
+    for tt in tl.static_range(Q):
+        sel = t == tt
+        Ct = tl.load(C_ptr + i * sC_b + tt * sC_t + g * sC_g + ncol).to(tl.float32)
+        yt = tl.exp(tl.sum(tl.where(sel, cumn, 0.0))) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
+        wht = tl.sum(tl.where(sel[:, None], wh, 0.0), axis=0)
+        wnt = tl.sum(tl.where(sel[:, None], wn, 0.0), axis=0)
+        xt = tl.sum(tl.where(sel[:, None], xn, 0.0), axis=0)
+        yt += tl.sum(wht[:, None] * xh, axis=0) + tl.sum(wnt[:, None] * xn, axis=0) + Dh * xt
+        yt = tl.where(valid, yt, 0.0)
+        tl.store(y_ptr + i * sy_b + tt * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
 
     _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
              xrow0, Brow0, P, N, R)
-    if flush & (not JOIN):
+    if valid & (hc + Q > window):
         _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
               P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
@@ -203,87 +189,17 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
                 STATE_DTYPE, MAXV)
 
 
-@triton.jit
-def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
-                 y_ptr, seed_mix, i, h, g, hc, o, p0, sbase, xrow0, Brow0, R,
-                 sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
-                 Q: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                 BLOCK_P: tl.constexpr, FP: tl.constexpr, FNS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                 STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr):
-    """A flush row's outputs and fold in ONE pass over its state tile (option .j): the fold first, the
-    outputs from the folded state. With S_h = e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ (the history folded),
-
-        y_t = e^{Λ_t - Λ_h} C_t S_hᵀ + Σ_{k<=t} w_tk x_k + D x_t,
-
-    equal to the outputs from S0 and the history (w_tj = e^{Λ_t - Λ_h} f_j C_t·B_j). Each (FNS, FP) chunk of
-    the tile is read once, folded by one tensor-core product with the history (`dot_split`: fp32
-    accuracy), written (rounded for 16-bit pools) and, unrounded, multiplied into the outputs; the
-    BLOCK_P rows go FP at a time through one flat loop, so the loop's loads pipeline and the chunks stay
-    small (the split routes re-read a flush tile for the fold: an L2 hit, but a second pass). The
-    program's ring appends are its caller's. QB, KB >= 16: tokens and history padded for the products."""
-    X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32
-    RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
-    j = tl.arange(0, KB)
-    jm = j < hc
-    rows = (o + j) % R
-    t = tl.arange(0, QB)
-    tm = t < Q
-    A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
-                                             i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
-    cb_n = tl.zeros((QB, QB), dtype=tl.float32)  # C·B of this step's tokens (the history's is folded)
-    for c in range(N // FNS):
-        ncs = c * FNS + tl.arange(0, FNS)
-        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
-                     other=0.0).to(tl.float32)  # (QB, FNS)
-        Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
-                      other=0.0).to(tl.float32)  # (FNS, QB)
-        cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
-    rel = cumn - lam_h  # Λ of this step's tokens from the folded state
-    wn = dtn[None, :] * tl.exp(tl.minimum(rel[:, None] - rel[None, :], 0.0)) * cb_n
-    wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
-    er = tl.exp(rel)
-    fk = dth * tl.exp(tl.minimum(lam_h - cumh, 0.0))  # fold coefficients; zero past h_c (Δ masked to 0)
-    decay = tl.exp(lam_h)
-    Dh = tl.load(D_ptr + h)
-    NCF: tl.constexpr = N // FNS
-    acc = tl.zeros((QB, FP), dtype=tl.float32)
-    for k in range((BLOCK_P // FP) * NCF):
-        c = k % NCF
-        ps = p0 + (k // NCF) * FP + tl.arange(0, FP)
-        ncs = c * FNS + tl.arange(0, FNS)
-        xf = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + ps[None, :], mask=jm[:, None],
-                     other=0.0).to(tl.float32) * fk[:, None]  # (KB, FP)
-        Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
-                      other=0.0).to(tl.float32)  # (FNS, KB)
-        at = sbase + ps[None, :] * N + ncs[:, None]  # (FNS, FP): the chunk, transposed
-        S = dot_split(Bhc, xf, tl.load(state_ptr + at).to(tl.float32) * decay, RING16, False)
-        tl.store(state_ptr + at, stochastic_round(S, at, seed_mix, STATE_DTYPE, MAXV))
-        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
-                     other=0.0).to(tl.float32)  # (QB, FNS)
-        acc = dot_out(Cc, S, acc, X16, False, OUT16)
-        # The FP rows' outputs once their last chunk is in; the store masked (not branched), so the
-        # loop stays one straight body that Triton can pipeline.
-        xs = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + ps[None, :], mask=tm[:, None],
-                     other=0.0).to(tl.float32)  # (QB, FP)
-        yv = dot_out(wn, xs, er[:, None] * acc + Dh * xs, False, X16, OUT16)
-        last = (t * 0 + c) == NCF - 1  # as a tensor: a scalar bool in a mask trips the interpreter
-        tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + ps[None, :], yv.to(y_ptr.dtype.element_ty),
-                 mask=(tm & last)[:, None])
-        acc = tl.where(last[:, None], 0.0, acc)
-
-
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                order: bool = False, join: int = 0) -> None:
+                order: bool = False) -> None:
     """One launch, grid (P / block_p, H, b) (2b with `order`: the flush rows' programs first,
     `_ordered_row`); needs whole tiles (`replay_stream.stream_supported`) of >= 16 rows (the fold's
-    tensor-core product). join > 0: flush rows take `_joined_pass`, `join` rows at a time."""
+    tensor-core product)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16:
         raise ValueError(f"route 'mono' needs block_p >= 16 dividing P and N a multiple of 32 (P={P}, N={N})")
-    check_join(join, block_p)
     sdt = tl_dtype(state.dtype)
     _mono_kernel[(P // block_p, H, b * (1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
@@ -291,13 +207,5 @@ def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         *y.stride()[:3], H, G, R,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
-        MAXV=max_finite(sdt), ORDER=bool(order), JOIN=join > 0, FP=join or 16,
-        QJ=max(16, triton.next_power_of_2(q)), KJ=max(16, triton.next_power_of_2(int(window))),
-        num_warps=num_warps,
+        MAXV=max_finite(sdt), ORDER=bool(order), num_warps=num_warps,
     )
-
-
-def check_join(join: int, block_p: int) -> None:
-    """Option .jN: N rows at a time through `_joined_pass`: at least 16 (its products), dividing the tile."""
-    if join and (join < 16 or block_p % join):
-        raise ValueError(f"option .j{join} needs 16 <= {join} dividing block_p = {block_p}")

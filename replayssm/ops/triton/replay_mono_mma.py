@@ -14,8 +14,10 @@ the three products over N in one pass of NS-column chunks, the state tile never 
 
 with fp32 accuracy (`tf32.dot_split`: one TF32 pass for two 16-bit operands, two with one fp32),
 or one pass each where y is 16-bit (`tf32.dot_out`: the products reach only y). Appends and the
-flush fold are replay_mono.py's, as is option .jN, which sends a flush row through its one-pass
-fold and outputs (`_joined_pass`) instead.
+flush fold are replay_mono.py's. Option .jN sends a flush row through `_joined_pass` instead: the
+fold first and the outputs from the folded state, in one pass over the tile ("auto" takes .j32 by
+rows and state dtype, `replay.MONO_T_JOIN_ROWS`; one token, route "mono", lost with it and has no
+such option, benchmarks/NOTES-kernels.md, session 28).
 """
 
 from __future__ import annotations
@@ -24,18 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.replay_mono import (
-    _appends,
-    _decays,
-    _fold,
-    _joined_pass,
-    _ordered_row,
-    _row_head,
-    check_join,
-)
+from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _ordered_row, _row_head
 from replayssm.ops.triton.replay_stream import stream_supported
-from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
-from replayssm.ops.triton.tf32 import dot_out
+from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.tf32 import dot_out, dot_split
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -73,11 +67,10 @@ def _mono_mma_kernel(
 
     flush = valid & (hc + Q > window)
     if flush & JOIN:
-        _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr,
-                     rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P, sbase, xrow0, Brow0, R,
-                     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
-                     sy_b, sy_t, sy_h,
-                     Q, QB, HB, P, N, BLOCK_P, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
+        _joined_pass(x_ptr, B_ptr, C_ptr, D_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, seed_mix, i, h, g,
+                     pid_p * BLOCK_P, sbase, xrow0, Brow0, rows, jm, t, tm, dth, cumh, lam_h, dtn, cumn,
+                     sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
+                     QB, P, N, BLOCK_P, FP, NS, STATE_DTYPE, MAXV, OUT16)
         xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None],
                          other=0.0)
     else:
@@ -124,6 +117,69 @@ def _mono_mma_kernel(
               P, N, R, HB, NS, STATE_DTYPE, MAXV)
 
 
+@triton.jit
+def _joined_pass(x_ptr, B_ptr, C_ptr, D_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, seed_mix, i, h, g, p0, sbase,
+                 xrow0, Brow0, rows, jm, t, tm, dth, cumh, lam_h, dtn, cumn,
+                 sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
+                 QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, FP: tl.constexpr,
+                 FNS: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr):
+    """A flush row's outputs and fold in ONE pass over its state tile (option .jN): the fold first, the
+    outputs from the folded state. With S_h = e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ (the history folded),
+
+        y_t = e^{Λ_t - Λ_h} C_t S_hᵀ + Σ_{k<=t} w_tk x_k + D x_t,
+
+    equal to the outputs from S0 and the history (w_tj = e^{Λ_t - Λ_h} f_j C_t·B_j). Each (FNS, FP) chunk
+    of the tile is read once, folded by one tensor-core product with the history (`dot_split`: fp32
+    accuracy), written (rounded for 16-bit pools) and, unrounded, multiplied into the outputs; the
+    BLOCK_P rows go FP at a time through one flat loop, so the loop's loads pipeline across the
+    sub-tiles (a loop per sub-tile lost 5-13%, session 28) and the chunks stay small. The decays and
+    the history rows are the caller's; so are the ring appends."""
+    X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32
+    RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
+    cb_n = tl.zeros((QB, QB), dtype=tl.float32)  # C·B of this step's tokens (the history's is folded)
+    for c in range(N // FNS):
+        ncs = c * FNS + tl.arange(0, FNS)
+        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
+                     other=0.0).to(tl.float32)  # (QB, FNS)
+        Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
+                      other=0.0).to(tl.float32)  # (FNS, QB)
+        cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
+    rel = cumn - lam_h  # Λ of this step's tokens from the folded state
+    wn = dtn[None, :] * tl.exp(tl.minimum(rel[:, None] - rel[None, :], 0.0)) * cb_n
+    wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
+    er = tl.exp(rel)
+    fk = dth * tl.exp(tl.minimum(lam_h - cumh, 0.0))  # fold coefficients; zero past h_c (Δ masked to 0)
+    decay = tl.exp(lam_h)
+    Dh = tl.load(D_ptr + h)
+    NCF: tl.constexpr = N // FNS
+    acc = tl.zeros((QB, FP), dtype=tl.float32)
+    for k in range((BLOCK_P // FP) * NCF):
+        c = k % NCF
+        ps = p0 + (k // NCF) * FP + tl.arange(0, FP)
+        ncs = c * FNS + tl.arange(0, FNS)
+        xf = tl.load(rx_ptr + (xrow0 + rows)[:, None] * P + ps[None, :], mask=jm[:, None],
+                     other=0.0).to(tl.float32) * fk[:, None]  # (KB, FP)
+        Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
+                      other=0.0).to(tl.float32)  # (FNS, KB)
+        at = sbase + ps[None, :] * N + ncs[:, None]  # (FNS, FP): the chunk, transposed
+        S = dot_split(Bhc, xf, tl.load(state_ptr + at).to(tl.float32) * decay, RING16, False)
+        tl.store(state_ptr + at, stochastic_round(S, at, seed_mix, STATE_DTYPE, MAXV))
+        Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
+                     other=0.0).to(tl.float32)  # (QB, FNS)
+        acc = dot_out(Cc, S, acc, X16, False, OUT16)
+        # The FP rows' outputs once their last chunk is in; the store masked (not branched), so the
+        # loop stays one straight body that Triton can pipeline.
+        xs = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + ps[None, :], mask=tm[:, None],
+                     other=0.0).to(tl.float32)  # (QB, FP)
+        yv = dot_out(wn, xs, er[:, None] * acc + Dh * xs, False, X16, OUT16)
+        last = (t * 0 + c) == NCF - 1  # as a tensor: a scalar bool in a mask trips the interpreter
+        tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + ps[None, :], yv.to(y_ptr.dtype.element_ty),
+                 mask=(tm & last)[:, None])
+        acc = tl.where(last[:, None], 0.0, acc)
+
+
+
+
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                     exact: bool = False, order: bool = False, join: int = 0) -> None:
@@ -147,3 +203,9 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
         ORDER=bool(order), JOIN=join > 0, FP=join or 16, num_warps=num_warps,
     )  # fmt: skip
+
+
+def check_join(join: int, block_p: int) -> None:
+    """Option .jN: N rows at a time through `_joined_pass`: at least 16 (its products), dividing the tile."""
+    if join and (join < 16 or block_p % join):
+        raise ValueError(f"option .j{join} needs 16 <= {join} dividing block_p = {block_p}")
