@@ -67,10 +67,11 @@ def _mono_mma_kernel(
 
     flush = valid & (hc + Q > window)
     if flush & JOIN:
-        _joined_pass(x_ptr, B_ptr, C_ptr, D_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, seed_mix, i, h, g,
-                     pid_p * BLOCK_P, sbase, xrow0, Brow0, rows, jm, t, tm, dth, cumh, lam_h, dtn, cumn,
-                     sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
-                     QB, P, N, BLOCK_P, FP, NS, STATE_DTYPE, MAXV, OUT16)
+        _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr,
+                     rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P, sbase, xrow0, Brow0, R,
+                     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
+                     sy_b, sy_t, sy_h,
+                     Q, QB, HB, P, N, BLOCK_P, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
         xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None],
                          other=0.0)
     else:
@@ -118,24 +119,35 @@ def _mono_mma_kernel(
 
 
 @triton.jit
-def _joined_pass(x_ptr, B_ptr, C_ptr, D_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, seed_mix, i, h, g, p0, sbase,
-                 xrow0, Brow0, rows, jm, t, tm, dth, cumh, lam_h, dtn, cumn,
-                 sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
-                 QB: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, FP: tl.constexpr,
-                 FNS: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr):
-    """A flush row's outputs and fold in ONE pass over its state tile (option .jN): the fold first, the
+def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
+                 y_ptr, seed_mix, i, h, g, hc, o, p0, sbase, xrow0, Brow0, R,
+                 sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
+                 Q: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                 BLOCK_P: tl.constexpr, FP: tl.constexpr, FNS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+                 STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr):
+    """A flush row's outputs and fold in ONE pass over its state tile (option .j): the fold first, the
     outputs from the folded state. With S_h = e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ (the history folded),
 
         y_t = e^{Λ_t - Λ_h} C_t S_hᵀ + Σ_{k<=t} w_tk x_k + D x_t,
 
-    equal to the outputs from S0 and the history (w_tj = e^{Λ_t - Λ_h} f_j C_t·B_j). Each (FNS, FP) chunk
-    of the tile is read once, folded by one tensor-core product with the history (`dot_split`: fp32
+    equal to the outputs from S0 and the history (w_tj = e^{Λ_t - Λ_h} f_j C_t·B_j). Each (FNS, FP) chunk of
+    the tile is read once, folded by one tensor-core product with the history (`dot_split`: fp32
     accuracy), written (rounded for 16-bit pools) and, unrounded, multiplied into the outputs; the
     BLOCK_P rows go FP at a time through one flat loop, so the loop's loads pipeline across the
-    sub-tiles (a loop per sub-tile lost 5-13%, session 28) and the chunks stay small. The decays and
-    the history rows are the caller's; so are the ring appends."""
+    sub-tiles (a loop per sub-tile lost 5-13%, session 28) and the chunks stay small. The program's ring
+    appends are its caller's. QB, KB >= 16: tokens and history padded for the products. The decays are
+    formed here again from the ring's Δ and the step's dt (the caller holds them too): passing the
+    caller's in took 6 registers off the kernel and moved its times both ways (NOTES-kernels.md,
+    session 28, call 6), so the measured form stays."""
     X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32
     RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
+    j = tl.arange(0, KB)
+    jm = j < hc
+    rows = (o + j) % R
+    t = tl.arange(0, QB)
+    tm = t < Q
+    A, dth, cumh, lam_h, dtn, cumn = _decays(A_ptr, rdt_ptr, dt_ptr, dt_bias_ptr, xrow0 + rows, jm,
+                                             i * sdt_b + t * sdt_t + h * sdt_h, tm, h, DT_SOFTPLUS)
     cb_n = tl.zeros((QB, QB), dtype=tl.float32)  # C·B of this step's tokens (the history's is folded)
     for c in range(N // FNS):
         ncs = c * FNS + tl.arange(0, FNS)
@@ -176,8 +188,6 @@ def _joined_pass(x_ptr, B_ptr, C_ptr, D_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, s
         tl.store(y_ptr + i * sy_b + t[:, None] * sy_t + h * sy_h + ps[None, :], yv.to(y_ptr.dtype.element_ty),
                  mask=(tm & last)[:, None])
         acc = tl.where(last[:, None], 0.0, acc)
-
-
 
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
