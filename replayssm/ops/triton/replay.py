@@ -204,7 +204,7 @@ MONO_ORDER_ROWS = 64
 # 22.3 -> 23.2, 8B b = 8 / 16 / 32 20.8 / 34.5 / 60.4 -> 21.3 / 34.6 / 61.4), except 8B b = 1 / 2 (7.2 /
 # 9.1 -> 7.1 / 8.7), left out with the rest of the few-row sizes. One token (mono) loses (TP8 b = 64 / 128
 # 17.1 / 28.6 -> 18.8 / 32.1).
-MONO_T_JOIN_ROWS = {True: {32: 16, 64: 128}, False: {32: 1, 64: 1}}
+MONO_T_JOIN_ROWS = {True: {32: 16, 64: 128}, False: {32: 1}}  # 16-bit mono.t tiles are 32 rows
 MONO_T_NO_STREAM_ROW_HEADS = 8192  # "mono.t" with fp32 state where the streaming tile does not fit
 # Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
@@ -261,7 +261,8 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
         tile = next(c for most, c in sizes if most is None or b * H <= most)
         for c in (tile, LaunchConfig(32, tile.num_warps)):
             if stream_supported(P, N, c.block_p):
-                join = q > 1 and b >= MONO_T_JOIN_ROWS[wide].get(c.block_p, b + 1)
+                least = MONO_T_JOIN_ROWS[wide].get(c.block_p)  # None: this tile never joins
+                join = q > 1 and least is not None and b >= least
                 return one + (".j32" if join else ""), c
     if not stream_supported(P, N, cfg.block_p):
         return None
