@@ -91,12 +91,14 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 @pytest.mark.parametrize("q", [1, 4])
 @pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4)),
                                           ("mono.t.o.j16", (64, 2)), ("mono.t.o.j32", (64, 2)),
-                                          ("mono.t.o.j32", (32, 2))])
+                                          ("mono.t.o.j32", (32, 2)), ("mono.t.o.j32.f2", (64, 2)),
+                                          ("mono.t.o.j16.f2", (32, 2))])
 @pytest.mark.parametrize("b", [12, 300])
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b, lockstep):
-    """On the GPU: the one-launch routes with the flush rows' programs first (.o: a grid of 2b rows)
-    work every row once and match, with the rows' cursors apart or together (lock-step)."""
+    """On the GPU: the one-launch routes with the flush rows' programs first (.o: a grid of 2b rows; .f2:
+    3b, a flush row's tile in two programs) work every row once and match, with the rows' cursors apart
+    or together (lock-step)."""
     from triton_cases import check_replay_cycle
 
     from replayssm.ops.triton.ssu import LaunchConfig
@@ -286,10 +288,13 @@ def test_route_options_are_checked(route):
 
 
 @pytest.mark.parametrize("route, error", [("mono.t.j8", "needs 16 <="), ("mono.t.x.j24", "needs 16 <="),
-                                          ("mono.t.o.j64", "needs 16 <="), ("mono.j32", "mono.t's")])
+                                          ("mono.t.o.j64", "needs 16 <="), ("mono.j32", "mono.t's"),
+                                          ("mono.t.o.j32.f2", "needs 16 <="), ("mono.o.f2", "mono.t's"),
+                                          ("mono.t.j16.f2", "with options"), ("mono.t.o.f2", "with options"),
+                                          ("mono.t.o.j16.f1", "needs M >= 2")])
 def test_join_rows_are_checked(route, error):
-    """Option .jN takes N >= 16 dividing the tile's rows (a 32-row tile here) and only on mono.t, else a
-    clear error."""
+    """Option .jN takes N >= 16 dividing the tile's rows (a 32-row tile here; with .fM its M-th) and only on
+    mono.t, .fM only with .o and .jN; else a clear error."""
     from replayssm.ops.triton.replay import launch_replay_forward
     from replayssm.ops.triton.ssu import LaunchConfig
 

@@ -310,13 +310,16 @@ def _parse_route(route: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_mono(route: str) -> tuple[str, bool, int] | None:
-    """(family, order, join rows) of a one-launch route "mono[.o]" or "mono.t[.x][.o][.jN]"; None for
-    other routes."""
-    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x)(\.o)?(?:\.j(\d+))?", route)
-    if m is not None and m[1] == "mono" and m[3]:
-        raise ValueError(f"route {route!r}: option .jN is mono.t's (several tokens); route 'mono' has none")
-    return None if m is None else (m[1], bool(m[2]), int(m[3] or 0))
+def _parse_mono(route: str) -> tuple[str, bool, int, int] | None:
+    """(family, order, join rows, flush programs per tile) of a one-launch route "mono[.o]" or
+    "mono.t[.x][.o][.jN][.fM]"; None for other routes."""
+    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x)(\.o)?(?:\.j(\d+))?(?:\.f(\d+))?", route)
+    if m is not None and m[1] == "mono" and (m[3] or m[4]):
+        raise ValueError(f"route {route!r}: options .jN and .fM are mono.t's (several tokens); route 'mono' "
+                         f"has none")
+    if m is not None and m[4] and int(m[4]) < 2:
+        raise ValueError(f"route {route!r}: option .fM needs M >= 2 flush programs per tile")
+    return None if m is None else (m[1], bool(m[2]), int(m[3] or 0), int(m[4] or 1))
 
 
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
@@ -379,7 +382,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # .o: the flush rows' programs dispatched first (`replay_mono._ordered_row`); .jN (mono.t): a flush
         # row's outputs and fold in one pass, N rows at a time (`replay_mono_mma._joined_pass`).
         cfg = config or CONFIG
-        family, order, join = mono
+        family, order, join, split = mono
         if family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
@@ -387,7 +390,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         else:
             launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                             state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
-                            exact=family == "mono.t.x", order=order, join=join)
+                            exact=family == "mono.t.x", order=order, join=join, split=split)
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:

@@ -40,11 +40,15 @@ def _mono_mma_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
-    JOIN: tl.constexpr, FP: tl.constexpr,
+    JOIN: tl.constexpr, FP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
-    i, mine = _ordered_row(idx_ptr, committed_ptr, window, Q, ORDER)
+    if SPLIT > 1:
+        i, mine, part = _split_row(idx_ptr, committed_ptr, window, Q, SPLIT)
+    else:
+        i, mine = _ordered_row(idx_ptr, committed_ptr, window, Q, ORDER)
+        part = 0
     if not mine:
         return
     s, valid, s64, hc, o, hpg, g = _row_head(idx_ptr, committed_ptr, ring_start_ptr, i, h, H, G)
@@ -67,14 +71,17 @@ def _mono_mma_kernel(
 
     flush = valid & (hc + Q > window)
     if flush & JOIN:
+        FB: tl.constexpr = BLOCK_P // SPLIT  # .fN: each of a flush tile's N programs works FB of its rows
         _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr,
-                     rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P, sbase, xrow0, Brow0, R,
-                     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
+                     rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P + part * FB, sbase, xrow0,
+                     Brow0, R, sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
                      sy_b, sy_t, sy_h,
-                     Q, QB, HB, P, N, BLOCK_P, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
-        xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None],
+                     Q, QB, HB, P, N, FB, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
+        tma = tm & ((t * 0 + part) == 0) if SPLIT > 1 else tm  # the first of the N appends for all
+        xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tma[:, None],
                          other=0.0)
     else:
+        tma = tm
         # One pass over N in NS-column chunks (no (rows, N) tile live): C·B of the history and of this
         # step, and C S0ᵀ (the state tile read as (NS, BLOCK_P) pieces).
         cb_h = tl.zeros((QB, HB), dtype=tl.float32)
@@ -111,11 +118,25 @@ def _mono_mma_kernel(
 
     Bn_raw = tl.load(B_ptr + i * sB_b + t[:, None] * sB_t + g * sB_g + n[None, :],
                      mask=tm[:, None] & nm[None, :], other=0.0)  # read again for the append (an L1/L2 hit)
-    _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tm, p, n, nm, pid_p, h, hpg,
+    _appends(rx_ptr, rB_ptr, rdt_ptr, xn_raw, dtn, Bn_raw, s, o, hc, t, tma, p, n, nm, pid_p, h, hpg,
              xrow0, Brow0, P, N, R)
     if flush & (not JOIN):
         _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, Brow0, seed_mix,
               P, N, R, HB, NS, STATE_DTYPE, MAXV)
+
+
+@triton.jit
+def _split_row(idx_ptr, committed_ptr, window, Q: tl.constexpr, SPLIT: tl.constexpr):
+    """`replay_mono._ordered_row` with option .fN (SPLIT = N): a grid of (N + 1) b rows, N parts of the
+    flush rows first (program part k of a flush row works the k-th N-th of its tile's rows), then the
+    others. (row, whether this program has work, part)."""
+    k = tl.program_id(2)
+    b = tl.num_programs(2) // (SPLIT + 1)
+    first = k < b * SPLIT
+    i = tl.where(first, k % b, k - b * SPLIT)
+    s = tl.load(idx_ptr + i)
+    flush = (s >= 0) & (tl.load(committed_ptr + tl.maximum(s, 0).to(tl.int64)) + Q > window)
+    return i, flush == first, tl.where(first, k // b, 0)
 
 
 @triton.jit
@@ -192,30 +213,35 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, order: bool = False, join: int = 0) -> None:
+                    exact: bool = False, order: bool = False, join: int = 0, split: int = 1) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
     `order` and `join` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32
-    pass each there)."""
+    pass each there). split (option .fN, with order and join): a flush row's tile in N programs of
+    block_p / N rows each, grid (P / block_p, H, (N + 1) b)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16 or N < 16:
         raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
                          f"(P={P}, N={N})")
-    check_join(join, block_p)
+    check_join(join, block_p, order, split)
     sdt = tl_dtype(state.dtype)
-    _mono_mma_kernel[(P // block_p, H, b * (1 + order))](
+    _mono_mma_kernel[(P // block_p, H, b * (split + 1 if split > 1 else 1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
         seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
         *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=bool(order), JOIN=join > 0, FP=join or 16, num_warps=num_warps,
+        ORDER=bool(order), JOIN=join > 0, FP=join or 16, SPLIT=split, num_warps=num_warps,
     )  # fmt: skip
 
 
-def check_join(join: int, block_p: int) -> None:
-    """Option .jN: N rows at a time through `_joined_pass`: at least 16 (its products), dividing the tile."""
-    if join and (join < 16 or block_p % join):
-        raise ValueError(f"option .j{join} needs 16 <= {join} dividing block_p = {block_p}")
+def check_join(join: int, block_p: int, order: bool = False, split: int = 1) -> None:
+    """Option .jN: N rows at a time through `_joined_pass`: at least 16 (its products), dividing the tile
+    (with .fM, dividing the tile's M-th that each flush program works). .fM takes .o and .jN."""
+    if split < 1 or (split > 1 and not (order and join)):
+        raise ValueError(f"option .f{split} is taken with options .o and .jN")
+    if join and (join < 16 or (block_p // split) % join or block_p % split):
+        raise ValueError(f"option .j{join} needs 16 <= {join} dividing block_p = {block_p}"
+                         + (f" / {split}" if split > 1 else ""))
