@@ -229,8 +229,13 @@ def test_auto_route_policy():
     assert auto_route(4, 4, 128, 64, 128)[0] == "mono.t"
     assert auto_route(32, 4, 16, 64, 128)[0] == "mono.t.j32"  # 512 row-heads in 32 rows: flush rows joined
     assert auto_route(8, 4, 16, 64, 128)[0] == "mono.t"  # 8 rows: not joined
-    assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t.o"  # 1,024 row-heads
-    assert auto_route(64, 4, 16, 64, 128)[0] == "mono.t.o"  # TP8, 1,024: 64-row tiles join from 128 rows
+    # 513-1,536 row-heads (fp32): a flush row's tile in two programs, whatever the rows.
+    assert auto_route(8, 4, 128, 64, 128)[0] == "mono.t.o.j32.f2"  # 1,024 row-heads
+    assert auto_route(64, 4, 16, 64, 128)[0] == "mono.t.o.j32.f2"  # TP8, 1,024
+    assert auto_route(48, 2, 16, 64, 128)[0] == "mono.t.o.j32.f2"  # 768
+    assert auto_route(96, 3, 16, 64, 128)[0] == "mono.t.o.j32.f2"  # 1,536
+    assert auto_route(112, 4, 16, 64, 128)[0] == "mono.t.o"  # 1,792: 64-row tiles join from 128 rows
+    assert auto_route(64, 4, 16, 32, 128)[0] == "mono.t.o.j32"  # P = 32: no 64-row tile to split
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t.o.j32"  # TP8 shape, 2,048
     assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t.o"  # 4,096 row-heads
     fp32 = "stream-list.c.y.b.t.p2.l.v1.h.g160.r72"
@@ -238,12 +243,15 @@ def test_auto_route_policy():
     assert auto_route(64, 4, 128, 64, 128)[0] == fp32 + ".i2"  # 8,192 pieces
     assert auto_route(128, 4, 128, 64, 128)[0] == fp32  # 16,384
     assert auto_route(256, 4, 128, 64, 128)[0] == fp32
-    # 16-bit states: mono.t up to 1,024 row-heads, then the flush pieces in column parts, .l only with .i2.
+    # 16-bit states: mono.t up to 2,048 row-heads (split flush tiles above 512), then the flush pieces in
+    # column parts, .l only with .i2.
     f16 = torch.float16
-    assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t.o.j32"  # 1,024 row-heads; joined at any size
-    assert auto_route(32, 4, 16, 64, 128, f16)[0] == "mono.t.j32"
+    assert auto_route(64, 4, 16, 64, 128, f16)[0] == "mono.t.o.j32.f2"  # 1,024 row-heads
+    assert auto_route(128, 4, 16, 64, 128, f16)[0] == "mono.t.o.j32.f2"  # 2,048
+    assert auto_route(32, 4, 16, 64, 128, f16)[0] == "mono.t.j32"  # 512; joined at any size
     assert auto_route(1, 4, 128, 64, 128, f16)[0] == "mono.t.j32"
-    assert auto_route(128, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
+    assert auto_route(64, 4, 16, 32, 128, f16)[0] == "mono.t.o.j32"  # P = 32: 32-row tiles
+    assert auto_route(192, 4, 16, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
     assert auto_route(64, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"
     assert auto_route(128, 4, 128, 64, 128, f16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
     assert auto_route(256, 4, 128, 64, 128, torch.bfloat16)[0] == "stream-list.c.y.b.t.f2.g96.p4.v1.h.r80"
@@ -263,7 +271,8 @@ def test_auto_route_policy():
     assert auto_route(128, 4, 16, 32, 128) == ("mono.t.o.j32", L(32, 2))
     assert auto_route(512, 4, 16, 32, 128) == ("mono.t.j32", L(32, 2))
     assert auto_route(1024, 4, 16, 32, 128) is None
-    assert auto_route(64, 4, 16, 64, 128, f16)[1] == L(32, 2)
+    assert auto_route(64, 4, 16, 64, 128, f16)[1] == L(64, 2)
+    assert auto_route(32, 4, 16, 64, 128, f16)[1] == L(32, 2)
 
 
 

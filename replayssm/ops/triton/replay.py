@@ -35,12 +35,15 @@ Routes (all read S0 once per row and write it only on flush rows):
   (fp32 .g160.r72, 16-bit .g96.r80). Up to 8,192 pieces they take two pieces per program instead
   of eight (.i2, `FEW_PIECES`; the 16-bit route then as before the caps, with .l:
   "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"). Small steps take "mono.t" (`auto_route`): up to
-  4,096 row-heads with fp32 state (1,024 with 16-bit states), from 1,024 on as "mono.t.o", which
-  dispatches the flush rows' programs first, and with ".j32" by rows (`MONO_T_JOIN_ROWS`).
+  4,096 row-heads with fp32 state (2,048 with 16-bit states), from 1,024 on as "mono.t.o", which
+  dispatches the flush rows' programs first, and with ".j32" by rows (`MONO_T_JOIN_ROWS`); above 512
+  row-heads and up to 1,536 (fp32) or 2,048 (16-bit) as "mono.t.o.j32.f2" at 64x2, a flush row's tile
+  in two programs (`MONO_T_SPLIT_ROW_HEADS`).
 - "mono" / "mono.t" (`replay_mono.py`, `replay_mono_mma.py`): one launch, one program per (P tile,
   head, row) that reads its tile, writes the outputs and appends, and on a flush row folds after
   (mono.t with .jN: folds first and forms its outputs from the folded state in the same pass, N rows at
-  a time). "auto" takes "mono" for small one-token steps, as "mono.o" from 64 rows (`MONO_ORDER_ROWS`).
+  a time; with .o.jN.fM, M programs of 1/M of its rows each work a flush row's tile, dispatched first).
+  "auto" takes "mono" for small one-token steps, as "mono.o" from 64 rows (`MONO_ORDER_ROWS`).
 - "fused" (`replay_step.py`): the weights launch, then one output launch per (P tile, head, row)
   that also folds and writes the flush rows from the tile already in registers.
 - "split": the same two launches, flush rows folded by `replay_fold.py` afterwards (re-reads S0
@@ -204,7 +207,20 @@ MONO_ORDER_ROWS = 64
 # 22.3 -> 23.2, 8B b = 8 / 16 / 32 20.8 / 34.5 / 60.4 -> 21.3 / 34.6 / 61.4), except 8B b = 1 / 2 (7.2 /
 # 9.1 -> 7.1 / 8.7), left out with the rest of the few-row sizes. One token (mono) loses (TP8 b = 64 / 128
 # 17.1 / 28.6 -> 18.8 / 32.1).
-MONO_T_JOIN_ROWS = {True: {32: 16, 64: 128}, False: {32: 1}}  # 16-bit mono.t tiles are 32 rows
+MONO_T_JOIN_ROWS = {True: {32: 16, 64: 128}, False: {32: 1}}  # 16-bit mono.t tiles are 32 rows (but .f2's)
+# Several tokens: above the first b * H and up to the second, by fp32 (True) or 16-bit (False) state, "auto"
+# takes "mono.t.o.j32.f2" at a 64x2 tile: a flush row's tile in two programs of 32 rows (option .fM,
+# replay_mono_mma._split_row). Where the grid is about one wave the step ends with its longest programs,
+# the flush rows' (fold, write and outputs); halved, they end sooner. Session 29 (calls 1-2, µs, the
+# usual mix, two timings each; auto before -> .f2): fp32 q = 4 TP8 b = 48 / 64 / 96 (768 / 1,024 / 1,536
+# row-heads) 19.5 / 22.2 / 27.6 -> 16.8 / 20.3 / 27.2, 8B b = 6 / 8 / 12 16.8 / 20.8 / 27.4 -> 16.5 / 20.0
+# / 27.0, q = 2 TP8 b = 64 20.7 -> 19.7; fp16 q = 4 TP8 b = 64 / 96 / 128 23.1 / 31.1 / 34.7 (the last two
+# the streaming route) -> 20.5 / 25.6 / 32.5, 8B b = 8 / 16 19.8 / 36.9 -> 18.8 / 31.5, q = 2 / 3 TP8
+# b = 64 / 128 20.9 / 32.6 -> 19.4 / 30.1. Outside, or where it lost: fp32 q = 3 TP8 b = 64 20.2 -> 20.7;
+# fp32 TP8 b = 32 (512, 32x2 .j32) 13.3 -> 14.0, b = 128 / 256 (.o.j32) 33.0 / 58.6 -> 34.1 / 62.7, 8B
+# b = 16 / 32 34.5 / 60.6 -> 34.5 / 61.9; fp16 8B b = 4 (512) 11.7 -> 13.0, TP8 b = 192 (3,072) 43.4 ->
+# 46.7; 8,192 row-heads 8-12% slower than the streaming route.
+MONO_T_SPLIT_ROW_HEADS = {True: (512, 1536), False: (512, 2048)}
 MONO_T_NO_STREAM_ROW_HEADS = 8192  # "mono.t" with fp32 state where the streaming tile does not fit
 # Several-token stream routes over at most this many pieces take two pieces per program (.i2), not eight:
 # session 18 (calls 4-6, µs, .i2 vs .i8): 8B fp32 b = 128 (16,384 pieces) 204.4-205.2 vs 210.2-210.8 in
@@ -249,6 +265,9 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
     """The route and tile "auto" takes for b rows of q tokens with that state dtype; None where no
     whole-tile route fits."""
     wide = state_dtype == torch.float32
+    split_lo, split_hi = MONO_T_SPLIT_ROW_HEADS[wide]
+    if q > 1 and split_lo < b * H <= split_hi and stream_supported(P, N, 64):
+        return "mono.t.o.j32.f2", LaunchConfig(block_p=64, num_warps=2)
     route, cfg = AUTO_ROUTES[q > 1]
     lo, hi = MONO_T_ROW_HEADS[wide] if q > 1 else (None, MONO_MAX_ROW_HEADS)
     ordered = lo <= b * H <= hi if q > 1 else b >= MONO_ORDER_ROWS

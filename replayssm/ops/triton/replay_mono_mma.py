@@ -17,7 +17,10 @@ or one pass each where y is 16-bit (`tf32.dot_out`: the products reach only y). 
 flush fold are replay_mono.py's. Option .jN sends a flush row through `_joined_pass` instead: the
 fold first and the outputs from the folded state, in one pass over the tile ("auto" takes .j32 by
 rows and state dtype, `replay.MONO_T_JOIN_ROWS`; one token, route "mono", lost with it and has no
-such option, benchmarks/NOTES-kernels.md, session 28).
+such option, benchmarks/NOTES-kernels.md, session 28). Option .fM (with .o and .jN) works a flush row's
+tile in M programs of BLOCK_P / M rows each, dispatched before the other rows' (`_split_row`): where the
+grid is about one wave the flush programs end the step, and halved they end it sooner ("auto" takes
+.o.j32.f2 at 64x2 by row-heads and state dtype, `replay.MONO_T_SPLIT_ROW_HEADS`; session 29).
 """
 
 from __future__ import annotations
