@@ -77,7 +77,7 @@ def args_parse():
     a.add_argument("--hoist-c", action="store_true", help="HOIST_C constexpr (streaming launch, option .h)")
     a.add_argument("--join", type=int, default=0, help="monot: option .jN (JOIN, FP = N rows)")
     a.add_argument("--order", action="store_true", help="mono / monot: option .o (ORDER)")
-    a.add_argument("--flush-split", type=int, default=1, help="monot: option .fN (SPLIT)")
+    a.add_argument("--flush-split", type=int, default=1, help="monot: option .fM (SPLIT)")
     a.add_argument("--state-dtype", choices=list(TDT), default="fp32")
     a.add_argument("--act-dtype", choices=list(TDT), default="bf16", help="x, B/C, y, ring_x, ring_B")
     a.add_argument("--seed", type=int, default=0, help="rand_seed (seed_mix >= 2^31 specializes to i64)")

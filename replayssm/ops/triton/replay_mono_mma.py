@@ -74,13 +74,13 @@ def _mono_mma_kernel(
 
     flush = valid & (hc + Q > window)
     if flush & JOIN:
-        FB: tl.constexpr = BLOCK_P // SPLIT  # .fN: each of a flush tile's N programs works FB of its rows
+        FB: tl.constexpr = BLOCK_P // SPLIT  # .fM: each of a flush tile's M programs works FB of its rows
         _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr,
                      rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P + part * FB, sbase, xrow0,
                      Brow0, R, sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
                      sy_b, sy_t, sy_h,
                      Q, QB, HB, P, N, FB, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
-        tma = tm & ((t * 0 + part) == 0) if SPLIT > 1 else tm  # the first of the N appends for all
+        tma = tm & ((t * 0 + part) == 0) if SPLIT > 1 else tm  # the first of the M appends for all
         xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tma[:, None],
                          other=0.0)
     else:
@@ -130,8 +130,8 @@ def _mono_mma_kernel(
 
 @triton.jit
 def _split_row(idx_ptr, committed_ptr, window, Q: tl.constexpr, SPLIT: tl.constexpr):
-    """`replay_mono._ordered_row` with option .fN (SPLIT = N): a grid of (N + 1) b rows, N parts of the
-    flush rows first (program part k of a flush row works the k-th N-th of its tile's rows), then the
+    """`replay_mono._ordered_row` with option .fM (SPLIT = M): a grid of (M + 1) b rows, M parts of the
+    flush rows first (program part k of a flush row works the k-th M-th of its tile's rows), then the
     others. (row, whether this program has work, part)."""
     k = tl.program_id(2)
     b = tl.num_programs(2) // (SPLIT + 1)
@@ -219,8 +219,8 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
                     exact: bool = False, order: bool = False, join: int = 0, split: int = 1) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
     `order` and `join` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32
-    pass each there). split (option .fN, with order and join): a flush row's tile in N programs of
-    block_p / N rows each, grid (P / block_p, H, (N + 1) b)."""
+    pass each there). split (option .fM, with order and join): a flush row's tile in M programs of
+    block_p / M rows each, grid (P / block_p, H, (M + 1) b)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
