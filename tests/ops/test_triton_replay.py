@@ -92,13 +92,14 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
 @pytest.mark.parametrize("route, block", [("mono.o", (32, 2)), ("mono.t.o", (64, 2)), ("mono.t.o", (32, 4)),
                                           ("mono.t.o.j16", (64, 2)), ("mono.t.o.j32", (64, 2)),
                                           ("mono.t.o.j32", (32, 2)), ("mono.t.o.j32.f2", (64, 2)),
-                                          ("mono.t.o.j16.f2", (32, 2))])
+                                          ("mono.t.o.j16.f2", (32, 2)), ("mono.t.o.j32.f2.r128", (64, 2)),
+                                          ("mono.o.r96", (32, 2))])
 @pytest.mark.parametrize("b", [12, 300])
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b, lockstep):
     """On the GPU: the one-launch routes with the flush rows' programs first (.o: a grid of 2b rows; .f2:
     3b, a flush row's tile in two programs) work every row once and match, with the rows' cursors apart
-    or together (lock-step)."""
+    or together (lock-step), also under a register cap (.rN: what spills must still be right)."""
     from triton_cases import check_replay_cycle
 
     from replayssm.ops.triton.ssu import LaunchConfig
@@ -300,12 +301,45 @@ def test_route_options_are_checked(route):
                                           ("mono.t.o.j64", "needs 16 <="), ("mono.j32", "mono.t's"),
                                           ("mono.t.o.j32.f2", "needs 16 <="), ("mono.o.f2", "mono.t's"),
                                           ("mono.t.j16.f2", "with options"), ("mono.t.o.f2", "with options"),
-                                          ("mono.t.o.j16.f1", "needs M >= 2")])
+                                          ("mono.t.o.j16.f1", "needs M >= 2"), ("mono.t.o.r8", "24 to 255"),
+                                          ("mono.o.r256", "24 to 255")])
 def test_join_rows_are_checked(route, error):
     """Option .jN takes N >= 16 dividing the tile's rows (a 32-row tile here; with .fM its M-th) and only on
-    mono.t, .fM only with .o and .jN; else a clear error."""
+    mono.t, .fM only with .o and .jN, .rN a register cap of 24 to 255; else a clear error."""
     from replayssm.ops.triton.replay import launch_replay_forward
     from replayssm.ops.triton.ssu import LaunchConfig
 
     with pytest.raises(ValueError, match=error):
         launch_replay_forward(*_tiny_step(2, 32, 32), 4, True, 0, None, LaunchConfig(32, 1), route=route)
+
+
+@requires_cuda
+@pytest.mark.parametrize("route, kernel", [("mono.o.r80", "_mono_kernel"),
+                                           ("mono.t.o.j32.r96", "_mono_mma_kernel")])
+def test_register_cap_gpu(route, kernel):
+    """On the GPU: option .rN compiles the one-launch kernel with at most N registers per thread (the
+    uncapped build of this tile takes more), and its outputs still match."""
+    from triton_cases import check_replay_cycle
+
+    from replayssm.ops.triton import replay_mono, replay_mono_mma
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    fn = getattr(replay_mono if kernel == "_mono_kernel" else replay_mono_mma, kernel)
+    cap = int(route.rsplit(".r", 1)[1])
+    regs = {}
+    for r in (route, route.rsplit(".r", 1)[0]):
+        before = _compiled(fn)
+        check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=40, S=60, W=16, steps=20, act=torch.bfloat16,
+                           q=1 if kernel == "_mono_kernel" else 4, route=r, config=LaunchConfig(64, 2))
+        regs[r] = max(k.n_regs for k in _compiled(fn) if id(k) not in before)
+    assert regs[route] <= cap < regs[route.rsplit(".r", 1)[0]], regs
+
+
+def _compiled(fn) -> dict:
+    """id -> compiled kernel of every specialization of a Triton JIT function built so far."""
+    out = {}
+    for cache in fn.device_caches.values():
+        for k in cache[0].values():
+            k._init_handles()
+            out[id(k)] = k
+    return out

@@ -572,9 +572,10 @@ def _replay_mono(small) -> None:
                        lockstep=True)
     check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x.j16", steps=6,
                        act=torch.bfloat16)
-    # .f2: a flush row's tile in two programs of half its rows each (a grid of 3b rows), the first appending.
-    check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(32, 1), route="mono.t.o.j16.f2", steps=6,
-                       act=torch.bfloat16)
+    # .f2: a flush row's tile in two programs of half its rows each (a grid of 3b rows), the first appending
+    # (with a register cap, .r128, which the interpreter takes and ignores).
+    check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(32, 1), route="mono.t.o.j16.f2.r128",
+                       steps=6, act=torch.bfloat16)
 
 
 # The replay cases in four parts, each its own interpreter process (and test), so no one test

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import fold_chunks
-from replayssm.ops.triton.replay_stream import stream_supported
+from replayssm.ops.triton.replay_stream import regs, stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.ssu import softplus_dt
 
@@ -191,10 +191,10 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                order: bool = False) -> None:
+                order: bool = False, maxnreg: int = 0) -> None:
     """One launch, grid (P / block_p, H, b) (2b with `order`: the flush rows' programs first,
     `_ordered_row`); needs whole tiles (`replay_stream.stream_supported`) of >= 16 rows (the fold's
-    tensor-core product)."""
+    tensor-core product). maxnreg (option .rN): a register cap, 0 for none."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -207,5 +207,5 @@ def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         *y.stride()[:3], H, G, R,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
-        MAXV=max_finite(sdt), ORDER=bool(order), num_warps=num_warps,
+        MAXV=max_finite(sdt), ORDER=bool(order), num_warps=num_warps, **regs(maxnreg),
     )

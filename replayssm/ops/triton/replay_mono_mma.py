@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _ordered_row, _row_head
-from replayssm.ops.triton.replay_stream import stream_supported
+from replayssm.ops.triton.replay_stream import regs, stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 from replayssm.ops.triton.tf32 import dot_out, dot_split
 
@@ -216,10 +216,11 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, order: bool = False, join: int = 0, split: int = 1) -> None:
+                    exact: bool = False, order: bool = False, join: int = 0, split: int = 1,
+                    maxnreg: int = 0) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
-    `order` and `join` as there). exact: fp32-accurate products even where y is 16-bit (else one TF32
-    pass each there). split (option .fM, with order and join): a flush row's tile in M programs of
+    `order`, `join` and `maxnreg` as there). exact: fp32-accurate products even where y is 16-bit (else
+    one TF32 pass each there). split (option .fM, with order and join): a flush row's tile in M programs of
     block_p / M rows each, grid (P / block_p, H, (M + 1) b)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
@@ -236,7 +237,7 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=bool(order), JOIN=join > 0, FP=join or 16, SPLIT=split, num_warps=num_warps,
+        ORDER=bool(order), JOIN=join > 0, FP=join or 16, SPLIT=split, num_warps=num_warps, **regs(maxnreg),
     )  # fmt: skip
 
 

@@ -222,7 +222,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
         programs = min(b * H * (P // block_p), flush_programs(x.device, flush_programs_per_sm))
         _flush_kernel[(programs,)](rows, count, x, D, C, state, ring_x, ring_B, ring_start, committed,
                                    state_indices, y, w, sc, *common, **meta, SPLIT=flush_parts,
-                                   STAGES=flush_stages, **_regs(flush_maxnreg))
+                                   STAGES=flush_stages, **regs(flush_maxnreg))
 
     outputs_all = outputs_all and block_p >= 16  # fold-only pieces are tensor-core products
     hoist_c = bool(hoist_c and mma and (H // G) * (P // block_p) % k == 0)
@@ -232,7 +232,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
             x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
             common[0], int(window), *common[1:], ITEMS=k, STAGES=stages, ALL=outputs_all, HOIST_C=hoist_c,
             **meta,
-            **_regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
+            **regs(stream_maxnreg), **(dict(PDL=True, launch_pdl=True) if pdl else {}),
         )
 
     if outputs_all:
@@ -247,7 +247,7 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
     run_beside(x.device, flush_launches, stream_launch, concurrent, priority)
 
 
-def _regs(maxnreg: int) -> dict:
+def regs(maxnreg: int) -> dict:
     """Launch options for a register cap (none when 0)."""
     return dict(maxnreg=maxnreg) if maxnreg else {}
 
