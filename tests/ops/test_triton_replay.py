@@ -235,10 +235,12 @@ def test_auto_route_policy():
     assert auto_route(64, 4, 16, 64, 128)[0] == "mono.t.o.j32.f2"  # TP8, 1,024
     assert auto_route(48, 2, 16, 64, 128)[0] == "mono.t.o.j32.f2"  # 768
     assert auto_route(96, 3, 16, 64, 128)[0] == "mono.t.o.j32.f2"  # 1,536
-    assert auto_route(112, 4, 16, 64, 128)[0] == "mono.t.o"  # 1,792: 64-row tiles join from 128 rows
+    assert auto_route(112, 4, 16, 64, 128)[0] == "mono.t.o.j32.r128"  # 1,792: capped under 128 rows
     assert auto_route(64, 4, 16, 32, 128)[0] == "mono.t.o.j32"  # P = 32: no 64-row tile to split
     assert auto_route(128, 4, 16, 64, 128)[0] == "mono.t.o.j32"  # TP8 shape, 2,048
-    assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t.o"  # 4,096 row-heads
+    assert auto_route(32, 4, 128, 64, 128)[0] == "mono.t.o.j32.r128"  # 4,096 row-heads
+    assert auto_route(16, 4, 128, 64, 128)[0] == "mono.t.o.j32.r128"  # 2,048
+    assert auto_route(13, 4, 128, 64, 128)[0] == "mono.t.o"  # 1,664 row-heads in 13 rows: not joined
     fp32 = "stream-list.c.y.b.t.p2.l.v1.h.g160.r72"
     assert auto_route(512, 4, 16, 64, 128)[0] == fp32 + ".i2"  # TP8 shape, 8,192 row-heads
     assert auto_route(64, 4, 128, 64, 128)[0] == fp32 + ".i2"  # 8,192 pieces
@@ -331,7 +333,7 @@ def test_register_cap_gpu(route, kernel):
         before = _compiled(fn)
         check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=40, S=60, W=16, steps=20, act=torch.bfloat16,
                            q=1 if kernel == "_mono_kernel" else 4, route=r, config=LaunchConfig(64, 2))
-        regs[r] = max(k.n_regs for k in _compiled(fn) if id(k) not in before)
+        regs[r] = max(k.n_regs for i, k in _compiled(fn).items() if i not in before)
     assert regs[route] <= cap < regs[route.rsplit(".r", 1)[0]], regs
 
 

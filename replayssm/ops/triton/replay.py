@@ -36,7 +36,8 @@ Routes (all read S0 once per row and write it only on flush rows):
   of eight (.i2, `FEW_PIECES`; the 16-bit route then as before the caps, with .l:
   "stream-list.c.y.b.t.f2.g128.p4.v1.h.i2.l"). Small steps take "mono.t" (`auto_route`): up to
   4,096 row-heads with fp32 state (2,048 with 16-bit states), from 1,024 on as "mono.t.o", which
-  dispatches the flush rows' programs first, and with ".j32" by rows (`MONO_T_JOIN_ROWS`); above 512
+  dispatches the flush rows' programs first, and with ".j32" by rows (`MONO_T_JOIN_ROWS`; fp32 64-row
+  tiles under 128 rows with a register cap, ".r128"); above 512
   row-heads and up to 1,536 (fp32) or 2,048 (16-bit) as "mono.t.o.j32.f2" at 64x2, a flush row's tile
   in two programs (`MONO_T_SPLIT_ROW_HEADS`).
 - "mono" / "mono.t" (`replay_mono.py`, `replay_mono_mma.py`): one launch, one program per (P tile,
@@ -207,7 +208,13 @@ MONO_ORDER_ROWS = 64
 # 22.3 -> 23.2, 8B b = 8 / 16 / 32 20.8 / 34.5 / 60.4 -> 21.3 / 34.6 / 61.4), except 8B b = 1 / 2 (7.2 /
 # 9.1 -> 7.1 / 8.7), left out with the rest of the few-row sizes. One token (mono) loses (TP8 b = 64 / 128
 # 17.1 / 28.6 -> 18.8 / 32.1).
-MONO_T_JOIN_ROWS = {True: {32: 16, 64: 128}, False: {32: 1}}  # 16-bit mono.t tiles are 32 rows (but .f2's)
+# Session 30 (call 1, µs, two timings each): with a register cap of 128 (.r128) the fp32 join gains at
+# 64-row tiles below 128 rows too: 8B q = 4 b = 16 / 32 (2,048 / 4,096 row-heads) "mono.t.o" 34.69-34.76 /
+# 60.15-60.16 -> ".o.j32.r128" 32.77 / 57.85 (".o.r128" 36.5 / 62.8); from 128 rows the cap loses a little
+# (TP8 b = 128 / 256 ".o.j32" 32.93 / 58.56-59.07 -> 33.15-33.41 / 59.25). Triton 3.6's sm_90 build of
+# ".o.j32" at 64x2 is 128 registers, no spill; ".r128" spills 2 bytes (another allocation and schedule).
+MONO_T_JOIN_ROWS = {True: {32: 16, 64: 16}, False: {32: 1}}  # 16-bit mono.t tiles are 32 rows (but .f2's)
+MONO_T_JOIN_CAP_BELOW = 128  # fp32 joins at 64-row tiles below this many rows take ".r128"
 # Several tokens: above the first b * H and up to the second, by fp32 (True) or 16-bit (False) state, "auto"
 # takes "mono.t.o.j32.f2" at a 64x2 tile: a flush row's tile in two programs of 32 rows (option .fM,
 # replay_mono_mma._split_row). Where the grid is about one wave the step ends with its longest programs,
@@ -282,7 +289,8 @@ def auto_route(b: int, q: int, H: int, P: int, N: int,
             if stream_supported(P, N, c.block_p):
                 least = MONO_T_JOIN_ROWS[wide].get(c.block_p)  # None: this tile never joins
                 join = q > 1 and least is not None and b >= least
-                return one + (".j32" if join else ""), c
+                cap = join and wide and c.block_p == 64 and b < MONO_T_JOIN_CAP_BELOW
+                return one + (".j32" if join else "") + (".r128" if cap else ""), c
     if not stream_supported(P, N, cfg.block_p):
         return None
     few = q > 1 and b * H * (P // cfg.block_p) <= FEW_PIECES
