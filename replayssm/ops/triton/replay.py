@@ -213,6 +213,8 @@ MONO_ORDER_ROWS = 64
 # 60.15-60.16 -> ".o.j32.r128" 32.77 / 57.85 (".o.r128" 36.5 / 62.8); from 128 rows the cap loses a little
 # (TP8 b = 128 / 256 ".o.j32" 32.93 / 58.56-59.07 -> 33.15-33.41 / 59.25). Triton 3.6's sm_90 build of
 # ".o.j32" at 64x2 is 128 registers, no spill; ".r128" spills 2 bytes (another allocation and schedule).
+# Call 2, side by side: 8B b = 16 / 32 ".o" 34.4-34.8 / 60.6-60.7, uncapped ".o.j32" 34.8-34.9 / 62.2 (so
+# the cap, not the join alone, gains), ".o.j32.r128" 33.0 / 58.4-58.5; TP8 b = 112 31.3-31.4 / 29.8 / 29.9.
 MONO_T_JOIN_ROWS = {True: {32: 16, 64: 16}, False: {32: 1}}  # 16-bit mono.t tiles are 32 rows (but .f2's)
 MONO_T_JOIN_CAP_BELOW = 128  # fp32 joins at 64-row tiles below this many rows take ".r128"
 # Several tokens: above the first b * H and up to the second, by fp32 (True) or 16-bit (False) state, "auto"
