@@ -327,14 +327,14 @@ def test_register_cap_gpu(route, kernel):
     from replayssm.ops.triton.ssu import LaunchConfig
 
     fn = getattr(replay_mono if kernel == "_mono_kernel" else replay_mono_mma, kernel)
-    cap = int(route.rsplit(".r", 1)[1])
+    bare, cap = route.rsplit(".r", 1)
     regs = {}
-    for r in (route, route.rsplit(".r", 1)[0]):
+    for r in (route, bare):
         before = _compiled(fn)
         check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=40, S=60, W=16, steps=20, act=torch.bfloat16,
                            q=1 if kernel == "_mono_kernel" else 4, route=r, config=LaunchConfig(64, 2))
         regs[r] = max(k.n_regs for i, k in _compiled(fn).items() if i not in before)
-    assert regs[route] <= cap < regs[route.rsplit(".r", 1)[0]], regs
+    assert regs[route] <= int(cap) < regs[bare], regs
 
 
 def _compiled(fn) -> dict:
