@@ -16,14 +16,16 @@ What mutates when (one engine step):
     |------------------|------------|-------------|-------------|------------------|---------|
     | prefill forward  | written    | written     | -           | reset to 0 first | -       |
     | 1st decode (**)  | -          | -           | zeroed      | committed = j    | -       |
-    | decode forward   | flush only | read only   | appended    | read only        | written |
-    | baseline decode  | written*   | read only   | -           | -                | written |
+    | decode forward   | flush only | read (***)  | appended    | read only        | written |
+    | baseline decode  | written*   | read (***)  | -           | -                | written |
     | commit           | -          | advanced    | -           | moved (§2)       | read    |
     | copy_slots       | copied     | copied      | copied      | copied           | -       |
 
     * baseline verify writes the state after token t into spec slot t, never into the source.
     ** staggered checkpoints: before a slot's first decode forward after a prefill, j null entries
        (`set_null_history`; engine/model_runner.py says why and how j is chosen).
+    *** a step whose rows each decode one token and keep it (`MambaMetadata.advance_windows`)
+        advances the windows in its forward and skips the conv commit (engine/decode_commit.py).
 
 KV cache, per attention layer: k, v (num_blocks, block_size, kv_heads, head_dim) in act dtype.
 Everything is zero-initialized so an unused row never holds garbage (NaN * 0 = NaN).

@@ -322,7 +322,9 @@ class ModelRunner:
         for r in prefill:
             h = self._committed[r.slot]
             if r.start_pos > 0 and h > 0:
-                # Not produced by the scheduler; kept exact anyway via the private scratch slot.
+                # A chunk after a one-token chunk mid-prompt (a token budget with one token left
+                # runs it as a decode row, which appends to the ring): fold the ring through the
+                # private scratch slot so the scan starts from the exact state.
                 src = torch.tensor([r.slot], dtype=torch.int32, device=self.device)
                 tmp = torch.tensor([cache.scratch_slot], dtype=torch.int32, device=self.device)
                 n = torch.tensor([h], dtype=torch.int32, device=self.device)

@@ -2,7 +2,7 @@
 
 The random bits depend only on (seed, offset), where offset is the element's linear index in
 the destination pool tensor, so the Triton twin (`replayssm/ops/triton/rounding.py`) produces
-the same bits for the same write, whatever the launch layout. The recipe (API.md):
+the same bits for the same write, whatever the launch layout. The recipe:
 
     v = uint32(seed * 0x9E3779B9 + offset)          (mod 2^32)
     v ^= v >> 16; v *= 0x7FEB352D; v ^= v >> 15; v *= 0x846CA68B; v ^= v >> 16   ("lowbias32")

@@ -40,7 +40,7 @@ LOW = [torch.float16, torch.bfloat16]
 
 
 def _lowbias32_python(seed: int, offset: int) -> float:
-    """The API.md recipe on Python ints, one element at a time."""
+    """The recipe of `replayssm/ops/rounding.py` on Python ints, one element at a time."""
     m = 0xFFFFFFFF
     v = (seed * 0x9E3779B9 + offset) & m
     v ^= v >> 16
@@ -70,7 +70,7 @@ def _bracket(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**31 + 7, -3])
 def test_random_bits_follow_recipe(seed):
-    """The uniform draws equal the API.md lowbias32 recipe computed on Python ints."""
+    """The uniform draws equal the lowbias32 recipe (`replayssm/ops/rounding.py`) computed on Python ints."""
     offsets = torch.tensor([0, 1, 2, 77, 2**31 - 1, 2**32 + 5, 3 * 2**40 + 11], dtype=torch.int64)
     got = random_uniform(seed, offsets).tolist()
     want = [_lowbias32_python(seed, o) for o in offsets.tolist()]

@@ -156,7 +156,11 @@ class Mamba2Mixer(nn.Module):
         b, q = md.num_decode_rows, md.decode_q
         if md.decode_token_index is not None:
             # Rows shorter than q get zero inputs in the tail; those outputs are dropped and
-            # those inputs are never committed (num_accepted <= the row's real length).
+            # those inputs are never committed (num_accepted <= the row's real length). The flush
+            # test (h + q > W) and the commit see the step's q, so such a row flushes where h + q > W
+            # even if h + its own length <= W: a fold earlier than it needs (one more state write,
+            # and one more rounding for 16-bit state), the same outputs; DESIGN §2 holds for the
+            # padded row.
             grid = xbc.new_zeros(b * q, self.conv_dim)
             grid[md.decode_token_index] = xbc
             dt_grid = dt.new_zeros(b * q, self.H)

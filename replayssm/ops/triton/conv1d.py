@@ -104,7 +104,7 @@ def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
                                 conv_state: torch.Tensor, state_indices: torch.Tensor,
                                 activation: str | None = "silu", *, outs=None, inputs_out=None,
                                 advance_window: bool = False, flat_window: bool | None = None):
-    """Conv outputs of q new tokens per row from the window (unchanged); API.md `causal_conv1d_update`.
+    """Conv outputs of q new tokens per row from the window (unchanged); `ops.conv1d.causal_conv1d_update`.
 
     x (b, q, D), rows and tokens at any stride; weight (D, K); bias (D,) or None; conv_state
     (S, D, K-1); state_indices (b,) int32, -1 = padding (zero output). Returns y (b, q, D) in
@@ -163,7 +163,7 @@ def _conv_commit_kernel(cs_ptr, x_ptr, acc_ptr, idx_ptr, dst_ptr, Dc, q,
 
 def causal_conv1d_commit_triton(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor,
                                 state_indices: torch.Tensor, dst_indices: torch.Tensor | None = None) -> None:
-    """window <- last K-1 of [window, x[:a]] into conv_state[dst]; API.md `causal_conv1d_commit`.
+    """window <- last K-1 of [window, x[:a]] into conv_state[dst]; `ops.conv1d.causal_conv1d_commit`.
 
     conv_state (S, D, K-1); x (b, q, D); num_accepted (b,) int32 in [0, q]; state_indices (b,)
     int32 (-1 untouched); dst_indices (b,) int32 or None (= state_indices), -1 = skip.
@@ -276,7 +276,7 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
                                 activation: str | None = "silu", *,
                                 out: torch.Tensor | None = None, block_t: int = VARLEN_BLOCK_T,
                                 block_d: int = VARLEN_BLOCK_D) -> torch.Tensor:
-    """Causal conv over packed sequences with their windows; API.md `causal_conv1d_varlen`.
+    """Causal conv over packed sequences with their windows; `ops.conv1d.causal_conv1d_varlen`.
 
     x (T, D) packed tokens, any strides; weight (D, K); bias (D,) or None; conv_state (S, D, K-1)
     (oldest first); cu_seqlens (n+1,) int32; state_indices (n,) int32 distinct, -1 = padding

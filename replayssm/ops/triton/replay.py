@@ -469,7 +469,7 @@ def replay_forward_triton(
     rand_seed: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """ReplaySSM forward (API.md `replay_forward`); arguments validated by the public op.
+    """ReplaySSM forward (`ops.replay.replay_forward`); arguments validated by that public op.
 
     x (b,q,H,P); dt (b,q,H) raw; B, C (b,q,G,N); state (S,H,P,N), written only on flush rows;
     ring_x (S,H,R,P), ring_B (S,G,R,N), ring_dt (S,H,R) fp32: the q new entries are appended;
@@ -502,7 +502,7 @@ def _replay_commit_kernel(ring_start_ptr, committed_ptr, idx_ptr, acc_ptr, b, q,
 def replay_commit_triton(ring_start: torch.Tensor, committed: torch.Tensor, state_indices: torch.Tensor,
                          num_accepted: torch.Tensor, q: int, window: int, *,
                          ring_rows: int | None = None) -> None:
-    """Cursor commit on device (API.md `replay_commit`); padding rows untouched, no host sync."""
+    """Cursor commit on device (`ops.replay.replay_commit`); padding rows untouched, no host sync."""
     b = state_indices.shape[0]
     if b == 0:
         return

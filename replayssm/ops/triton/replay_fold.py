@@ -121,7 +121,7 @@ def replay_materialize_triton(A: torch.Tensor, state: torch.Tensor, ring_x: torc
                               committed: torch.Tensor,
                               src_indices: torch.Tensor, num_entries: torch.Tensor, dst_indices: torch.Tensor,
                               *, rand_seed: int = 0) -> None:
-    """state[dst] = state[src] advanced by its first n ring entries (API.md `replay_materialize`).
+    """state[dst] = state[src] advanced by its first n ring entries (`ops.replay.replay_materialize`).
 
     Same fp32 per-token fold as the forward's flush; rows with src or dst = -1 are skipped.
     """

@@ -140,7 +140,7 @@ def selective_state_update_triton(
     rand_seed: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Baseline SSU (API.md `selective_state_update`); arguments validated by the public op.
+    """Baseline SSU (`ops.ssu.selective_state_update`); arguments validated by the public op.
 
     state (S,H,P,N) fp32/fp16/bf16, updated in place; x (b,q,H,P); dt (b,q,H); B, C (b,q,G,N);
     A, D, dt_bias (H,) fp32; state_indices (b,) int32 (-1 = padding, zero output);
