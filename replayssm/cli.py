@@ -218,7 +218,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")
     parser.add_argument("--modes", default="abc",
                         help="which modes to run: a decode, b speculative, c prefix caching (default: abc)")
-    parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    parser.add_argument("--out", default=None,
+                        help="results directory (default: benchmarks/results; with --quick a new temporary "
+                        "directory, so the smoke run never replaces measured results)")
     for flag, what in (("shared-context", "shared context tokens"), ("turns", "turns per conversation"),
                        ("turn-input", "new input tokens per turn"),
                        ("turn-output", "output tokens per turn")):
@@ -277,7 +279,15 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.replay_stagger is not None:
         workload = dataclasses.replace(workload, replay_stagger=args.replay_stagger)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    out = args.out or str(report.ROOT / "benchmarks" / "results")
+    out = args.out
+    if out is None and args.quick:
+        # The smoke run's numbers are CPU ones: never over the checkout's measured results.
+        import tempfile
+
+        out = tempfile.mkdtemp(prefix="replayssm-bench-quick-")
+        log(f"bench: --quick without --out writes to {out}")
+    elif out is None:
+        out = str(report.ROOT / "benchmarks" / "results")
     command = ["replayssm", *args.argv]
     if args.profile_prefill:
         prof, rep = _load_benchmark("profile_prefill"), _load_benchmark("report_prefill")
@@ -337,3 +347,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"replayssm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"replayssm {args.command}: interrupted", file=sys.stderr)
+        return 130

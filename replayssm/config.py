@@ -243,12 +243,21 @@ class EngineConfig:
         )
 
     def resolved_device(self) -> str:
-        """The device string with 'auto' resolved."""
-        if self.device != "auto":
-            return self.device
+        """The device string with 'auto' resolved; ValueError for a CUDA device this process cannot use."""
         import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r}: CUDA is not available here (torch "
+                                 f"{torch.__version__}, CUDA build {torch.version.cuda}); use --device cpu")
+            index = self.device.partition(":")[2]
+            count = torch.cuda.device_count()
+            if index and not (index.isdigit() and int(index) < count):
+                raise ValueError(f"device {self.device!r}: this process sees {count} CUDA device(s), "
+                                 f"cuda:0 to cuda:{count - 1}")
+        return self.device
 
     def resolved_dtype(self) -> str:
         """The dtype name with 'auto' resolved (bfloat16 on CUDA, float32 on CPU)."""

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 FALLBACK_CHAT_FORMAT = "<|{role}|>\n{content}\n"  # used when jinja2 is missing; ends with "<|assistant|>\n"
+LONG_TEXT = 65536  # characters from which `Tokenizer.encode` releases the GIL while it works
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -79,7 +80,12 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < LONG_TEXT:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # The library's encode holds the GIL throughout (seconds for a megabyte of text), which stalls
+        # every other thread of the process (a server's event loop, the engine loop); encode_batch
+        # releases it and returns the same ids.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

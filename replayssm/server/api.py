@@ -183,12 +183,14 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
     async def completions(request: Request) -> Response:
         req = await parse_body(request, CompletionRequest)
         state.check_model(req.model)
-        return await serve(request, CompletionHandler(state, req))
+        # Tokenizing (and a chat template) can take seconds for a huge prompt: off the event loop.
+        return await serve(request, await asyncio.to_thread(CompletionHandler, state, req))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         state.check_model(req.model)
-        return await serve(request, ChatHandler(state, req))
+        # Tokenizing (and a chat template) can take seconds for a huge prompt: off the event loop.
+        return await serve(request, await asyncio.to_thread(ChatHandler, state, req))
 
     return app

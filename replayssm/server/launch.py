@@ -72,6 +72,17 @@ class BackgroundServer:
         self.stop()
 
 
+def _port(text: str) -> int:
+    """--port's type: an int in 0-65535, checked before the model loads."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {port}")
+    return port
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """`serve` flags: --host/--port/--served-model-name/--log-level/--seed plus every engine flag."""
     from replayssm.cli import add_engine_args  # lazy: cli.py imports this module to register `serve`
@@ -80,7 +91,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind, 0.0.0.0 for every interface (default: 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    group.add_argument("--port", type=_port, default=8000,
+                       help="TCP port to listen on, 0-65535 (default: 8000)")
     group.add_argument("--served-model-name", default=None,
                        help="model name clients must send (default: the checkpoint directory's name)")
     group.add_argument("--seed", type=int, default=0,

@@ -172,3 +172,27 @@ def test_bench_multiturn_sizes_from_flags(tmp_path, capsys):
     assert "20 shared tokens" in doc["notes"]["c"] and "3 turns" in doc["notes"]["c"]
     assert main(["bench", "--quick", "--modes", "c", "--turns", "0", "--out", str(tmp_path / "x")]) == 2
     assert "--turns must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_quick_without_out_leaves_the_checkout_results_alone(tmp_path, capsys, monkeypatch):
+    """--quick with no --out writes to a new temporary directory (named on stderr), never over the
+    measured benchmarks/results of the checkout."""
+    import tempfile
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "e2e.json"
+    before = results.stat().st_mtime_ns if results.exists() else None
+    made = tmp_path / "quick"
+    plain_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        if kwargs.get("prefix") != "replayssm-bench-quick-":
+            return plain_mkdtemp(*args, **kwargs)
+        made.mkdir()
+        return str(made)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    assert main(["bench", "--quick", "--modes", "a", "--scale", "0.5"]) == 0
+    assert json.loads((made / "e2e.json").read_text())["rows"]
+    assert str(made) in capsys.readouterr().err
+    assert (results.stat().st_mtime_ns if results.exists() else None) == before

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from replayssm import LLM, SamplingParams
+from replayssm import LLM, SamplingParams, cli
 from replayssm.cli import build_parser, main, parse_size
 from replayssm.demo import demo_checkpoint
 
@@ -61,6 +61,26 @@ def test_cli_bad_flags_are_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", "demo", "--prompt", "x", "--memory-budget", "lots"])
     assert "not a byte size" in capsys.readouterr().err
+
+
+def test_cli_device_tokenizer_and_interrupt_are_clear(tmp_path, capsys, monkeypatch):
+    """A CUDA device this process cannot use, a tokenizer path without tokenizer.json and Ctrl-C each
+    end in one line on stderr (status 2, 2, 130), no traceback."""
+    bad_device = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    assert main(["generate", "--model", "demo", "--prompt", "x", "--device", bad_device]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"device '{bad_device}'" in err and "Traceback" not in err
+    assert main(["generate", "--model", "demo", "--prompt", "x", "--device", "cpu",
+                 "--tokenizer", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no tokenizer.json" in err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "generate", (*cli.SUBCOMMANDS["generate"][:2], interrupted))
+    assert main(["generate", "--model", "demo", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err == "replayssm generate: interrupted\n"
 
 
 def test_cli_defaults_come_from_the_dataclasses():

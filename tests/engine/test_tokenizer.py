@@ -1,13 +1,15 @@
 """Tokenizer loading, chat templates and incremental detokenization (no transformers)."""
 
 import json
+import threading
+import time
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from replayssm.demo import write_demo_tokenizer
-from replayssm.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, read_eos_token_ids
+from replayssm.engine.tokenizer import LONG_TEXT, IncrementalDetokenizer, load_tokenizer, read_eos_token_ids
 
 
 class _ByteTokenizer:
@@ -55,3 +57,31 @@ def test_missing_tokenizer_and_eos_sources(tmp_path):
     assert read_eos_token_ids(str(tmp_path)) == [2]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 11]}))
     assert read_eos_token_ids(str(tmp_path)) == [2, 11]
+
+
+def test_long_text_encodes_without_holding_the_gil(tmp_path):
+    """A long prompt's encode lets other threads run (a server's event loop) and gives the ids of the
+    library's plain encode; short texts keep the plain call."""
+    write_demo_tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    text = "ab c\n" * 120_000  # 600k characters: about a second here
+    assert len(text) >= LONG_TEXT
+    ticks, done = [0], threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    start = time.monotonic()
+    ids = tok.encode(text)
+    elapsed = time.monotonic() - start
+    done.set()
+    spinner.join()
+    # Holding the GIL, the spinner wakes a handful of times at most; released, about once a ms.
+    assert ticks[0] >= min(50, elapsed * 1000 / 4), (ticks[0], elapsed)
+    assert ids == tok._tok.encode(text).ids
+    short = "x" * (LONG_TEXT - 1)
+    assert tok.encode(short, add_special_tokens=False) == tok._tok.encode(short, add_special_tokens=False).ids

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -43,6 +44,23 @@ def test_models_and_health(client, fake_server):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other")
     assert httpx.get(fake_server.base_url + "/health").json() == {"status": "ok"}
+
+
+def test_prompts_are_tokenized_off_the_event_loop(client, fake_server, monkeypatch):
+    """Completions and chat build their requests (chat template, tokenizing) in a worker thread, not on
+    the server's event loop: a huge prompt's seconds of tokenizing do not stall the other clients."""
+    tok = fake_server.engine_loop.engine.tokenizer
+    plain_encode, threads = tok.encode, []
+
+    def encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return plain_encode(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    client.completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    loop_thread = fake_server._thread.name  # uvicorn's event loop runs on the server's thread
+    assert len(threads) == 2 and loop_thread not in threads, (threads, loop_thread)
 
 
 def test_completion_matches_offline_and_reports_usage(client, fake_server):

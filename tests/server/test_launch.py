@@ -35,6 +35,16 @@ def test_serve_flags_default_from_engine_config():
     assert args.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
 
 
+def test_serve_port_out_of_range_is_refused_before_loading(capsys):
+    """--port outside 0-65535 is an argparse error (status 2) naming the range, before any model loads."""
+    for port in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit) as exc:
+            parse("serve", "--model", "demo", "--port", port)
+        assert exc.value.code == 2
+        assert "--port" in capsys.readouterr().err
+    assert parse("serve", "--model", "demo", "--port", "0").port == 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
