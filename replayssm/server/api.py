@@ -75,9 +75,21 @@ async def parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"{loc or 'body'}: {first['msg']}", param=loc or None) from exc
+        errors = [(_field_path(e["loc"]), e["msg"].removeprefix("Value error, ")) for e in exc.errors()]
+        loc = errors[0][0]
+        # A field of several accepted forms (prompt: text, token ids, lists of either) fails once per
+        # form: name them all, not only the first.
+        said = " or ".join(dict.fromkeys(msg for where, msg in errors if where == loc))
+        raise APIError(400, f"{loc or 'body'}: {said}", param=loc or None) from exc
+
+
+def _field_path(loc: tuple) -> str:
+    """"messages.0.content" from a pydantic error location, without the union branches' type tags
+    ("str", "list[int]", "function-after[...]") it puts among the field names."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p)))
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 
 
 async def wait_for_disconnect(request: Request) -> None:

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # OpenAI caps n at 128; a larger fan-out would only let one request starve the others.
 MAX_N = 128
@@ -99,8 +99,20 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any, info: ValidationInfo) -> Any:
+        """Content is required except from the assistant, and only text parts are understood."""
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (text parts only)")
+        return content
 
     def as_template_dict(self) -> dict[str, str]:
         content = self.content
@@ -129,6 +141,8 @@ def check_sampling(req: SamplingRequest, max_tokens: int | None) -> None:
         raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
     if not 0.0 < req.top_p <= 1.0:
         raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.top_k < -1:
+        raise APIError(400, f"top_k must be -1 or 0 (off) or at least 1, got {req.top_k}", param="top_k")
     # Accepted at their no-op values so that clients sending defaults work; anything else would be
     # silently ignored, so it is refused.
     if req.presence_penalty != 0.0 or req.frequency_penalty != 0.0:

@@ -66,5 +66,12 @@ BAD_REQUESTS = [
     ("json mode", "/v1/chat/completions",
      {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("negative top_k", "/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("prompt of a wrong type", "/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
+    ("user message without content", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("image content", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages.0.content"),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]
