@@ -83,6 +83,17 @@ def _port(text: str) -> int:
     return port
 
 
+def _seconds(text: str) -> float:
+    """--shutdown-timeout's type: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """`serve` flags: --host/--port/--served-model-name/--log-level/--seed plus every engine flag."""
     from replayssm.cli import add_engine_args  # lazy: cli.py imports this module to register `serve`
@@ -97,6 +108,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="model name clients must send (default: the checkpoint directory's name)")
     group.add_argument("--seed", type=int, default=0,
                        help="engine seed: demo weights and the seeds of requests that give none (default: 0)")
+    group.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
+                       help="on SIGINT / SIGTERM, seconds to let running requests finish before their "
+                       "connections are closed (default: 10)")
     group.add_argument("--log-level", default="info", help="uvicorn log level (default: info)",
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -147,7 +161,8 @@ def serve_main(args: argparse.Namespace) -> int:
     app, engine_loop = build_app(engine, args.served_model_name)
     freeze_heap()  # the engine serves until the process exits
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
         engine_loop.shutdown()
     return 0

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,11 +53,13 @@ def free_port() -> int:
 
 
 def test_serve_process_answers_and_exits_cleanly(tmp_path):
-    """`python -m replayssm serve --model demo` answers the openai client; SIGTERM stops it cleanly."""
+    """`python -m replayssm serve --model demo` answers the openai client; SIGTERM stops it cleanly,
+    within --shutdown-timeout even with a long stream still running (uvicorn alone waits for it)."""
     port = free_port()
     env = {**os.environ, "REPLAYSSM_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "replayssm", "serve", "--model", "demo", "--device", "cpu",
-           "--port", str(port), "--max-model-len", "64", "--max-num-seqs", "4", "--log-level", "warning"]
+           "--port", str(port), "--max-model-len", "8192", "--max-num-seqs", "4", "--log-level", "warning",
+           "--shutdown-timeout", "1"]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     base = f"http://127.0.0.1:{port}"
@@ -75,9 +78,22 @@ def test_serve_process_answers_and_exits_cleanly(tmp_path):
             res = client.completions.create(model=model, prompt="Hi", max_tokens=3, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert res.usage.completion_tokens == 3 and res.choices[0].finish_reason == "length"
+        # A stream of 8,000 tokens (a minute or more here) is open when the signal comes.
+        first = threading.Event()
+
+        def consume() -> None:
+            body = dict(model=model, prompt="Hi", max_tokens=8000, stream=True, ignore_eos=True)
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as res:
+                for _ in res.iter_lines():
+                    first.set()
+
+        threading.Thread(target=consume, daemon=True).start()
+        assert first.wait(60)
     finally:
+        stopped = time.monotonic()
         proc.terminate()
         output, _ = proc.communicate(timeout=30)
+    assert time.monotonic() - stopped < 10, output
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught so the parent sees it.
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in output, output
 
@@ -104,3 +120,5 @@ def test_serve_freezes_the_heap_before_serving(monkeypatch):
     finally:
         gc.unfreeze()
     assert seen["frozen"] > 1000 and seen["shutdown"]
+    with pytest.raises(SystemExit):
+        parse("serve", "--model", "demo", "--shutdown-timeout", "-1")
