@@ -72,26 +72,21 @@ class BackgroundServer:
         self.stop()
 
 
-def _port(text: str) -> int:
-    """--port's type: an int in 0-65535, checked before the model loads."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0-65535, got {port}")
-    return port
+def _within(cast: type, low: float, high: float = float("inf")):
+    """An argparse type: cast(text) in [low, high], so a bad value stops `serve` before the model loads."""
 
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            kind = "an integer" if cast is int else "a number"
+            raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
+        if not low <= value <= high:
+            span = f"in [{low}, {high}]" if high < float("inf") else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
 
-def _seconds(text: str) -> float:
-    """--shutdown-timeout's type: a number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return value
+    return parse
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -102,13 +97,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind, 0.0.0.0 for every interface (default: 127.0.0.1)")
-    group.add_argument("--port", type=_port, default=8000,
+    group.add_argument("--port", type=_within(int, 0, 65535), default=8000,
                        help="TCP port to listen on, 0-65535 (default: 8000)")
     group.add_argument("--served-model-name", default=None,
                        help="model name clients must send (default: the checkpoint directory's name)")
     group.add_argument("--seed", type=int, default=0,
                        help="engine seed: demo weights and the seeds of requests that give none (default: 0)")
-    group.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
+    group.add_argument("--shutdown-timeout", type=_within(float, 0), default=10.0,
                        help="on SIGINT / SIGTERM, seconds to let running requests finish before their "
                        "connections are closed (default: 10)")
     group.add_argument("--log-level", default="info", help="uvicorn log level (default: info)",
