@@ -12,7 +12,7 @@ from replayssm.engine.engine_step import LaunchedStep, complete, launch, launch_
 from replayssm.engine.metrics import EngineMetrics
 from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
-from replayssm.engine.request import Request
+from replayssm.engine.request import InputError, Request
 from replayssm.engine.runner_setup import RunnerSetup, build_runner
 from replayssm.engine.scheduler import ScheduledChunk, Scheduler
 from replayssm.ops.sampling import SamplingTensors, sample, token_logprobs, top_pairs
@@ -103,24 +103,26 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.model_name} has no tokenizer.json: pass prompts as token-id lists")
+                raise InputError(f"{self.model_name} has no tokenizer.json: pass prompts as token-id lists",
+                                 "prompt")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             vocab = self.model_config.vocab_size
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+                raise InputError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}", "prompt")
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                             "prompt")
         if not ids:
-            raise ValueError("prompt is empty")
+            raise InputError("prompt is empty", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
-            )
+            raise InputError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                             f"room to generate", "prompt")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            raise InputError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
+                             "stop")
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:

@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 from replayssm.sampling_params import SamplingParams
 
 
+class InputError(ValueError):
+    """A ValueError about one field of a request: `param` is "prompt" or "stop" (the server's 400s
+    name it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # not yet admitted, or preempted (nothing computed, no memory held)
     RUNNING = "running"  # holds a Mamba slot group and the KV blocks of its computed tokens

@@ -184,7 +184,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
         try:
             group = await state.engine.add(handler.engine_requests.requests)
         except ValueError as exc:  # the engine's own checks (prompt length, params) are user errors
-            raise APIError(400, str(exc)) from exc
+            param = getattr(exc, "param", None)  # InputError: "prompt" or "stop"
+            raise APIError(400, str(exc), param=handler.prompt_param if param == "prompt" else param) from exc
         if handler.stream:
             return streaming_response(state, group, handler.chunks)
         if not await run_to_completion(state, group, request):

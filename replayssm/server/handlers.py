@@ -64,6 +64,8 @@ class _Handler:
 class CompletionHandler(_Handler):
     """POST /v1/completions."""
 
+    prompt_param = "prompt"  # the field an error about the prompt names
+
     def __init__(self, state, req: CompletionRequest):
         super().__init__(state, req, "cmpl")
         if req.echo:
@@ -110,6 +112,8 @@ class CompletionHandler(_Handler):
 
 class ChatHandler(_Handler):
     """POST /v1/chat/completions; the prompt comes from the checkpoint's chat template."""
+
+    prompt_param = "messages"
 
     def __init__(self, state, req: ChatCompletionRequest):
         super().__init__(state, req, "chatcmpl")

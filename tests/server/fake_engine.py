@@ -13,6 +13,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
+from replayssm.engine.request import InputError
 from replayssm.sampling_params import SamplingParams
 
 
@@ -99,11 +100,11 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt must be non-empty")
+            raise InputError("prompt must be non-empty", "prompt")
         if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})")
+            raise InputError(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            raise InputError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}", "prompt")
         if any(r.request_id == request_id for r in self.waiting + self.running):
             raise ValueError(f"request_id {request_id!r} already exists")
         self.waiting.append(_Req(request_id, ids, params))

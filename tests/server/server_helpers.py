@@ -49,7 +49,7 @@ BAD_REQUESTS = [
      "logit_bias"),
     ("temperature", "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 5.0}, 400,
      "temperature"),
-    ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
+    ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, "prompt"),
     # Options the engine would otherwise ignore silently: refused, naming the parameter.
     ("too many top logprobs", "/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400,
      "logprobs"),

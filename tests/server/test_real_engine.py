@@ -111,7 +111,7 @@ def test_openai_client_completions_chat_streaming_usage(real):
 def test_bad_input_then_good_request(real):
     """On the real engine too, every bad request gets its 4xx with an OpenAI error body; serving goes on."""
     server, _, _, _ = real
-    for name, path, body, status, _ in BAD_REQUESTS:
+    for name, path, body, status, param in BAD_REQUESTS:
         if name == "prompt too long":
             body = {**body, "prompt": "x" * 200}  # longer than max_model_len=128
         if name == "max_tokens past context":
@@ -120,6 +120,8 @@ def test_bad_input_then_good_request(real):
         r = httpx.post(server.base_url + path, content=content, headers={"content-type": "application/json"})
         assert r.status_code == status, (name, r.text)
         assert r.json()["error"]["message"], name
+        if param is not None and status == 400:  # the engine's own checks name the field too
+            assert r.json()["error"]["param"].split(".")[0] == param.split(".")[0], (name, r.text)
         good = httpx.post(server.base_url + "/v1/completions",
                           json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1})
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 1, name
