@@ -78,10 +78,10 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
     dummy = config.load_format == "dummy"
     model_dir = resolve_model_dir(config.model, need_weights=not dummy)
     model_config = ModelConfig.from_hf(model_dir)
-    if config.tokenizer is not None and not os.path.isfile(os.path.join(config.tokenizer, "tokenizer.json")):
+    tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    if tokenizer is None and config.tokenizer is not None:  # asked for, so not optional as the model's is
         raise ValueError(f"tokenizer {config.tokenizer!r}: no tokenizer.json there (a tokenizer directory in "
                          f"the Hugging Face layout)")
-    tokenizer = load_tokenizer(config.tokenizer or model_dir)
     device, dtype = config.resolved_device(), config.resolved_dtype()
     if device.startswith("cuda") and config.host_threads:
         import torch

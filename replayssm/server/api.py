@@ -180,7 +180,10 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def serve(request: Request, handler) -> Response:
+    async def serve(request: Request, handler_cls, req) -> Response:
+        # Building the handler tokenizes the prompt (a chat template too): seconds for a huge prompt, so
+        # off the event loop.
+        handler = await asyncio.to_thread(handler_cls, state, req)
         try:
             group = await state.engine.add(handler.engine_requests.requests)
         except ValueError as exc:  # the engine's own checks (prompt length, params) are user errors
@@ -196,14 +199,12 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
     async def completions(request: Request) -> Response:
         req = await parse_body(request, CompletionRequest)
         state.check_model(req.model)
-        # Tokenizing (and a chat template) can take seconds for a huge prompt: off the event loop.
-        return await serve(request, await asyncio.to_thread(CompletionHandler, state, req))
+        return await serve(request, CompletionHandler, req)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         state.check_model(req.model)
-        # Tokenizing (and a chat template) can take seconds for a huge prompt: off the event loop.
-        return await serve(request, await asyncio.to_thread(ChatHandler, state, req))
+        return await serve(request, ChatHandler, req)
 
     return app

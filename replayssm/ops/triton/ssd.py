@@ -151,7 +151,7 @@ def ssd_chunked_scan_triton(
     boundary_len: Tensor | None = None,
     boundary_dst: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """`ssd_chunked_scan` in Triton (`replayssm.ops.ssd`; arguments validated by the public op).
+    """`ssd_chunked_scan` in Triton (`ops.ssd.ssd_chunked_scan`; arguments validated by the public op).
 
     x (T, H, P); dt (T, H); B, C (T, G, N) in x.dtype; A, D, dt_bias (H,) fp32; state (S, H, P, N)
     fp32/fp16/bf16, final states written with the reference's stochastic rounding bits. Returns y
