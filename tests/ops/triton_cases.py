@@ -576,11 +576,6 @@ def _replay_mono(small) -> None:
     # (with a register cap, .r128, which the interpreter takes and ignores).
     check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(32, 1), route="mono.t.o.j16.f2.r128",
                        steps=6, act=torch.bfloat16)
-    # .d: the state tile read (and a joined flush row's chunks written) by TMA copies; fp32 and 16-bit pools.
-    check_replay_cycle("cpu", q=3, P=32, N=64, config=LaunchConfig(32, 1), route="mono.t.o.d", steps=6,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=4, P=32, N=64, W=8, config=LaunchConfig(32, 1), route="mono.t.o.d.j16.f2",
-                       steps=8, state_dtype=torch.float16)
 
 
 # The replay cases in four parts, each its own interpreter process (and test), so no one test

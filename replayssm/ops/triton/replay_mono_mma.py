@@ -38,12 +38,12 @@ from replayssm.ops.triton.tf32 import dot_out, dot_split
 @triton.jit(do_not_specialize=["seed_mix"])
 def _mono_mma_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
-    ring_start_ptr, committed_ptr, idx_ptr, y_ptr, sdesc, fdesc, seed_mix, window,
+    ring_start_ptr, committed_ptr, idx_ptr, y_ptr, seed_mix, window,
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
-    JOIN: tl.constexpr, FP: tl.constexpr, SPLIT: tl.constexpr, DESC: tl.constexpr,
+    JOIN: tl.constexpr, FP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -76,10 +76,10 @@ def _mono_mma_kernel(
     if flush & JOIN:
         FB: tl.constexpr = BLOCK_P // SPLIT  # .fM: each of a flush tile's M programs works FB of its rows
         _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr,
-                     rdt_ptr, y_ptr, fdesc, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P + part * FB, sbase,
-                     xrow0, Brow0, R, sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t,
-                     sC_g, sy_b, sy_t, sy_h,
-                     Q, QB, HB, P, N, FB, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16, DESC)
+                     rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P + part * FB, sbase, xrow0,
+                     Brow0, R, sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
+                     sy_b, sy_t, sy_h,
+                     Q, QB, HB, P, N, FB, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
         tma = tm & ((t * 0 + part) == 0) if SPLIT > 1 else tm  # the first of the M appends for all
         xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tma[:, None],
                          other=0.0)
@@ -98,10 +98,7 @@ def _mono_mma_kernel(
                           other=0.0).to(tl.float32)  # (NS, HB)
             Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
                           other=0.0).to(tl.float32)  # (NS, QB)
-            if DESC:  # .d: the (BLOCK_P, NS) piece by one TMA copy, transposed in the product
-                S0t = sdesc.load([(sbase // N + pid_p * BLOCK_P).to(tl.int32), c * NS]).to(tl.float32).T
-            else:  # (NS, BLOCK_P)
-                S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)
+            S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
             cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
             cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
             acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
@@ -147,11 +144,11 @@ def _split_row(idx_ptr, committed_ptr, window, Q: tl.constexpr, SPLIT: tl.conste
 
 @triton.jit
 def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
-                 y_ptr, fdesc, seed_mix, i, h, g, hc, o, p0, sbase, xrow0, Brow0, R,
+                 y_ptr, seed_mix, i, h, g, hc, o, p0, sbase, xrow0, Brow0, R,
                  sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
                  Q: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                  BLOCK_P: tl.constexpr, FP: tl.constexpr, FNS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                 STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, DESC: tl.constexpr):
+                 STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr):
     """A flush row's outputs and fold in ONE pass over its state tile (option .j): the fold first, the
     outputs from the folded state. With S_h = e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ (the history folded),
 
@@ -201,13 +198,8 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
         Bhc = tl.load(rB_ptr + (Brow0 + rows)[None, :] * N + ncs[:, None], mask=jm[None, :],
                       other=0.0).to(tl.float32)  # (FNS, KB)
         at = sbase + ps[None, :] * N + ncs[:, None]  # (FNS, FP): the chunk, transposed
-        if DESC:  # .d: the chunk in and out by TMA copies ((FP, FNS) boxes of the pool as rows x N)
-            frow = (sbase // N + p0 + (k // NCF) * FP).to(tl.int32)
-            S = dot_split(Bhc, xf, fdesc.load([frow, c * FNS]).to(tl.float32).T * decay, RING16, False)
-            fdesc.store([frow, c * FNS], stochastic_round(S, at, seed_mix, STATE_DTYPE, MAXV).T)
-        else:
-            S = dot_split(Bhc, xf, tl.load(state_ptr + at).to(tl.float32) * decay, RING16, False)
-            tl.store(state_ptr + at, stochastic_round(S, at, seed_mix, STATE_DTYPE, MAXV))
+        S = dot_split(Bhc, xf, tl.load(state_ptr + at).to(tl.float32) * decay, RING16, False)
+        tl.store(state_ptr + at, stochastic_round(S, at, seed_mix, STATE_DTYPE, MAXV))
         Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
                      other=0.0).to(tl.float32)  # (QB, FNS)
         acc = dot_out(Cc, S, acc, X16, False, OUT16)
@@ -225,7 +217,7 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                     exact: bool = False, order: bool = False, join: int = 0, split: int = 1,
-                    maxnreg: int = 0, desc: bool = False) -> None:
+                    maxnreg: int = 0) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
     `order`, `join` and `maxnreg` as there). exact: fp32-accurate products even where y is 16-bit (else
     one TF32 pass each there). split (option .fM, with order and join): a flush row's tile in M programs of
@@ -238,23 +230,14 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
                          f"(P={P}, N={N})")
     check_join(join, block_p, order, split)
     sdt = tl_dtype(state.dtype)
-    ns = min(N, 32)
-    sdesc = fdesc = None
-    if desc:  # .d: the pool as (slots * H * P) rows of N; boxes of a program's piece and of a join chunk
-        from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4 (host descriptors)
-
-        rows = state.view(S * H * P, N)
-        sdesc = TensorDescriptor.from_tensor(rows, [block_p, ns])
-        fdesc = TensorDescriptor.from_tensor(rows, [join or 16, ns])
     _mono_mma_kernel[(P // block_p, H, b * (split + 1 if split > 1 else 1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
-        sdesc, fdesc, seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3],
-        *C.stride()[:3], *y.stride()[:3], H, G, R,
+        seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
+        *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=ns, DT_SOFTPLUS=bool(dt_softplus),
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=bool(order), JOIN=join > 0, FP=join or 16, SPLIT=split, DESC=bool(desc), num_warps=num_warps,
-        **regs(maxnreg),
+        ORDER=bool(order), JOIN=join > 0, FP=join or 16, SPLIT=split, num_warps=num_warps, **regs(maxnreg),
     )  # fmt: skip
 
 
