@@ -93,8 +93,7 @@ def test_replay_cycle_mono_gpu(state_dtype, q, block, route):
                                           ("mono.t.o.j16", (64, 2)), ("mono.t.o.j32", (64, 2)),
                                           ("mono.t.o.j32", (32, 2)), ("mono.t.o.j32.f2", (64, 2)),
                                           ("mono.t.o.j16.f2", (32, 2)), ("mono.t.o.j32.f2.r128", (64, 2)),
-                                          ("mono.o.r96", (32, 2)), ("mono.t.o.j32.k", (64, 2)),
-                                          ("mono.t.o.j32.f2.k.e", (64, 2))])
+                                          ("mono.o.r96", (32, 2))])
 @pytest.mark.parametrize("b", [12, 300])
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_replay_cycle_ordered_gpu(state_dtype, q, route, block, b, lockstep):

@@ -339,11 +339,10 @@ def _parse_route(route: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_mono(route: str) -> tuple[str, bool, int, int, int, bool, bool] | None:
+def _parse_mono(route: str) -> tuple[str, bool, int, int, int] | None:
     """(family, order, join rows, flush programs per tile, register cap) of a one-launch route
     "mono[.o][.rN]" or "mono.t[.x][.o][.jN][.fM][.rN]"; None for other routes."""
-    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x)(\.o)?(?:\.j(\d+))?(?:\.f(\d+))?(?:\.r(\d+))?(\.k)?(\.e)?",
-                     route)
+    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x)(\.o)?(?:\.j(\d+))?(?:\.f(\d+))?(?:\.r(\d+))?", route)
     if m is not None and m[1] == "mono" and (m[3] or m[4]):
         raise ValueError(f"route {route!r}: options .jN and .fM are mono.t's (several tokens); route 'mono' "
                          f"has none")
@@ -351,9 +350,7 @@ def _parse_mono(route: str) -> tuple[str, bool, int, int, int, bool, bool] | Non
         raise ValueError(f"route {route!r}: option .fM needs M >= 2 flush programs per tile")
     if m is not None and m[5] and not 24 <= int(m[5]) <= 255:
         raise ValueError(f"route {route!r}: option .rN caps the registers per thread at N, 24 to 255")
-    if m is None:
-        return None
-    return m[1], bool(m[2]), int(m[3] or 0), int(m[4] or 1), int(m[5] or 0), bool(m[6]), bool(m[7])
+    return None if m is None else (m[1], bool(m[2]), int(m[3] or 0), int(m[4] or 1), int(m[5] or 0))
 
 
 def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
@@ -418,7 +415,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # (mono.t): a flush row's tile in M programs (`replay_mono_mma._split_row`); .rN: at most N
         # registers per thread.
         cfg = config or CONFIG
-        family, order, join, split, maxnreg, k16, e16 = mono
+        family, order, join, split, maxnreg = mono
         if family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
@@ -427,7 +424,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
             launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                             state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                             exact=family == "mono.t.x", order=order, join=join, split=split,
-                            maxnreg=maxnreg, k16=k16, e16=e16)
+                            maxnreg=maxnreg)
         return y
     diag = route.split(".")[0] == "weights"
     if route in ("fused", "split") or diag:

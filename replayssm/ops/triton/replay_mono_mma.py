@@ -43,7 +43,7 @@ def _mono_mma_kernel(
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
-    JOIN: tl.constexpr, FP: tl.constexpr, SPLIT: tl.constexpr, K16: tl.constexpr, E16: tl.constexpr,
+    JOIN: tl.constexpr, FP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -59,7 +59,6 @@ def _mono_mma_kernel(
     sbase = (s64 * H + h) * (P * N)
     X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32  # activations (and ring rows) 16-bit
     RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
-    A16: tl.constexpr = C_ptr.dtype.element_ty  # .k / .e: products on 16-bit MMA in the activations' type
 
     n = tl.arange(0, BLOCK_N)
     nm = n < N
@@ -80,7 +79,7 @@ def _mono_mma_kernel(
                      rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P + part * FB, sbase, xrow0,
                      Brow0, R, sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
                      sy_b, sy_t, sy_h,
-                     Q, QB, HB, P, N, FB, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16, K16, E16)
+                     Q, QB, HB, P, N, FB, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
         tma = tm & ((t * 0 + part) == 0) if SPLIT > 1 else tm  # the first of the M appends for all
         xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tma[:, None],
                          other=0.0)
@@ -100,16 +99,9 @@ def _mono_mma_kernel(
             Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
                           other=0.0).to(tl.float32)  # (NS, QB)
             S0t = tl.load(state_ptr + sbase + p[None, :] * N + ncs[:, None]).to(tl.float32)  # (NS, BLOCK_P)
-            if K16:  # .k: C·B of 16-bit operands on 16-bit MMA (products exact in fp32, as one TF32 pass)
-                cb_h = tl.dot(Cc.to(A16), Bhc.to(A16), cb_h)
-                cb_n = tl.dot(Cc.to(A16), Bnc.to(A16), cb_n)
-            else:
-                cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
-                cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
-            if E16:  # .e: the state rounded to 16 bits for C S0ᵀ (FlashInfer's precision)
-                acc = tl.dot(Cc.to(A16), S0t.to(A16), acc)
-            else:
-                acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
+            cb_h = dot_out(Cc, Bhc, cb_h, X16, RING16, OUT16)
+            cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
+            acc = dot_out(Cc, S0t, acc, X16, STATE_DTYPE != tl.float32, OUT16)
         # zero past hc: Δ = 0
         wh = dth[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumh[None, :], 0.0)) * cb_h
         wn = dtn[None, :] * tl.exp(tl.minimum(cumn[:, None] - cumn[None, :], 0.0)) * cb_n
@@ -156,8 +148,7 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
                  sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h,
                  Q: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                  BLOCK_P: tl.constexpr, FP: tl.constexpr, FNS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                 STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, K16: tl.constexpr,
-                 E16: tl.constexpr):
+                 STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr):
     """A flush row's outputs and fold in ONE pass over its state tile (option .j): the fold first, the
     outputs from the folded state. With S_h = e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ (the history folded),
 
@@ -188,10 +179,7 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
                      other=0.0).to(tl.float32)  # (QB, FNS)
         Bnc = tl.load(B_ptr + i * sB_b + t[None, :] * sB_t + g * sB_g + ncs[:, None], mask=tm[None, :],
                       other=0.0).to(tl.float32)  # (FNS, QB)
-        if K16:
-            cb_n = tl.dot(Cc.to(C_ptr.dtype.element_ty), Bnc.to(C_ptr.dtype.element_ty), cb_n)
-        else:
-            cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
+        cb_n = dot_out(Cc, Bnc, cb_n, X16, X16, OUT16)
     rel = cumn - lam_h  # Λ of this step's tokens from the folded state
     wn = dtn[None, :] * tl.exp(tl.minimum(rel[:, None] - rel[None, :], 0.0)) * cb_n
     wn = tl.where(t[:, None] >= t[None, :], wn, 0.0)  # causal: token k <= t
@@ -214,10 +202,7 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
         tl.store(state_ptr + at, stochastic_round(S, at, seed_mix, STATE_DTYPE, MAXV))
         Cc = tl.load(C_ptr + i * sC_b + t[:, None] * sC_t + g * sC_g + ncs[None, :], mask=tm[:, None],
                      other=0.0).to(tl.float32)  # (QB, FNS)
-        if E16:
-            acc = tl.dot(Cc.to(C_ptr.dtype.element_ty), S.to(C_ptr.dtype.element_ty), acc)
-        else:
-            acc = dot_out(Cc, S, acc, X16, False, OUT16)
+        acc = dot_out(Cc, S, acc, X16, False, OUT16)
         # The FP rows' outputs once their last chunk is in; the store masked (not branched), so the
         # loop stays one straight body that Triton can pipeline.
         xs = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + ps[None, :], mask=tm[:, None],
@@ -232,7 +217,7 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
                     exact: bool = False, order: bool = False, join: int = 0, split: int = 1,
-                    maxnreg: int = 0, k16: bool = False, e16: bool = False) -> None:
+                    maxnreg: int = 0) -> None:
     """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
     `order`, `join` and `maxnreg` as there). exact: fp32-accurate products even where y is 16-bit (else
     one TF32 pass each there). split (option .fM, with order and join): a flush row's tile in M programs of
@@ -244,8 +229,6 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
                          f"(P={P}, N={N})")
     check_join(join, block_p, order, split)
-    if (k16 or e16) and not (C.dtype == x.dtype == ring_B.dtype != torch.float32 and y.dtype == x.dtype):
-        raise ValueError("options .k / .e need 16-bit activations, ring rows and outputs of one dtype")
     sdt = tl_dtype(state.dtype)
     _mono_mma_kernel[(P // block_p, H, b * (split + 1 if split > 1 else 1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
@@ -254,8 +237,7 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
         STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=bool(order), JOIN=join > 0, FP=join or 16, SPLIT=split, K16=k16, E16=e16,
-        num_warps=num_warps, **regs(maxnreg),
+        ORDER=bool(order), JOIN=join > 0, FP=join or 16, SPLIT=split, num_warps=num_warps, **regs(maxnreg),
     )  # fmt: skip
 
 
