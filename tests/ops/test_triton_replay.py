@@ -345,3 +345,42 @@ def _compiled(fn) -> dict:
             k._init_handles()
             out[id(k)] = k
     return out
+
+
+@requires_cuda
+@pytest.mark.parametrize("q", [1, 2, 4])
+@pytest.mark.parametrize("route", ["mono.g", "mono.g.o"])
+@pytest.mark.parametrize("block", [(64, 4), (32, 2), (32, 4)])
+@pytest.mark.parametrize("b", [12, 300])
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_replay_cycle_gluon_gpu(q, route, block, b, lockstep):
+    """On the GPU: the Gluon one-launch route (state tile in shared memory, fp32 pools) works every row
+    once and matches at each tile (a 32-row tile: two programs per row-head), flush rows apart or
+    together, with bf16 activations."""
+    from triton_cases import check_replay_cycle
+
+    from replayssm.ops.triton.ssu import LaunchConfig
+
+    check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=b, S=b + 28, W=16, steps=20, act=torch.bfloat16, q=q,
+                       state_dtype=torch.float32, route=route, config=LaunchConfig(*block), lockstep=lockstep)
+
+
+@requires_cuda
+def test_replay_cycle_gluon_fp32_act_gpu():
+    """The Gluon route at the fp32 tolerance (fp32 activations): its CUDA-core products are fp32."""
+    from triton_cases import check_replay_cycle
+
+    check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=12, S=40, W=16, steps=20, q=2, route="mono.g.o")
+
+
+@requires_cuda
+@pytest.mark.parametrize("route", ["mono.g.j32", "mono.g.r128"])
+def test_gluon_route_refuses_other_options(route):
+    with pytest.raises(ValueError, match=r"takes option \.o only"):
+        _cycle_gpu(q=4, state_dtype=torch.float32, route=route)
+
+
+@requires_cuda
+def test_gluon_route_refuses_16bit_state():
+    with pytest.raises(ValueError, match="fp32 state pools only"):
+        _cycle_gpu(q=4, state_dtype=torch.float16, route="mono.g")
