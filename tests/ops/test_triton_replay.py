@@ -349,7 +349,7 @@ def _compiled(fn) -> dict:
 
 @requires_cuda
 @pytest.mark.parametrize("q", [1, 2, 4])
-@pytest.mark.parametrize("route", ["mono.g", "mono.g.o"])
+@pytest.mark.parametrize("route", ["mono.g", "mono.g.o", "mono.g.t.o"])
 @pytest.mark.parametrize("block", [(64, 4), (32, 2), (32, 4)])
 @pytest.mark.parametrize("b", [12, 300])
 @pytest.mark.parametrize("lockstep", [False, True])
@@ -370,7 +370,8 @@ def test_replay_cycle_gluon_fp32_act_gpu():
     """The Gluon route at the fp32 tolerance (fp32 activations): its CUDA-core products are fp32."""
     from triton_cases import check_replay_cycle
 
-    check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=12, S=40, W=16, steps=20, q=2, route="mono.g.o")
+    for route in ("mono.g.o", "mono.g.t.o"):
+        check_replay_cycle("cuda", H=8, P=64, N=128, G=2, b=12, S=40, W=16, steps=20, q=2, route=route)
 
 
 @requires_cuda

@@ -342,11 +342,11 @@ def _parse_route(route: str) -> tuple:
 @functools.lru_cache(maxsize=64)
 def _parse_mono(route: str) -> tuple[str, bool, int, int, int] | None:
     """(family, order, join rows, flush programs per tile, register cap) of a one-launch route
-    "mono[.o][.rN]", "mono.t[.x][.o][.jN][.fM][.rN]" or "mono.g[.o]"; None for other routes."""
-    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x|mono\.g)(\.o)?(?:\.j(\d+))?(?:\.f(\d+))?"
+    "mono[.o][.rN]", "mono.t[.x][.o][.jN][.fM][.rN]" or "mono.g[.t][.o]"; None for other routes."""
+    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x|mono\.g|mono\.g\.t)(\.o)?(?:\.j(\d+))?(?:\.f(\d+))?"
                      r"(?:\.r(\d+))?", route)
-    if m is not None and m[1] == "mono.g" and (m[3] or m[4] or m[5]):
-        raise ValueError(f"route {route!r}: route 'mono.g' takes option .o only")
+    if m is not None and m[1].startswith("mono.g") and (m[3] or m[4] or m[5]):
+        raise ValueError(f"route {route!r}: route 'mono.g[.t]' takes option .o only")
     if m is not None and m[1] == "mono" and (m[3] or m[4]):
         raise ValueError(f"route {route!r}: options .jN and .fM are mono.t's (several tokens); route 'mono' "
                          f"has none")
@@ -422,7 +422,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         family, order, join, split, maxnreg = mono
         if family.startswith("mono.g"):
             launch_mono_g(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                          state_indices, window, dt_softplus, y, cfg.block_p, cfg.num_warps, order=order)
+                          state_indices, window, dt_softplus, y, cfg.block_p, cfg.num_warps, order=order,
+                          mma=family == "mono.g.t")
         elif family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
