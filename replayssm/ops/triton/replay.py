@@ -63,7 +63,6 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_fold import launch_fold, replay_materialize_triton
-from replayssm.ops.triton.replay_gluon import launch_mono_g
 from replayssm.ops.triton.replay_lean import launch_lean
 from replayssm.ops.triton.replay_mma import MMA_CONFIG, launch_mma
 from replayssm.ops.triton.replay_mono import launch_mono
@@ -342,11 +341,8 @@ def _parse_route(route: str) -> tuple:
 @functools.lru_cache(maxsize=64)
 def _parse_mono(route: str) -> tuple[str, bool, int, int, int] | None:
     """(family, order, join rows, flush programs per tile, register cap) of a one-launch route
-    "mono[.o][.rN]", "mono.t[.x][.o][.jN][.fM][.rN]" or "mono.g[.t][.o]"; None for other routes."""
-    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x|mono\.g|mono\.g\.t)(\.o)?(?:\.j(\d+))?(?:\.f(\d+))?"
-                     r"(?:\.r(\d+))?", route)
-    if m is not None and m[1].startswith("mono.g") and (m[3] or m[4] or m[5]):
-        raise ValueError(f"route {route!r}: route 'mono.g[.t]' takes option .o only")
+    "mono[.o][.rN]" or "mono.t[.x][.o][.jN][.fM][.rN]"; None for other routes."""
+    m = re.fullmatch(r"(mono|mono\.t|mono\.t\.x)(\.o)?(?:\.j(\d+))?(?:\.f(\d+))?(?:\.r(\d+))?", route)
     if m is not None and m[1] == "mono" and (m[3] or m[4]):
         raise ValueError(f"route {route!r}: options .jN and .fM are mono.t's (several tokens); route 'mono' "
                          f"has none")
@@ -420,11 +416,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         # registers per thread.
         cfg = config or CONFIG
         family, order, join, split, maxnreg = mono
-        if family.startswith("mono.g"):
-            launch_mono_g(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                          state_indices, window, dt_softplus, y, cfg.block_p, cfg.num_warps, order=order,
-                          mma=family == "mono.g.t")
-        elif family == "mono":
+        if family == "mono":
             launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                         state_indices, window, dt_softplus, rand_seed, y, cfg.block_p, cfg.num_warps,
                         order=order, maxnreg=maxnreg)
