@@ -102,9 +102,13 @@ def _write_mtp_weights(path: Path, seed: int) -> None:
 
 
 def _mamba2_norm_class():
+    """transformers' gated norm of Mamba-2, under either of the names its releases use."""
     from transformers.models.mamba2 import modeling_mamba2
 
-    return modeling_mamba2.MambaRMSNormGated
+    for name in ("Mamba2RMSNormGated", "MambaRMSNormGated"):
+        if hasattr(modeling_mamba2, name):
+            return getattr(modeling_mamba2, name)
+    raise ImportError("transformers.models.mamba2 has no gated RMSNorm class (Mamba2RMSNormGated)")
 
 
 def tiny_mamba2(path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
