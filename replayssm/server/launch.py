@@ -15,6 +15,8 @@ import gc
 import threading
 import time
 
+from replayssm.config_flags import add_engine_args, engine_kwargs
+
 
 def build_app(engine, served_model_name: str | None = None):
     """(app, started EngineLoop) serving `engine` under `served_model_name` (default engine.model_name)."""
@@ -91,8 +93,6 @@ def _within(cast: type, low: float, high: float = float("inf")):
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """`serve` flags: --host/--port/--served-model-name/--log-level/--seed plus every engine flag."""
-    from replayssm.cli import add_engine_args  # lazy: cli.py imports this module to register `serve`
-
     add_engine_args(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
@@ -121,7 +121,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def build_engine(args: argparse.Namespace):
     """The LLMEngine described by parsed `serve` flags."""
-    from replayssm.cli import engine_kwargs
     from replayssm.config import EngineConfig
     from replayssm.engine.llm_engine import LLMEngine
 

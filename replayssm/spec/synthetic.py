@@ -16,8 +16,7 @@ from replayssm.spec.proposer import Drafts, Proposer
 def acceptance_probability(mean_length: float, k: int) -> float:
     """Per-position acceptance probability a with 1 + a + a^2 + ... + a^k = mean_length
     (acceptance stops at the first rejection, so that is the mean tokens per step)."""
-    if not 1.0 <= mean_length <= k + 1:
-        raise ValueError(f"synthetic_acceptance_length must be in [1, {k + 1}], got {mean_length}")
+    assert 1.0 <= mean_length <= k + 1, (mean_length, k)  # SpecConfig checks the user's value
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from replayssm import LLM, SamplingParams, cli
-from replayssm.cli import build_parser, main, parse_size
+from replayssm.cli import build_parser, main
+from replayssm.config_flags import parse_size
 from replayssm.demo import demo_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

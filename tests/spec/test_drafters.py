@@ -3,7 +3,8 @@
 import torch
 from spec_helpers import make_llm, one_thread, target  # noqa: F401 (autouse fixture)
 
-from replayssm.cli import build_parser, engine_kwargs
+from replayssm.cli import build_parser
+from replayssm.config_flags import engine_kwargs
 from replayssm.engine.request import Request
 from replayssm.sampling_params import SamplingParams
 from replayssm.spec.ngram import ngram_lookup
