@@ -75,7 +75,7 @@ class LLMEngine:
         self.spec = None
         if config.spec.num_speculative_tokens:
             from replayssm.engine.runner_setup import resolve_model_dir
-            from replayssm.spec.decode import SpecDecoder
+            from replayssm.speculative.decode import SpecDecoder
 
             model_dir = resolve_model_dir(config.model, need_weights=config.load_format != "dummy")
             self.spec = SpecDecoder(config, self.runner, model_dir)
@@ -311,7 +311,7 @@ class LLMEngine:
         for j, i in enumerate(step.sampled):
             emitted[i] = ([tokens_list[j]], [logprobs_list[j]] if logprobs_list is not None else None,
                           [top_list[j]] if top_list is not None else None)
-        verified_set = set(step.verified)  # membership per row: a list made that O(rows^2) (~0.5 ms at 256)
+        verified_set = set(step.verified)  # membership per row: a list would be O(rows^2) (~0.5 ms at 256)
         kept, dropped = [], []  # dropped: rows of requests finished since the launch (a step launched ahead)
         for i, c in enumerate(chunks):
             (dropped if c.request.finished else kept).append(i)

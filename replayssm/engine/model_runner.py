@@ -21,7 +21,7 @@ requests. They are zeroed ring rows (Δ = x = B = 0): they neither decay S_0 nor
 a fold, so every result is that of the empty ring (to fp32 rounding: the sums associate differently).
 Its ring then fills after W - j entries, so requests that start decoding together write their states
 on different steps of the window instead of all on one (a batch decoding in lock-step otherwise
-flushes every row on one step in W: benchmarks/NOTES-kernels.md, session 27). The entries count as
+flushes every row on one step in W). The entries count as
 history everywhere (a materialize or a fold replays them as no-ops). DESIGN.md's lifecycle resets a
 prefilled slot's cursors to 0; this sets committed = j just before its first decode forward.
 

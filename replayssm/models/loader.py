@@ -5,7 +5,7 @@ names written by every transformers version and by NVIDIA's remote code:
   - the `model.` or `backbone.` prefix is dropped; legacy Mamba-2 `embedding.` -> `embeddings.`;
   - per-expert MoE weights `experts.{e}.up_proj.weight` fill row e of the stacked `experts.up_proj`;
   - multi-token-prediction weights (`mtp.*`) are skipped here; the MTP drafter
-    (replayssm/spec/mtp_model.py) loads them with its own mapping.
+    (replayssm/speculative/mtp_model.py) loads them with its own mapping.
 Every parameter must be filled exactly; a missing tensor or a wrong shape raises ValueError
 naming the file and the tensor. Under tensor parallelism each rank reads only its slices
 (`safe_open(...).get_slice`, see distributed/sharding.py).

@@ -10,7 +10,7 @@ drafter that really achieves it.
 from __future__ import annotations
 
 from replayssm.engine.request import Request
-from replayssm.spec.proposer import Drafts, Proposer
+from replayssm.speculative.proposer import Drafts, Proposer
 
 
 def acceptance_probability(mean_length: float, k: int) -> float:
@@ -53,8 +53,8 @@ class SyntheticProposer(Proposer):
     def propose(self, requests: list[Request], num_drafts: list[int]) -> list[Drafts]:
         # Keyed by (engine seed, request seed, position): independent of batch composition. Draft
         # position j's token and acceptance draw are hashes of (key, j), so a step truncated near
-        # max_tokens keeps the law. Hashing instead of seeding a random.Random per request halves
-        # its host time per verify step (benchmarks/host_step.py --spec-k 3: 2.1 -> 1.1 ms at 256 rows).
+        # max_tokens keeps the law. Hashing takes half the host time of seeding a random.Random per
+        # request (benchmarks/host_step.py --spec-k 3: 1.1 against 2.1 ms per verify step at 256 rows).
         head = _mix64(self.seed & _MASK)
         threshold = int(self.alpha * (1 << 53))  # draw < alpha  <=>  top 53 bits < alpha * 2^53
         out = []
