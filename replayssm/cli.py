@@ -1,8 +1,9 @@
 """Command line: ``replayssm generate | serve | bench``.
 
-Engine flags and their defaults come from the config dataclasses' fields (help text in
-``metadata["help"]``), so the CLI and the Python API cannot drift apart. Each subcommand is
-one ``add_<name>_args(parser)`` + ``run_<name>(args)`` pair registered in ``SUBCOMMANDS``.
+Engine flags and their defaults come from the config dataclasses' fields (config_flags.py), so
+the CLI and the Python API cannot drift apart; a bad value raises the dataclass's ValueError,
+which ``main`` prints as one line. Each subcommand is one ``add_<name>_args(parser)`` +
+``run_<name>(args)`` pair registered in ``SUBCOMMANDS``.
 """
 
 from __future__ import annotations
@@ -10,100 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from replayssm.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-
-_SIZE_UNITS = {
-    "": 1,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "ki": 1 << 10,
-    "mi": 1 << 20,
-    "gi": 1 << 30,
-    "ti": 1 << 40,
-}
-
-# Engine fields exposed as flags (model is a flag of its own; each subcommand sets the seed).
-ENGINE_FLAGS = {
-    EngineConfig: (
-        "device", "dtype", "replayssm", "replay_window", "replay_stagger", "tokenizer", "load_format",
-        "cuda_graphs", "tensor_parallel_size", "host_threads", "async_scheduling",
-    ),
-    CacheConfig: (
-        "memory_budget",
-        "kv_block_size",
-        "state_dtype",
-        "gpu_memory_utilization",
-        "num_kv_blocks",
-        "num_slots",
-        "enable_prefix_caching",
-        "prefix_checkpoint_interval",
-    ),
-    SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "max_model_len"),
-    SpecConfig: (
-        "num_speculative_tokens",
-        "speculative_method",
-        "draft_model",
-        "ngram_min",
-        "ngram_max",
-        "synthetic_acceptance_length",
-    ),
-}
-
-
-def parse_size(text: str) -> int:
-    """'1073741824', '512MiB', '2GB', '1.5G' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 512MiB, 2GB, 1073741824)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
-
-
-def _add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
-    flag = "--" + f.name.replace("_", "-")
-    help_text = f.metadata.get("help", "")
-    if f.type in ("bool", bool, "bool | None"):
-        # bool | None: not given -> None (the field's automatic choice).
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        return
-    if f.name == "memory_budget":
-        kind: Callable[[str], Any] = parse_size
-    elif isinstance(f.default, float) or "float" in str(f.type):
-        kind = float
-    elif isinstance(f.default, int) or "int" in str(f.type):
-        kind = int
-    else:
-        kind = str
-    suffix = "" if f.default is None else f" (default: {f.default})"
-    parser.add_argument(flag, type=kind, default=f.default, help=help_text + suffix)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags for every engine field in ENGINE_FLAGS, defaults from the dataclasses."""
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        required=True,
-        help="checkpoint directory (Hugging Face layout), or 'demo' for "
-        "the built-in random-weight Nemotron-H-shaped model",
-    )
-    for cls, names in ENGINE_FLAGS.items():
-        by_name = {f.name: f for f in dataclasses.fields(cls)}
-        for name in names:
-            _add_field_flag(group, by_name[name])
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine keyword arguments (LLM(model, **kw)) held in parsed flags."""
-    return {name: getattr(args, name) for names in ENGINE_FLAGS.values() for name in names}
-
+from replayssm.config_flags import add_engine_args, engine_kwargs
 
 # ---- generate --------------------------------------------------------------------------------
 

@@ -91,7 +91,8 @@ SPEC_METHODS = ("ngram", "mtp", "draft", "synthetic")
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: a drafter proposes k tokens, one forward verifies them (``replayssm.spec``).
+    """Speculative decoding (``replayssm.speculative``): a drafter proposes k tokens, one forward
+    verifies them.
 
     ``synthetic`` is for benchmarks only: it forces a configured mean acceptance length and its
     output tokens are NOT the model's output (every output and the metrics say so).
@@ -160,8 +161,8 @@ class EngineConfig:
     )
     host_threads: int = _doc(
         1, "CPU threads for PyTorch's host-side ops (torch.set_num_threads) in an engine on CUDA: a "
-        "step's host tensors are small, and PyTorch's default thread pool spun up to 15 cores and "
-        "doubled the H200 host loop once block tables outgrew its parallel grain; 0 leaves PyTorch's "
+        "step's host tensors are small, and PyTorch's default thread pool spins up to 15 cores and "
+        "doubles the H200 host loop once block tables outgrow its parallel grain; 0 leaves PyTorch's "
         "setting (CPU engines always do: their model runs on those threads)"
     )
     async_scheduling: bool | None = _doc(

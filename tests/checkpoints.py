@@ -85,7 +85,7 @@ def _write_mtp_weights(path: Path, seed: int) -> None:
     from safetensors.torch import load_file, save_file
 
     from replayssm.models.config import ModelConfig
-    from replayssm.spec.mtp_model import NemotronHMTP
+    from replayssm.speculative.mtp_model import NemotronHMTP
 
     mtp = NemotronHMTP(ModelConfig.from_hf(path), dtype=torch.float32)
     _randomize(mtp, seed + 1)

@@ -70,9 +70,9 @@ class PrefixCache:
 
     def __init__(self, block_pool: CachingBlockPool, slot_pool: CachingSlotPool, *, block_size: int,
                  checkpoint_interval: int) -> None:
-        if checkpoint_interval < block_size or checkpoint_interval % block_size:
-            raise ValueError(f"prefix_checkpoint_interval={checkpoint_interval} must be a positive "
-                             f"multiple of kv_block_size={block_size}")
+        # CacheConfig checks the user's prefix_checkpoint_interval.
+        assert checkpoint_interval >= block_size, checkpoint_interval
+        assert checkpoint_interval % block_size == 0, checkpoint_interval
         self.block_pool, self.slot_pool = block_pool, slot_pool
         self.block_size, self.interval = block_size, checkpoint_interval
         self.num_query_tokens = 0

@@ -35,8 +35,7 @@ class TPModelRunner:
 
     def __init__(self, model_path: str | Path, *, tensor_parallel_size: int, device: str = "cpu",
                  **kwargs: Any) -> None:
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 2:
-            raise ValueError(f"tensor_parallel_size must be an int >= 2 here, got {tensor_parallel_size!r}")
+        assert tensor_parallel_size >= 2, tensor_parallel_size  # EngineConfig checks the user's value
         # Fail before starting any process when the model does not split.
         check_shardable(ModelConfig.from_hf(model_path), tensor_parallel_size)
         self.group: TPGroup | None = acquire_group(tensor_parallel_size, str(device))

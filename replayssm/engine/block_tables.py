@@ -1,7 +1,7 @@
 """A step's block tables as one padded int32 host tensor, range-checked, without redoing old rows.
 
 Block tables are the largest per-step host input: rows x blocks ids (256 x 65 at 1,000-token
-contexts). A Python min/max per row plus `torch.tensor` over the nested lists cost ~1.3 ms per
+contexts). A Python min/max per row plus `torch.tensor` over the nested lists costs ~1.3 ms per
 step there. A request's table only grows between steps (by one block every block_size decode
 tokens), so `BlockTables` keeps each slot's last table on the host (a list to compare against,
 a tensor row to gather from) and converts and checks only the ids that are new; a table that

@@ -44,16 +44,15 @@ def commit_decode(runner, batch: BatchInputs, rows: list[RowView], accepted: lis
     pubs = decode_publications(rows, accepted, first)
     publish_conv_windows(cache, pubs, q, runner.device, advanced=batch.mamba.advance_windows)
     _queue_commits(runner, batch, first, len(rows), slots, acc, dst)
-    if runner.replayssm:
-        mirror_commit(runner._ring_start, runner._committed, slot_list, accepted, q, runner.window,
-                      cache.ring_rows)
-    publish_states(runner, pubs, runner._next_seed())
+    runner.mirror_commit(slot_list, accepted, q)
+    publish_states(runner, pubs, runner.next_seed())
 
 
 def commit_decode_device(runner, batch: BatchInputs, rows: list[RowView], accepted: torch.Tensor) -> None:
     """`commit_decode` with the counts on the device (accepted[r.index] for row r, int32), reading
     nothing back: cursors and conv windows only (rows with checkpoints need `commit_decode`). The
-    host mirror of the cursors is the caller's to update once the counts are known (`mirror_commit`)."""
+    host mirror of the cursors is the caller's to update once the counts are known
+    (`runner.mirror_commit`)."""
     first = batch.decode.index(rows[0])
     q = batch.mamba.decode_q
     pack = HostPack()

@@ -8,14 +8,19 @@ from typing import Any
 import torch
 
 from replayssm.config import EngineConfig
-from replayssm.engine.engine_step import LaunchedStep, complete, launch, launch_ahead
+from replayssm.engine.batch_inputs import to_device
+from replayssm.engine.engine_step import (
+    LaunchedStep,
+    build_row,
+    record_prompt_logprobs,
+    row_of,
+    sample_chunks,
+)
 from replayssm.engine.metrics import EngineMetrics
-from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
 from replayssm.engine.request import InputError, Request
 from replayssm.engine.runner_setup import RunnerSetup, build_runner
 from replayssm.engine.scheduler import ScheduledChunk, Scheduler
-from replayssm.ops.sampling import SamplingTensors, sample, token_logprobs, top_pairs
 from replayssm.sampling_params import SamplingParams
 
 
@@ -28,7 +33,7 @@ class LLMEngine:
     requests. Sampling is keyed by (request seed, position), so outputs do not depend on
     batching, preemption or prefix hits.
 
-    Async scheduling (`step`) queues step N+1's launch (engine_step.py: schedule .. commit, all
+    Async scheduling (`step`) queues step N+1's launch (`_launch`: schedule .. commit, all
     queued on the device) before step N's completion (read back .. release). DESIGN.md section 3's
     order then holds on the device but not on the host: step N's publication and releases run
     after step N+1 was queued. That is safe because the ahead step holds only one-token decode rows
@@ -70,7 +75,7 @@ class LLMEngine:
         self.spec = None
         if config.spec.num_speculative_tokens:
             from replayssm.engine.runner_setup import resolve_model_dir
-            from replayssm.spec.decode import SpecDecoder
+            from replayssm.speculative.decode import SpecDecoder
 
             model_dir = resolve_model_dir(config.model, need_weights=config.load_format != "dummy")
             self.spec = SpecDecoder(config, self.runner, model_dir)
@@ -176,19 +181,19 @@ class LLMEngine:
             if sched.copies:
                 self.runner.copy_slots([s for s, _ in sched.copies], [d for _, d in sched.copies])
                 self.scheduler.copies_done(sched)
-            launched = launch(self, sched.chunks)
+            launched = self._launch(sched.chunks)
         if self.async_scheduling:
-            self._ahead = launch_ahead(self, launched)
-        outputs += complete(self, launched)
+            self._ahead = self._launch_ahead(launched)
+        outputs += self._complete(launched)
         if self._ahead is not None and all(c.request.finished for c in self._ahead.chunks):
             # Every row's request stopped in `launched`: nothing to wait for (it computed nothing kept).
-            complete(self, self._ahead)
+            self._complete(self._ahead)
             self._ahead = None
         return outputs
 
     def _step_group(self) -> list[RequestOutput]:
         """One step of one of two request groups, taking turns: complete the group's step in flight,
-        then schedule and launch its next one with a deferred verify (engine_step.launch), which
+        then schedule and launch its next one with a deferred verify (`_launch`), which
         reads nothing back. The other group's step, queued before, keeps the GPU busy meanwhile:
         one group's host work (read back, stop checks, outputs, scheduling, drafting, inputs)
         overlaps the other's forward. Each group's steps stay in order on the device, and the two
@@ -197,79 +202,185 @@ class LLMEngine:
         outputs = []
         launched, self._inflight[g] = self._inflight[g], None
         if launched is not None:
-            outputs += complete(self, launched)
+            outputs += self._complete(launched)
         sched = self.scheduler.schedule(group=g)
         self.metrics.num_preemptions += len(sched.preempted)
         if sched.chunks:
-            self._inflight[g] = launch(self, sched.chunks, defer_verify=True)
+            self._inflight[g] = self._launch(sched.chunks, defer_verify=True)
         return outputs
 
-    def _row(self, chunk: ScheduledChunk, drafts: Any = None) -> ScheduledRow:
-        r = chunk.request
-        if drafts is not None:
-            # Verify row: [last] + drafts; the baseline writes one state per token into spec slots.
-            q = 1 + len(drafts.tokens)
-            return ScheduledRow(
-                token_ids=r.token_slice(chunk.start, chunk.start + 1) + list(drafts.tokens),
-                start_pos=chunk.start,
-                block_table=r.block_table,  # read during this step only: no copy
-                slot=r.slots[0],
-                is_prefill=False,
-                num_logits=q,
-                spec_slots=None if self.config.replayssm else list(r.slots[:q]),
+    def _launch(self, chunks: list[ScheduledChunk], feed: tuple[torch.Tensor, list[int]] | None = None,
+                defer_verify: bool = False) -> LaunchedStep:
+        """Queue one step on the device: forward, sampling, verify, commit. Reads nothing back except
+        for verify rows (their acceptance decides the commit), unless defer_verify: then the verify and
+        the commit run on the device with the counts there (`runner.commit_async`) and `_complete`
+        reads everything back. feed: (device tokens, index per row), the rows' input tokens (one per
+        row) taken on the device from an earlier step's samples."""
+        self.metrics.num_steps += 1
+        drafts = [None] * len(chunks)
+        if self.spec is not None:
+            drafts = self.spec.propose([c.request for c in chunks], [c.num_lookahead for c in chunks])
+        rows = [build_row(c, d, self.config.replayssm) for c, d in zip(chunks, drafts)]
+        plans = None
+        if self.prefix_cache is not None:
+            # A verify row may cross boundaries up to its last draft; only accepted ones publish.
+            plans = self.prefix_cache.plan(
+                [(c.request, c.start, len(row.token_ids)) for c, row in zip(chunks, rows)]
             )
-        # A one-token chunk on top of existing state is a decode row (ReplaySSM path + commit).
-        is_prefill = not (chunk.num_tokens == 1 and chunk.start > 0)
-        if not is_prefill:
-            num_logits = 1
-        elif r.wants_prompt_logprobs() and chunk.start < r.num_prompt_tokens - 1:
-            num_logits = chunk.num_tokens
-        else:
-            num_logits = 1 if chunk.samples else 0
-        return ScheduledRow(
-            token_ids=[0] if chunk.fed else r.token_slice(chunk.start, chunk.start + chunk.num_tokens),
-            start_pos=chunk.start,
-            block_table=r.block_table,  # read during this step only: no copy
-            slot=r.slots[0],
-            is_prefill=is_prefill,
-            num_logits=num_logits,
-        )
+            for row, plan in zip(rows, plans):
+                row.checkpoints = [(p.offset, p.slot) for p in plan] or None
+        logits = self.runner.execute(rows) if feed is None else self.runner.execute(rows, feed=feed)
+        offsets, sample_rows, sampled = [], [], []
+        offset = 0
+        for i, (chunk, row, d) in enumerate(zip(chunks, rows, drafts)):
+            offsets.append(offset)
+            if d is None and chunk.samples:
+                sample_rows.append(offset + row.num_logits - 1)
+                sampled.append(i)
+            offset += row.num_logits
+        assert logits.shape[0] == offset, (logits.shape, offset)
+        verified = [i for i, d in enumerate(drafts) if d is not None]
+        # Logits are kept for prompt logprobs only (fp32: 134 MB for 256 rows x 128k vocab, 4x that
+        # to verify).
+        keep = any(c.request.wants_prompt_logprobs() for c in chunks)
+        step = LaunchedStep(chunks, rows, drafts, plans, logits if keep else None, offsets, sampled, verified)
+        if sampled:
+            # A device index (pinned, asynchronous): a Python list index would copy and sync.
+            rows_idx = to_device(sample_rows, torch.int64, logits.device)
+            step.tokens, step.logprobs, step.top = sample_chunks(logits[rows_idx],
+                                                                 [chunks[i] for i in sampled])
+        args = ([offsets[i] for i in verified], [chunks[i].request for i in verified],
+                [drafts[i] for i in verified])
+        if verified and defer_verify:
+            step.verify = self.spec.verify_launch(logits, *args)
+            # Every row accepts 1 but the verify rows, which accept their emitted counts.
+            accepted = torch.ones(len(rows), dtype=torch.int32, device=logits.device)
+            accepted[to_device(verified, torch.int64, logits.device)] = step.verify[1].to(torch.int32)
+            step.commit = self.runner.commit_async(rows, accepted)
+            step.read_back()
+            return step
+        if verified:
+            results = self.spec.verify(logits, *args)
+            step.emitted = {i: row_of(results, j) for j, i in enumerate(verified)}
+        step.num_accepted = [len(step.emitted[i][0]) if i in step.emitted else 1 for i in range(len(rows))]
+        # Queue the commit before reading tokens back, so it overlaps the device-to-host copy.
+        step.live = self.runner.commit(rows, step.num_accepted) or [row.slot for row in rows]
+        step.read_back()
+        return step
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Any, Any]:
-        """(tokens (b,), their logprobs (b,) or None, and (ids, logprobs) (b, n) of the n most likely
-        tokens when a request wants n > 0 alternatives, else None) for the rows' last logits."""
-        reqs = [c.request for c in chunks]
-        params = SamplingTensors.build(
-            temperature=[r.params.temperature for r in reqs],
-            top_k=[r.params.top_k for r in reqs],
-            top_p=[r.params.top_p for r in reqs],
-            seeds=[r.seed for r in reqs],
-            positions=[c.start + c.num_tokens for c in chunks],  # the sampled token's position
-            vocab_size=logits.shape[-1],
-            device=logits.device,
-        )
-        tokens = sample(logits, params)
-        asked = [r.params.top_logprobs for r in reqs if r.params.logprobs is not None]
-        if not asked:
-            return tokens, None, None
-        return tokens, *token_logprobs(logits, tokens, max(asked))
 
-    def _record_prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
-        """Logits at positions p predict token p + 1; keep those that land inside the prompt."""
-        r = chunk.request
-        first = chunk.start + chunk.num_tokens - logits.shape[0]
-        stop = min(chunk.start + chunk.num_tokens, r.num_prompt_tokens - 1)
-        if stop <= first:
-            return
-        targets = torch.tensor(r.prompt_token_ids[first + 1 : stop + 1], device=logits.device)
-        lp, top = token_logprobs(logits[: stop - first], targets, r.params.prompt_logprobs)
-        # Chunks arrive in order; a recompute after preemption starts over and overwrites.
-        r.prompt_logprobs = (r.prompt_logprobs or [None])[: first + 1]
-        assert len(r.prompt_logprobs) == first + 1, "prompt logprobs must arrive in order"
-        r.prompt_logprobs.extend(lp.tolist())
-        if top is not None:
-            r.prompt_top_logprobs = (r.prompt_top_logprobs or [None])[: first + 1]
-            r.prompt_top_logprobs.extend(top_pairs(top[0].tolist(), top[1].tolist()))
+    def _launch_ahead(self, prev: LaunchedStep) -> LaunchedStep | None:
+        """Launch the step after `prev` before prev's tokens are read (see `step`), or None
+        when that step is not known yet: drafts, prompt logprobs, a waiting request that could be admitted,
+        unscheduled requests, a row that does not sample, no KV room. Requests waiting for a seat
+        (max_num_seqs running, or no free slot group) do not stop it: schedule() would not admit
+        them either, and once a request finishes the next step is scheduled normally."""
+        if (self.spec is not None or prev.verified or self.scheduler.could_admit() or self._pending_aborts
+                or len(prev.sampled) != len(prev.chunks)):
+            return None
+        alive = [(j, c) for j, c in enumerate(prev.chunks) if not c.request.finished]
+        if len(alive) != len(self.scheduler.running) or len(alive) > self.scheduler.max_num_batched_tokens:
+            return None
+        bs = self.scheduler.kv_block_size
+        chunks, feed, need = [], [], []
+        for j, c in alive:
+            r, p = c.request, c.start + c.num_tokens  # p: position of the token prev samples
+            if r.wants_prompt_logprobs():
+                return None
+            # After prev, r holds p + 1 tokens; it stops for length there, whatever the token.
+            if p + 1 - r.num_prompt_tokens >= r.params.max_tokens or p + 1 >= self.max_model_len:
+                continue
+            chunks.append(ScheduledChunk(r, p, 1, fed=True))
+            feed.append(j)
+            need.append(max(0, -(-(p + 1) // bs) - len(r.block_table)))
+        if not chunks or not self.scheduler.block_pool.can_allocate(sum(need)):
+            return None
+        for c, n in zip(chunks, need):
+            if n:
+                c.request.block_table.extend(self.scheduler.block_pool.allocate(n))
+        self.metrics.num_ahead_steps += 1
+        return self._launch(chunks, feed=(prev.tokens, feed))
+
+
+    def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens back and apply them: append, detokenize, stop checks,
+        prefix publication, outputs. Rows of requests finished since the launch are dropped."""
+        chunks, rows, drafts, plans = step.chunks, step.rows, step.drafts, step.plans
+        tokens_list, logprobs_list, top_list = step.results()  # the step's one wait
+        emitted = step.emitted
+        for j, i in enumerate(step.sampled):
+            emitted[i] = ([tokens_list[j]], [logprobs_list[j]] if logprobs_list is not None else None,
+                          [top_list[j]] if top_list is not None else None)
+        verified_set = set(step.verified)  # membership per row: a list would be O(rows^2) (~0.5 ms at 256)
+        kept, dropped = [], []  # dropped: rows of requests finished since the launch (a step launched ahead)
+        for i, c in enumerate(chunks):
+            (dropped if c.request.finished else kept).append(i)
+        if step.verify is not None:
+            results = self.spec.verify_finish([drafts[i] for i in step.verified], *step.verify_results())
+            for j, i in enumerate(step.verified):
+                emitted[i] = row_of(results, j)
+            step.num_accepted = [len(emitted[i][0]) if i in verified_set else 1 for i in range(len(rows))]
+            keep = [not c.request.finished for c in chunks]
+            step.live = self.runner.finish_commit(step.commit, rows, step.num_accepted, keep)
+        for i in dropped:
+            self.metrics.num_ahead_rows_dropped += 1
+            emitted.pop(i, None)
+            if plans is not None:
+                self.prefix_cache.discard(plans[i])
+        for i in kept:
+            chunk, row, off, slot = chunks[i], rows[i], step.offsets[i], step.live[i]
+            if row.num_logits and drafts[i] is None and chunk.request.wants_prompt_logprobs():
+                record_prompt_logprobs(chunk, step.logits[off : off + row.num_logits])
+            if chunk.request.slots and chunk.request.slots[0] != slot:
+                # Baseline verify: the state at the last accepted token lives in that spec slot.
+                chunk.request.slots.remove(slot)
+                chunk.request.slots.insert(0, slot)
+        for i in kept:
+            chunk = chunks[i]
+            computed = step.num_accepted[i] if i in verified_set else chunk.num_tokens
+            chunk.request.num_computed_tokens += computed
+            if chunk.num_tokens == 1 and chunk.start > 0:
+                self.metrics.num_decode_tokens_computed += len(rows[i].token_ids)
+            else:
+                self.metrics.num_prefill_tokens_computed += chunk.num_tokens
+        reasons: dict[int, str | None] = {}
+        for i in sorted(emitted):
+            r = chunks[i].request
+            toks, lps, tops = emitted[i]
+            if i in verified_set:
+                self.metrics.spec_draft_tokens += len(drafts[i].tokens)
+                self.metrics.spec_accepted_tokens += len(toks) - 1
+            for j, t in enumerate(toks):
+                reason = self.output.append_token(r, t, lps[j] if lps is not None else None,
+                                                    tops[j] if tops is not None else None)
+                self.metrics.generation_tokens += 1
+                if reason is not None:
+                    # Tokens after a stop are dropped: computed positions end before the last token.
+                    r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens - 1)
+                    break
+            reasons[i] = reason
+        advanced = {i: chunks[i].request.num_computed_tokens - chunks[i].start for i in kept}
+        if plans is not None:
+            # Publication happens before any block of this step is released.
+            for i in kept:
+                self.prefix_cache.finish(chunks[i].request, chunks[i].start, advanced[i], plans[i])
+        if self.spec is not None:
+            alive = [i for i in kept if reasons.get(i) is None]
+            self.spec.observe([chunks[i].request for i in alive], alive, [chunks[i].start for i in alive],
+                                [advanced[i] for i in alive])
+        outputs = []
+        for i, reason in reasons.items():
+            r = chunks[i].request
+            out = self._finish(r, reason) if reason is not None else make_output(r)
+            out.synthetic_spec = self.spec is not None and not self.spec.produces_model_output
+            outputs.append(out)
+        self.metrics.peak_running_requests = max(
+            self.metrics.peak_running_requests, len(self.scheduler.running)
+        )
+        self.metrics.peak_kv_blocks_used = max(
+            self.metrics.peak_kv_blocks_used, self.scheduler.block_pool.num_used
+        )
+        return outputs
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(r, reason)

@@ -21,7 +21,7 @@ requests. They are zeroed ring rows (Δ = x = B = 0): they neither decay S_0 nor
 a fold, so every result is that of the empty ring (to fp32 rounding: the sums associate differently).
 Its ring then fills after W - j entries, so requests that start decoding together write their states
 on different steps of the window instead of all on one (a batch decoding in lock-step otherwise
-flushes every row on one step in W: benchmarks/NOTES-kernels.md, session 27). The entries count as
+flushes every row on one step in W). The entries count as
 history everywhere (a materialize or a fold replays them as no-ops). DESIGN.md's lifecycle resets a
 prefilled slot's cursors to 0; this sets committed = j just before its first decode forward.
 
@@ -79,17 +79,9 @@ class ModelRunner:
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
                  cuda_graphs: bool | None = False, tp_rank: int = 0, tp_size: int = 1,
                  replay_stagger: bool = True) -> None:
-        for name, value, low in (("replay_window", replay_window, 1), ("num_speculative_tokens",
-                                 num_speculative_tokens, 0), ("num_kv_blocks", num_kv_blocks, 1),
-                                 ("kv_block_size", kv_block_size, 1), ("num_slots", num_slots, 1),
-                                 ("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens",
-                                 max_num_batched_tokens, 1), ("seed", seed, 0)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        # The sizes come validated from EngineConfig (config.py), the one place that checks them.
         self.q_max = 1 + num_speculative_tokens
-        if replayssm and self.q_max > replay_window:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs 1 + k <= replay_window "
-                             f"({replay_window})")
+        assert not replayssm or self.q_max <= replay_window, (num_speculative_tokens, replay_window)
         self.device = torch.device(device)
         self.tp = TensorParallel(tp_rank, tp_size)
         self.tp.check_group()
@@ -226,7 +218,7 @@ class ModelRunner:
         self._reset_cursors([d for v in views for _, d in v.checkpoints or ()])
         ctx = ForwardContext(attn=batch.attn, mamba=batch.mamba, kv_cache=self.kv_cache,
                              mamba_cache=self.mamba_cache, replayssm=self.replayssm, window=self.window,
-                             rand_seed=self._next_seed())
+                             rand_seed=self.next_seed())
         replayed = self.graphs.run(batch) if self.graphs is not None else None
         if replayed is not None:
             logits, hidden = replayed
@@ -289,10 +281,8 @@ class ModelRunner:
             return live
         q, decode = handle
         accepted = _accepted(decode, num_accepted, live)
-        if self.replayssm:
-            kept = [(r.slot, a) for r, a in zip(decode, accepted) if keep[r.index]]
-            mirror_commit(self._ring_start, self._committed, [s for s, _ in kept], [a for _, a in kept], q,
-                          self.window, self.mamba_cache.ring_rows)
+        kept = [(r.slot, a) for r, a in zip(decode, accepted) if keep[r.index]]
+        self.mirror_commit([s for s, _ in kept], [a for _, a in kept], q)
         return live
 
     def _pending_decode(self, rows: list[ScheduledRow],
@@ -332,7 +322,7 @@ class ModelRunner:
                                                      cache.ring_dt):
                     A = mixer.decay_A()
                     replay_materialize(A, state, rx, rB, rdt, cache.ring_start, cache.committed, src, n, tmp,
-                                       rand_seed=self._next_seed())
+                                       rand_seed=self.next_seed())
                     state[r.slot] = state[cache.scratch_slot]
         self._reset_cursors([r.slot for r in prefill])
         if self._stagger_span > 1:
@@ -361,11 +351,18 @@ class ModelRunner:
         for s in slots:
             self._ring_start[s] = self._committed[s] = 0
 
-    def _next_seed(self) -> int:
+    def next_seed(self) -> int:
         """A fresh stochastic-rounding seed per call (host counter: no device sync)."""
         self._step += 1
         stride = len(self.mixers) + 1
         return (self._seed * 1_000_003 + self._step * stride) % (1 << 31)
+
+    def mirror_commit(self, slots: list[int], accepted: list[int], q: int) -> None:
+        """Move the host mirror of `slots`' cursors as `replay_commit` moved them on the device
+        (q tokens computed, accepted[i] kept); nothing to do with ReplaySSM off."""
+        if self.replayssm:
+            mirror_commit(self._ring_start, self._committed, slots, accepted, q, self.window,
+                          self.mamba_cache.ring_rows)
 
     def cursors(self, slot: int) -> tuple[int, int]:
         """(ring_start, committed) of `slot`, from the exact host mirror (no device read)."""

@@ -47,7 +47,7 @@ def view_row(i: int, r: Any, lim: RowLimits, check_blocks: bool = True) -> RowVi
     if len(r.block_table) * lim.kv_block_size < r.start_pos + q:
         raise ValueError(f"rows[{i}].block_table covers {len(r.block_table) * lim.kv_block_size} "
                          f"tokens, needs {r.start_pos + q}")
-    # min/max run in C: a Python loop over every id cost ~3 ms per step at 256 rows x 66 blocks.
+    # min/max run in C: a Python loop over every id costs ~3 ms per step at 256 rows x 66 blocks.
     if check_blocks and r.block_table and (min(r.block_table) < 0 or max(r.block_table) >= lim.num_kv_blocks):
         raise ValueError(f"rows[{i}].block_table has ids outside [0, {lim.num_kv_blocks})")
     if not 0 <= r.num_logits <= q:

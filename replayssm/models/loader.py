@@ -5,7 +5,7 @@ names written by every transformers version and by NVIDIA's remote code:
   - the `model.` or `backbone.` prefix is dropped; legacy Mamba-2 `embedding.` -> `embeddings.`;
   - per-expert MoE weights `experts.{e}.up_proj.weight` fill row e of the stacked `experts.up_proj`;
   - multi-token-prediction weights (`mtp.*`) are skipped here; the MTP drafter
-    (replayssm/spec/mtp_model.py) loads them with its own mapping.
+    (replayssm/speculative/mtp_model.py) loads them with its own mapping.
 Every parameter must be filled exactly; a missing tensor or a wrong shape raises ValueError
 naming the file and the tensor. Under tensor parallelism each rank reads only its slices
 (`safe_open(...).get_slice`, see distributed/sharding.py).
@@ -133,11 +133,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     (load_format "auto"), or with seeded random values from config.json alone ("dummy"); with
     tp.size > 1 the model holds (and reads) only rank tp.rank's shard.
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    # EngineConfig checks the user's load_format and dtype.
+    assert load_format in LOAD_FORMATS, load_format
+    assert dtype in (None, torch.float32, torch.float16, torch.bfloat16), dtype
     config = ModelConfig.from_hf(path)
-    if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     check_shardable(config, tp.size)
     with torch.device("meta"):
         model = model_class(config)(config, dtype=dtype or config.dtype, tp=tp)

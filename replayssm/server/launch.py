@@ -15,6 +15,8 @@ import gc
 import threading
 import time
 
+from replayssm.config_flags import add_engine_args, engine_kwargs
+
 
 def build_app(engine, served_model_name: str | None = None):
     """(app, started EngineLoop) serving `engine` under `served_model_name` (default engine.model_name)."""
@@ -91,8 +93,6 @@ def _within(cast: type, low: float, high: float = float("inf")):
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """`serve` flags: --host/--port/--served-model-name/--log-level/--seed plus every engine flag."""
-    from replayssm.cli import add_engine_args  # lazy: cli.py imports this module to register `serve`
-
     add_engine_args(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
@@ -121,7 +121,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def build_engine(args: argparse.Namespace):
     """The LLMEngine described by parsed `serve` flags."""
-    from replayssm.cli import engine_kwargs
     from replayssm.config import EngineConfig
     from replayssm.engine.llm_engine import LLMEngine
 
@@ -135,8 +134,8 @@ def freeze_heap() -> int:
     A full collection walks every tracked object while holding the GIL, so the engine loop and every
     request wait through it: with torch, transformers and an engine of the 8B's 52-layer pattern at
     a tiny width loaded (~250k tracked objects), the one full collection of a 300-step decode run at
-    batch 256 took 117 ms on a 2-core CPU; with them frozen none ran
-    (`benchmarks/gc_pauses.py`, benchmarks/NOTES-e2e.md session 26). Only for an engine that lives
+    batch 256 takes 117 ms on a 2-core CPU; with them frozen none runs (`benchmarks/gc_pauses.py`).
+    Only for an engine that lives
     as long as the process: frozen objects leave the collector for good, so reference cycles of an
     engine dropped later (and the device memory they hold) would never be freed.
     """

@@ -182,7 +182,8 @@ def test_tp2_tokens_equal_tp1_cuda(replayssm):
 
 def test_cli_flag_reaches_engine_kwargs():
     """--tensor-parallel-size is a generate flag and lands in the engine keyword arguments."""
-    from replayssm.cli import build_parser, engine_kwargs
+    from replayssm.cli import build_parser
+    from replayssm.config_flags import engine_kwargs
 
     argv = ["generate", "--model", "demo", "--prompt", "x", "--tensor-parallel-size", "2"]
     args = build_parser().parse_args(argv)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from replayssm import LLM, SamplingParams, cli
-from replayssm.cli import build_parser, main, parse_size
+from replayssm.cli import build_parser, main
+from replayssm.config_flags import parse_size
 from replayssm.demo import demo_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -114,3 +115,31 @@ def test_demo_checkpoint_matches_transformers(tmp_path):
         llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         == "<|user|>\nhi\n<|assistant|>\n"
     )
+
+
+BAD_ENGINE_VALUES = [
+    (["--replay-window", "0"], {"replay_window": 0}),
+    (["--max-num-seqs", "0"], {"max_num_seqs": 0}),
+    (["--gpu-memory-utilization", "1.5"], {"gpu_memory_utilization": 1.5}),
+    (["--memory-budget", "0"], {"memory_budget": 0}),
+    (["--state-dtype", "int8"], {"state_dtype": "int8"}),
+    (["--device", "tpu"], {"device": "tpu"}),
+    (["--prefix-checkpoint-interval", "24"], {"prefix_checkpoint_interval": 24}),
+    (["--speculative-method", "beam"], {"speculative_method": "beam"}),
+    (["--num-speculative-tokens", "4", "--replay-window", "4"],
+     {"num_speculative_tokens": 4, "replay_window": 4}),
+]
+
+
+@pytest.mark.parametrize("flags, kwargs", BAD_ENGINE_VALUES)
+def test_bad_engine_value_same_message_in_api_and_cli(flags, kwargs, capsys):
+    """A bad engine field value is rejected by its config dataclass with one message: LLM(...) raises it
+    as ValueError, and `generate` and `serve` print it as their one error line (status 2)."""
+    with pytest.raises(ValueError) as api:
+        LLM("demo", **kwargs)
+    message = str(api.value)
+    assert main(["generate", "--model", "demo", "--prompt", "x", *flags]) == 2
+    assert capsys.readouterr().err == f"replayssm generate: error: {message}\n"
+    pytest.importorskip("uvicorn")
+    assert main(["serve", "--model", "demo", *flags]) == 2
+    assert capsys.readouterr().err == f"replayssm serve: error: {message}\n"

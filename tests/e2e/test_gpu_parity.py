@@ -33,9 +33,9 @@ def test_cuda_fp32_greedy_matches_transformers(kind, replayssm):
     assert [o.token_ids for o in outs] == hf
 
 
-# An MoE router choice closer than this (sigmoid score units) can flip under bf16 noise. Measured on the
-# H200 (session 8): a flip at fp32 margin 4.5e-5 moved later logprobs by up to 2.2 in our engine, and
-# one at 4.1e-4 did the same to transformers' own bf16 run; margins of 1.2e-3 and up flipped nothing.
+# An MoE router choice closer than this (sigmoid score units) can flip under bf16 noise. On an H200, a
+# flip at fp32 margin 4.5e-5 moves later logprobs by up to 2.2 in our engine, and one at 4.1e-4 does
+# the same to transformers' own bf16 run; margins of 1.2e-3 and up flip nothing.
 ROUTING_TIE = 1e-3
 
 

@@ -9,7 +9,7 @@ import torch
 from checkpoints import cached_checkpoint
 
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
-from replayssm.spec.proposer import Drafts, Proposer
+from replayssm.speculative.proposer import Drafts, Proposer
 
 BLOCK = 4
 SMALL = dict(hybrid_override_pattern="M*M-M", hidden_size=32, mamba_num_heads=4, mamba_head_dim=8,

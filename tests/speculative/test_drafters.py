@@ -3,11 +3,12 @@
 import torch
 from spec_helpers import make_llm, one_thread, target  # noqa: F401 (autouse fixture)
 
-from replayssm.cli import build_parser, engine_kwargs
+from replayssm.cli import build_parser
+from replayssm.config_flags import engine_kwargs
 from replayssm.engine.request import Request
 from replayssm.sampling_params import SamplingParams
-from replayssm.spec.ngram import ngram_lookup
-from replayssm.spec.synthetic import SyntheticProposer, acceptance_probability
+from replayssm.speculative.ngram import ngram_lookup
+from replayssm.speculative.synthetic import SyntheticProposer, acceptance_probability
 
 
 def test_ngram_lookup_prefers_longest_and_latest_match():
@@ -23,7 +24,7 @@ def test_ngram_index_equals_the_plain_scan():
     """The incremental n-gram index proposes what the plain scan finds, step after step."""
     import random
 
-    from replayssm.spec.ngram import NgramProposer
+    from replayssm.speculative.ngram import NgramProposer
 
     rng = random.Random(0)
     for ngram_min, ngram_max in ((1, 4), (2, 3)):

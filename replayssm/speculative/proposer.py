@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from replayssm.engine.request import Request
-from replayssm.spec.verify import DRAFT_SALT, gumbel_pick, salted, target_probs
+from replayssm.speculative.verify import DRAFT_SALT, gumbel_pick, salted, target_probs
 
 
 @dataclass

@@ -25,9 +25,9 @@ from replayssm.engine.host_pack import HostPack
 from replayssm.engine.request import Request
 from replayssm.ops.sampling import token_logprobs, top_pairs
 from replayssm.sampling_params import GREEDY_EPS
-from replayssm.spec.proposer import Drafts, Proposer
-from replayssm.spec.stats import SpecStats
-from replayssm.spec.verify import rejection_sample
+from replayssm.speculative.proposer import Drafts, Proposer
+from replayssm.speculative.stats import SpecStats
+from replayssm.speculative.verify import rejection_sample
 
 
 def build_proposer(config: EngineConfig, runner: Any, model_dir: str) -> Proposer:
@@ -35,21 +35,21 @@ def build_proposer(config: EngineConfig, runner: Any, model_dir: str) -> Propose
     spec = config.spec
     method = spec.speculative_method
     if method == "ngram":
-        from replayssm.spec.ngram import NgramProposer
+        from replayssm.speculative.ngram import NgramProposer
 
         return NgramProposer(spec.ngram_min, spec.ngram_max)
     if method == "synthetic":
-        from replayssm.spec.synthetic import SyntheticProposer
+        from replayssm.speculative.synthetic import SyntheticProposer
 
         return SyntheticProposer(spec.synthetic_acceptance_length, spec.num_speculative_tokens,
                                  runner.model_config.vocab_size, seed=config.seed)
     if method == "mtp":
-        from replayssm.spec.mtp import MTPProposer
+        from replayssm.speculative.mtp import MTPProposer
 
         return MTPProposer(runner, model_dir)
     assert method == "draft", method
     from replayssm.engine.runner_setup import resolve_model_dir
-    from replayssm.spec.draft_model import DraftModelProposer
+    from replayssm.speculative.draft_model import DraftModelProposer
 
     return DraftModelProposer(resolve_model_dir(spec.draft_model), runner, spec.num_speculative_tokens,
                               replay_window=config.replay_window, seed=config.seed)

@@ -21,8 +21,8 @@ from replayssm.cache.mamba_cache import KVCache
 from replayssm.engine.batch_inputs import RowView, build_inputs
 from replayssm.engine.context import ForwardContext
 from replayssm.engine.request import Request
-from replayssm.spec.mtp_model import load_mtp
-from replayssm.spec.proposer import Drafts, Proposer, draw_drafts
+from replayssm.speculative.mtp_model import load_mtp
+from replayssm.speculative.proposer import Drafts, Proposer, draw_drafts
 
 
 class MTPProposer(Proposer):

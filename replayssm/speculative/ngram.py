@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from replayssm.engine.request import Request
-from replayssm.spec.proposer import Drafts, Proposer
+from replayssm.speculative.proposer import Drafts, Proposer
 
 
 def ngram_lookup(tokens: list[int], num_drafts: int, ngram_min: int, ngram_max: int) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.engine.request import Request, RequestStatus
-from replayssm.spec.proposer import Drafts, Proposer, draw_drafts
+from replayssm.speculative.proposer import Drafts, Proposer, draw_drafts
 
 
 class DraftModelProposer(Proposer):

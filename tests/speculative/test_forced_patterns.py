@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from spec_helpers import generate, make_llm, one_thread, plain_greedy, prompts  # noqa: F401 (autouse fixture)
 
-from replayssm.spec.proposer import Drafts, Proposer
+from replayssm.speculative.proposer import Drafts, Proposer
 
 
 class ForcedDrafter(Proposer):

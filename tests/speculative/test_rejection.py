@@ -1,8 +1,9 @@
-"""Rejection sampling (replayssm.spec.verify): greedy matching and losslessness on a small vocabulary."""
+"""Rejection sampling (replayssm.speculative.verify): greedy matching and losslessness on a small
+vocabulary."""
 
 import torch
 
-from replayssm.spec.verify import rejection_sample, target_probs
+from replayssm.speculative.verify import rejection_sample, target_probs
 
 V = 6
 
@@ -106,7 +107,7 @@ def test_draws_do_not_depend_on_the_batch():
 
 def test_all_greedy_fast_path_equals_the_full_path(monkeypatch):
     """all_greedy=True gives the full path's tokens and counts (forced rows too) without any softmax."""
-    import replayssm.spec.verify as verify
+    import replayssm.speculative.verify as verify
 
     g = torch.Generator().manual_seed(3)
     b, K = 32, 4
@@ -142,9 +143,9 @@ def test_spec_decoder_passes_host_flags(monkeypatch):
     """SpecDecoder.verify tells rejection_sample what the host knows: all greedy, no top-k / top-p."""
     from types import SimpleNamespace
 
-    import replayssm.spec.decode as decode
+    import replayssm.speculative.decode as decode
     from replayssm.sampling_params import SamplingParams
-    from replayssm.spec.proposer import Drafts
+    from replayssm.speculative.proposer import Drafts
 
     seen = {}
 

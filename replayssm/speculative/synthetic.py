@@ -10,14 +10,13 @@ drafter that really achieves it.
 from __future__ import annotations
 
 from replayssm.engine.request import Request
-from replayssm.spec.proposer import Drafts, Proposer
+from replayssm.speculative.proposer import Drafts, Proposer
 
 
 def acceptance_probability(mean_length: float, k: int) -> float:
     """Per-position acceptance probability a with 1 + a + a^2 + ... + a^k = mean_length
     (acceptance stops at the first rejection, so that is the mean tokens per step)."""
-    if not 1.0 <= mean_length <= k + 1:
-        raise ValueError(f"synthetic_acceptance_length must be in [1, {k + 1}], got {mean_length}")
+    assert 1.0 <= mean_length <= k + 1, (mean_length, k)  # SpecConfig checks the user's value
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -54,8 +53,8 @@ class SyntheticProposer(Proposer):
     def propose(self, requests: list[Request], num_drafts: list[int]) -> list[Drafts]:
         # Keyed by (engine seed, request seed, position): independent of batch composition. Draft
         # position j's token and acceptance draw are hashes of (key, j), so a step truncated near
-        # max_tokens keeps the law. Hashing instead of seeding a random.Random per request halves
-        # its host time per verify step (benchmarks/host_step.py --spec-k 3: 2.1 -> 1.1 ms at 256 rows).
+        # max_tokens keeps the law. Hashing takes half the host time of seeding a random.Random per
+        # request (benchmarks/host_step.py --spec-k 3: 1.1 against 2.1 ms per verify step at 256 rows).
         head = _mix64(self.seed & _MASK)
         threshold = int(self.alpha * (1 << 53))  # draw < alpha  <=>  top 53 bits < alpha * 2^53
         out = []

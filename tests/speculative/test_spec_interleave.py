@@ -14,7 +14,6 @@ from spec_helpers import generate, make_llm, one_thread, plain_greedy, prompts, 
 from replayssm import LLM, SamplingParams
 from replayssm.cache.block_pool import BlockPool
 from replayssm.cache.slot_pool import SlotPool
-from replayssm.engine import llm_engine
 from replayssm.engine.request import Request
 from replayssm.engine.scheduler import Scheduler
 
@@ -38,18 +37,18 @@ def test_interleaved_greedy_equals_plain(replayssm, monkeypatch):
     Before each launch, the host mirror of the group's cursors equals the device's."""
     ps, ref = prompts() * 3, [list(t) for t in plain_greedy()] * 3
     llm = _llm(True, replayssm)
-    runner, launch, checked = llm.engine.runner, llm_engine.launch, []
+    runner, launch, checked = llm.engine.runner, llm.engine._launch, []
 
-    def launch_checked(engine, chunks, **kw):
+    def launch_checked(chunks, **kw):
         if replayssm:
             slots = [c.request.slots[0] for c in chunks]
             cache = runner.mamba_cache
             device = list(zip(cache.ring_start[slots].tolist(), cache.committed[slots].tolist()))
             assert [runner.cursors(s) for s in slots] == device, "host cursor mirror differs from the device"
             checked.append(len(slots))
-        return launch(engine, chunks, **kw)
+        return launch(chunks, **kw)
 
-    monkeypatch.setattr(llm_engine, "launch", launch_checked)
+    monkeypatch.setattr(llm.engine, "_launch", launch_checked)
     seen = set()
     for i, p in enumerate(ps):
         llm.engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
