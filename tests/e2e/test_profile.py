@@ -52,7 +52,19 @@ def test_profile_quick_writes_parts(tmp_path, capsys):
         assert abs(sum(s["parts_us_per_step"].values()) / 1e3 - s["busy_ms_per_step"]) < 1e-9
         assert s["eager_wall_ms_per_step"] > 0
     assert "| part | OFF ms/step |" in (tmp_path / "e2e-profile.md").read_text()
-    assert "GPU busy" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "GPU busy" in captured.out
+    _assert_plot_or_hint(tmp_path / "e2e-profile.png", captured.err)
+
+
+def _assert_plot_or_hint(png, err):
+    """With matplotlib the png is written; without, the output names the extra that brings it."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.stat().st_size > 0
+    else:
+        assert not png.exists() and "pip install -e '.[bench]'" in err
 
 
 def test_profile_prompt_sets_the_profiled_prompt(tmp_path, capsys):
@@ -124,13 +136,13 @@ def test_order_bench_row_orders_and_report(tmp_path):
     (given,), = bo.row_orders(cursors, [idx], q, W, "given")
     assert given.tolist() == idx.tolist()
 
-    log = tmp_path / "kernels-s0-call1-order-q4.log"
+    log = tmp_path / "kernels-order-q4.log"
     log.write_text("copy bandwidth 4253 GB/s\n"
                    "nemotron-3-super-tp8 b=128 q=4 flush=0.179: given auto 37.24; given mono.t:64x2 40.00; "
                    "given mono.t.o:64x2 34.00; first mono.t:64x2 34.25; noflush mono.t:64x2 26.66; "
                    "given mono.t:64x2 39.00; given mono.t.o:64x2 36.00; given mono.t.o:64x2 35.00; "
                    "given mono.t:32x2 failed ValueError: no\n")
-    lock = tmp_path / "kernels-s0-call2-lockstep.log"  # no auto: the line's first route is the reference
+    lock = tmp_path / "kernels-lockstep.log"  # no auto: the line's first route is the reference
     lock.write_text("nemotron-h-8b b=256 q=1 flush=0.062: given lean.a.y.v1:32x4 310.00; "
                     "given lean.a.y.v1.n1:32x4 301.00; given lean.a.y.v1:32x4 312.00\n")
     md = bo.report(tmp_path / "order", [f"{log}:abc1234", f"{lock}:def5678"],
@@ -142,7 +154,7 @@ def test_order_bench_row_orders_and_report(tmp_path):
     assert "32x2" not in md  # a failed timing leaves no row
     # Every timing against its case's reference: auto where timed, else the line's first route.
     every = {line.split(" | ")[6]: line for line in md.splitlines()
-             if line.count(" | ") == 8 and "call" in line}
+             if line.count(" | ") == 8 and "kernels-" in line}
     assert every["mono.t.o:64x2"].endswith("| 35.00 | 0.940 |")
     assert every["lean.a.y.v1.n1:32x4"].endswith("| 301.00 | 0.965 |")  # over 312.00, the upper median
     assert "lock-step" in every["lean.a.y.v1.n1:32x4"]
@@ -185,3 +197,18 @@ def test_decode_attention_report(tmp_path):
     assert (tmp_path / "decode-attention.md").read_text() == md
     path.write_text(json.dumps(dict(meta=meta, rows=[row("auto", 34.0), row("splits=1", 380.0)])))
     assert "| auto | 34.00 | 1565 | 11.18x |" in bda.report(path)
+
+
+def test_prefill_ops_writes_json_md_and_plot(tmp_path, capsys):
+    """bench_prefill_ops.write: prefill-ops.json holds the meta and rows, the md one line per (tokens,
+    implementation) with the speed-up over the reference, and the png (or the hint to get it)."""
+    po = _load_benchmark("bench_prefill_ops")
+    rows = [dict(tokens=1040, name="reference", ms=3.0, launches=65, max_rel_err=1e-3, kernels_us=[]),
+            dict(tokens=1040, name="triton", ms=0.5, launches=4, max_rel_err=1e-3,
+                 kernels_us=[["chunk_state_kernel", 80.0, 1]])]
+    meta = dict(commit="abc1234", device="NVIDIA H200", command="bench_prefill_ops.py", shape="8B shape")
+    md = po.write({"meta": meta, "rows": rows}, tmp_path)
+    assert json.loads((tmp_path / "prefill-ops.json").read_text())["meta"]["commit"] == "abc1234"
+    assert "| 1040 | triton | 0.500 | 4 | 6.00x | 1.0e-03 |" in md and "commit `abc1234`" in md
+    assert (tmp_path / "prefill-ops.md").read_text() == md
+    _assert_plot_or_hint(tmp_path / "prefill-ops.png", capsys.readouterr().err)
