@@ -5,12 +5,12 @@ case is `rows` rows of `q` new tokens over `ctx` cached keys each, the rows' blo
 the pool in random order. The e2e modes' decode steps: (a) 256 rows at its start, middle and end
 (64, 532, 1,032 keys), (b) verify rows (q = 4), (c) one long conversation (one row, ~13k keys),
 plus smaller batches. Per case and variant: µs per call from a CUDA graph of 20 calls (median of
-its replays, `bench_kernels.time_graph`; session 24's results were timed by a copy of it here, 5
-replays), the K/V bytes read and their GB/s, and the largest difference from the default's output
-("auto": the kernel's own split choice; "splits=1": one program per row and KV head, the kernel
-before key splits).
+its replays, `bench_kernels.time_graph`), the K/V bytes read and their GB/s, and the largest
+difference from the default's output ("auto": the kernel's own split choice; "splits=1": one
+program per row and KV head, no key splits; "tiles N,W,S[,SPLITS]": fixed tiles).
+Writes decode-attention.{json,md,png} (png with matplotlib: the `[bench]` extra) into --out.
 
-    python3 benchmarks/bench_decode_attention.py [--tiles 64,4,3[,SPLITS] ...] [--out DIR]
+    python3 benchmarks/bench_decode_attention.py [--tiles 64,4,3,1 ...] [--out benchmarks/results]
     python3 benchmarks/bench_decode_attention.py --report DIR/decode-attention.json   (md + png only)
 """
 
@@ -25,6 +25,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from bench_kernels import git_commit, time_graph  # noqa: E402
+from report_e2e import PLOT_HINT  # noqa: E402
 
 from replayssm.ops.triton.attention import decode_splits, paged_attention_triton  # noqa: E402
 
@@ -57,9 +58,8 @@ def time_us(fn) -> float:
 
 def report(path: Path) -> str:
     """decode-attention.md and .png beside a decode-attention.json: per case the variants' µs, GB/s and
-    speed against the case's reference (the variant "tiles 64,4,3,1": one run per row and KV head at
-    64-key tiles and three stages, the kernel before session 24's changes, where it was timed; else
-    "splits=1")."""
+    speed against the case's reference (the variant "tiles 64,4,3,1": one program per row and KV head
+    at 64-key tiles and three stages, where it was timed; else "splits=1")."""
     doc = json.loads(path.read_text())
     meta, rows = doc["meta"], doc["rows"]
     cases: dict[tuple, dict] = {}
@@ -99,7 +99,7 @@ def report(path: Path) -> str:
         fig.savefig(path.with_suffix(".png"), dpi=120)
         plt.close(fig)
     except ImportError:
-        pass
+        print(f"decode-attention: {PLOT_HINT}", file=sys.stderr)
     return text
 
 
@@ -107,7 +107,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiles", action="append", default=[],
                     help="BLOCK_N,num_warps,num_stages[,splits] (repeatable)")
-    ap.add_argument("--out", default=None, help="write decode-attention.{json,md,png} there")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="write decode-attention.{json,md,png} there (default: benchmarks/results)")
     ap.add_argument("--report", default=None, metavar="JSON",
                     help="no timing: write the .md and .png of an existing decode-attention.json")
     args = ap.parse_args()
@@ -140,12 +141,11 @@ def main() -> None:
                   f"{row['gb_s']:8.1f} GB/s  max diff {diff:.2e}", flush=True)
         a = ref = None
         torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), command=" ".join(sys.argv))
-        doc = json.dumps(dict(meta=meta, rows=rows_out), indent=1)
-        (Path(args.out) / "decode-attention.json").write_text(doc)
-        print(report(Path(args.out) / "decode-attention.json"))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), command=" ".join(sys.argv))
+    doc = json.dumps(dict(meta=meta, rows=rows_out), indent=1)
+    (Path(args.out) / "decode-attention.json").write_text(doc + "\n")
+    print(report(Path(args.out) / "decode-attention.json"))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ one process, so ON/OFF ratios come from one run with drift cancelled:
                  (baseline verify, 1 + k state slots per request), ON = ReplaySSM on
     (c) prefix   multi-turn over one long shared context; OFF/ON = prefix caching off/on
 
-(c) is scaled from the seeds (51,200 shared tokens, 20 turns of 2,048 in / 1,024 out) to
-12,800 shared tokens and 4 turns of 1,024 in / 128 out (x `--scale`), so the whole
-benchmark fits one 10-minute command; the prefix share of a turn's prompt (which sets the
-TTFT saving) stays above 90%. Modes whose engine feature is not on this branch are skipped
-with a message. Per request the engine loop records the submit time and the step (and time)
-of its first and last token; see summarize() for the metrics. `--quick` runs a tiny model on
-the CPU in seconds (the CI smoke test).
+(c) defaults to 12,800 shared tokens and 4 turns of 1,024 in / 128 out (x `--scale`), so the
+whole benchmark fits in about ten minutes on an H200; `--shared-context 51200 --turns 20
+--turn-input 2048` runs the full-size conversation. The prefix share of a turn's prompt (which
+sets the TTFT saving) stays above 90% either way. Per request the engine loop records the
+submit time and the step (and time) of its first and last token; see summarize() for the
+metrics. `--quick` is a CPU smoke run of the same code paths on a tiny model: one rep of
+OFF/ON/ON/OFF per mode without warm-ups, whose numbers say nothing about speed.
 
 Before the timed runs of a (mode, setting, batch) an untimed warm-up engine of the same config
 runs a short version of the workload (not recorded: "warmups" in the result), so Triton JIT and
@@ -76,13 +76,10 @@ class Workload:
     spec_output: int = 256
     spec_k: int = 3
     # 4,096: a whole verify step of 512 rows (512 x (1 + k) = 2,048) plus as many prompt tokens.
-    # At 2,048 the prefill of (b) 512 spread over ~50 mixed steps in which decode rows got fewer
-    # drafts (the budget ran out), so most steps were ragged and ran eagerly: the H200 run at 6e5ba0d
-    # replayed graphs for 36 of 132 ON steps. A scheduler-only simulation of the workload
-    # (prompt 32, output 256, k = 3, ~3.1 accepted) gives steps with prefill / ragged / uniform rows
-    # of 52 / 44 / 47 at 2,048, 6 / 24 / 80 at 4,096, 3 / 22 / 79 at 8,192. (The PyTorch chunked scan
-    # this was first sized for would have peaked near 15 GB at 8,192 prompt tokens; the Triton scan
-    # holds no per-prompt chunk scratch.)
+    # A smaller budget spreads the prefill of (b) 512 over many mixed steps in which decode rows get
+    # fewer drafts, so most steps are ragged and run eagerly instead of replaying a graph. Simulating
+    # the scheduler alone (prompt 32, output 256, k = 3, ~3.1 accepted) gives steps with prefill /
+    # ragged / uniform rows of 52 / 44 / 47 at 2,048, 6 / 24 / 80 at 4,096, 3 / 22 / 79 at 8,192.
     spec_max_num_batched_tokens: int = 4096
     conversations: int = 1
     shared_context: int = 12800
@@ -93,8 +90,8 @@ class Workload:
     # (c) ON turns all spare cache memory into checkpoint slots; a lower share keeps room for the
     # 8,192-token prefill chunks of one long conversation (a single conversation needs little cache).
     prefix_gpu_memory_utilization: float = 0.8
-    # (b) at 0.9 ran out of memory in the prefill of the H200 run (the planner gives every byte
-    # left after KV to Mamba slots, leaving too little for the chunked-scan prefill's scratch).
+    # (b) at 0.9 leaves too little memory for the prefill's scratch on the H200 (the planner gives
+    # every byte left after KV to Mamba slots).
     spec_gpu_memory_utilization: float = 0.8
     kv_block_size: int = 16
     window: int = 16
@@ -103,6 +100,8 @@ class Workload:
     replay_stagger: bool | None = None  # the engine's default (staggered checkpoints on) unless set
     # One untimed warm-up run per (mode, setting, batch) before the timed ones (see warmup_sizes).
     warmup: bool = True
+    # A CPU smoke run of the code paths (--quick): no targets, no rep-to-rep checks in the report.
+    smoke: bool = False
 
     def scaled(self, s: float) -> Workload:
         """Output lengths and context sizes times s (batches unchanged)."""
@@ -117,8 +116,8 @@ def warmup_sizes(w: Workload) -> Workload:
     two replay windows plus two tokens (every ring flush path runs), at most two turns of (c) (the
     second hits the prefix cache). (b) keeps its whole outputs: its requests finish over many steps
     (acceptance varies), so its batch shrinks through the small graph buckets, whose first use
-    compiles kernel variants (H200: several seconds inside the first timed ON run with a cut
-    warm-up, NOTES-e2e.md)."""
+    compiles kernel variants (several seconds on the H200, which would land in the first timed
+    ON run)."""
     cut = 2 * w.window + 2
     return dataclasses.replace(w, decode_output=min(w.decode_output, cut), turns=min(w.turns, 2),
                                turn_output=min(w.turn_output, cut))
@@ -129,10 +128,12 @@ def h200_workload(scale: float = 1.0) -> Workload:
 
 
 def quick_workload() -> Workload:
+    """The CPU smoke run: every mode's code path on a tiny model, one spec batch, no warm-ups (nothing
+    to compile on the CPU), outputs just past one replay window so ring flushes run."""
     return Workload(TINY, "cpu", "float32", decode_batch=4, decode_prompt=5, decode_output=6,
-                    spec_batches=(2, 4), spec_prompt=5, spec_output=6, spec_max_num_batched_tokens=64,
-                    conversations=2, shared_context=24,
-                    turns=2, turn_input=6, turn_output=3, max_num_batched_tokens=64, kv_block_size=4)
+                    spec_batches=(4,), spec_prompt=5, spec_output=6, spec_max_num_batched_tokens=64,
+                    conversations=2, shared_context=24, turns=2, turn_input=6, turn_output=3,
+                    max_num_batched_tokens=64, kv_block_size=4, window=4, warmup=False, smoke=True)
 
 
 # ---- driving the engine -------------------------------------------------------------------------
@@ -242,24 +243,6 @@ def summarize(trace: Trace, metrics: dict[str, Any], wall_s: float, *, ttft_from
 # ---- modes --------------------------------------------------------------------------------------
 
 
-def feature_missing(mode: str) -> str | None:
-    """Why `mode` cannot run on this branch (None when it can)."""
-    from replayssm.config import CacheConfig, SpecConfig
-
-    if mode == "b" and "speculative_method" not in {f.name for f in dataclasses.fields(SpecConfig)}:
-        return "speculative decoding with synthetic drafts (speculative_method='synthetic') is not on main"
-    if mode == "c":
-        if "enable_prefix_caching" not in {f.name for f in dataclasses.fields(CacheConfig)}:
-            return "prefix caching is not on main"
-        import inspect
-
-        from replayssm.engine import llm_engine
-
-        if "enable_prefix_caching=True is not implemented" in inspect.getsource(llm_engine):
-            return "prefix caching is not implemented in the engine yet"
-    return None
-
-
 def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     """(mode, label, engine kwargs, workload fn(engine, rng, sizes)) for every run, OFF/ON/ON/OFF within
     each group; the kwargs come from w, the fn runs the sizes it is given (w, or warmup_sizes(w))."""
@@ -298,8 +281,8 @@ def _run_engine(engine_cls, config, workload, rng: random.Random, sizes: Workloa
     """Build one engine, run `workload` on it (timed, collector frozen), return plain values only.
 
     Nothing here outlives the call: the CUDA graph runner holds the model runner, so a graph stats
-    object kept by the caller kept the whole engine (weights and caches) alive while the next engine
-    was planned from free memory (the H200 runs planned 47 to 512 requests for one config).
+    object kept by the caller would keep the whole engine (weights and caches) alive while the next
+    engine is planned from free memory, and the next plan would shrink.
     """
     import torch
 
@@ -307,8 +290,11 @@ def _run_engine(engine_cls, config, workload, rng: random.Random, sizes: Workloa
     engine = engine_cls(config)
     build_s = time.perf_counter() - t0
     # Long-lived objects (torch, the model) leave the collector's view: a full collection over
-    # them took ~75 ms every ~125 steps on the CPU, a pause the GPU would sit through.
-    gc.collect()
+    # them takes ~75 ms every ~125 steps on the host, a pause the GPU would sit through. The smoke
+    # run times nothing and skips the collection before the freeze (~0.1 s each on the CPU); the
+    # one after the run still releases the engine.
+    if not sizes.smoke:
+        gc.collect()
     gc.freeze()
     t0 = time.perf_counter()
     try:
@@ -330,20 +316,17 @@ def _run_engine(engine_cls, config, workload, rng: random.Random, sizes: Workloa
 
 
 def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> dict[str, Any]:
-    """Run every selected mode; return {"rows": [...], "warmups": [...], "skipped": {mode: why}, ...}.
+    """Run every selected mode; return {"rows": [...], "warmups": [...], "modes": ..., "workload": ...}.
 
     on_row(partial result) runs after every timed run, so a command cut short keeps what it measured.
     """
     from replayssm.config import EngineConfig
     from replayssm.engine.llm_engine import LLMEngine
 
-    skipped = {m: why for m in modes if (why := feature_missing(m)) is not None}
-    for m, why in skipped.items():
-        log(f"bench: mode ({m}) skipped: {why}")
     rows, warmups = [], []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(w.config))
-        runs = [r for r in mode_runs(w) if r[0] in modes and r[0] not in skipped]
+        runs = [r for r in mode_runs(w) if r[0] in modes]
         reps: dict[tuple, int] = {}
         for order, (mode, setting, kw, workload) in enumerate(runs):
             batch = kw["max_num_seqs"]
@@ -378,11 +361,11 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
                                k=kw.get("num_speculative_tokens", 0))}
             rows.append(row)
             if on_row is not None:
-                on_row(_result(w, modes, rows, skipped, warmups))
+                on_row(_result(w, modes, rows, warmups))
             log(f"bench: ({mode}) {setting:3s} batch {batch:4d} rep {rep}: {row['output_tok_s']:.1f} tok/s, "
                 f"TTFT {row['ttft_s'] * 1e3:.1f} ms, peak decoding {row['peak_decoding_requests']}, "
                 f"{run['wall']:.1f} s")
-    return _result(w, modes, rows, skipped, warmups)
+    return _result(w, modes, rows, warmups)
 
 
 def mode_sizes(mode: str, w: Workload) -> dict[str, int]:
@@ -395,21 +378,9 @@ def mode_sizes(mode: str, w: Workload) -> dict[str, int]:
             "output_len": w.turn_output}
 
 
-def _result(w: Workload, modes: str, rows: list[dict], skipped: dict[str, str],
-            warmups: list[dict]) -> dict[str, Any]:
-    notes = {
-        "a": (f"(a) batch {w.decode_batch}, {w.decode_prompt}-token prompts, {w.decode_output} output tokens "
-              f"per request (issue: 1,000)"),
-        "b": (f"(b) {w.spec_output} output tokens per request (issue: 256); drafts are synthetic (forced "
-              "acceptance, speculative_method='synthetic'): its output tokens are not the model's; only the "
-              "speed counts"),
-        "c": (f"(c) scaled from the seeds: {w.shared_context} shared tokens (seeds: 51,200), {w.turns} turns "
-              f"(seeds: 20) of {w.turn_input} in / {w.turn_output} out (seeds: 2,048 / 1,024), "
-              f"{w.conversations} conversation(s); TTFT over turns 2..{w.turns}"),
-    }
-    return {"rows": list(rows), "warmups": list(warmups), "skipped": skipped, "modes": modes,
-            "workload": dataclasses.asdict(w),
-            "notes": {m: n for m, n in notes.items() if m in modes}}
+def _result(w: Workload, modes: str, rows: list[dict], warmups: list[dict]) -> dict[str, Any]:
+    return {"rows": list(rows), "warmups": list(warmups), "modes": modes, "workload": dataclasses.asdict(w)}
+
 
 if __name__ == "__main__":
     from replayssm.cli import main

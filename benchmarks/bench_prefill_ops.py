@@ -9,18 +9,22 @@ result's largest error relative to the reference's largest magnitude. `--sweep` 
 Triton scan configs (tiles of the state, pass and output kernels) and the boundary walk's alone;
 `--config k=v,k=v` (repeatable) times any `LaunchConfig`; `--times` prints the GPU time of each
 Triton kernel of every scan config's row.
-"boundaries into slots" is the engine's call (boundary_dst).
+"boundaries into slots" is the engine's call (boundary_dst). Writes prefill-ops.{json,md,png}
+(png with matplotlib: the `[bench]` extra) into --out.
 
     python3 benchmarks/bench_prefill_ops.py [--tokens 1040 16384] [--iters 10] [--sweep] [--times]
-        [--config rows=128,block_k=32,num_stages=2]
+        [--config rows=128,block_k=32,num_stages=2] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -98,9 +102,9 @@ def kernel_times(fn: Callable[[], object], iters: int) -> list[tuple[str, float,
 
 
 # Scan configs of --sweep (LaunchConfig overrides). Each row varies the state and the output
-# kernel at once (compare them with --times); sm_90 registers per thread (CPU compile) in comments,
-# the default (the 4th row's tiles, fastest on the H200 in call 5): state 134, outputs 135, pass 110.
-# The first row is the previous default.
+# kernel at once (compare them with --times); sm_90 registers per thread (CPU compile) in comments.
+# The default (ops/triton/ssd.py: CONFIG) has the 4th row's tiles, the fastest on the H200: state 134,
+# outputs 135, pass 110.
 SWEEP = (
     dict(state_block_k=0, num_warps=8, rows=64, out_warps=8),  # state 216, outputs 188
     dict(state_block_p=32, rows=32),  # state 100 (mma.sync), outputs 106: two programs per SM each
@@ -127,8 +131,8 @@ def parse_config(text: str) -> dict:
 
 
 def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, sweep: bool,
-             times: bool = False, configs: tuple[dict, ...] = ()) -> None:
-    """Time and count one token count; prints one line per implementation."""
+             times: bool = False, configs: tuple[dict, ...] = ()) -> list[dict]:
+    """Time and count one token count; prints one line per implementation and returns them as rows."""
     from replayssm.ops.triton import ssd as tssd
 
     pb = problem(T, boundaries, state_dtype)
@@ -175,14 +179,61 @@ def run_case(T: int, boundaries: int, state_dtype: torch.dtype, iters: int, swee
         y_c, b_c = tri(cfg)
         err = max(err, *(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                          for a, b in ((y_c, y_ref), (b_c, b_ref))))
+    out = []
     for name, fn, triton_row in rows:
-        ms = time_ms(fn, iters)
-        print(f"T={T:6d} {name:48s} {ms:9.3f} ms  {launches(fn):5d} launches", flush=True)
-        if times and triton_row:
-            for kname, us, count in kernel_times(fn, iters):
-                print(f"T={T:6d}   {kname[:48]:48s} {us:9.1f} us  x{count}", flush=True)
+        ms, n = time_ms(fn, iters), launches(fn)
+        print(f"T={T:6d} {name:48s} {ms:9.3f} ms  {n:5d} launches", flush=True)
+        kernels = kernel_times(fn, iters) if times and triton_row else []
+        for kname, us, count in kernels:
+            print(f"T={T:6d}   {kname[:48]:48s} {us:9.1f} us  x{count}", flush=True)
+        out.append(dict(tokens=T, name=name, ms=round(ms, 4), launches=n, max_rel_err=err,
+                        kernels_us=[[k, round(us, 1), c] for k, us, c in kernels]))
     print(f"T={T:6d} triton vs reference: max rel err {err:.2e} (y and boundary states, every config)",
           flush=True)
+    return out
+
+
+def render(doc: dict) -> str:
+    """prefill-ops.md: per token count, each implementation's ms, launches and speed-up over the reference."""
+    m = doc["meta"]
+    lines = ["# Chunked SSD prefill scan: PyTorch reference vs Triton", "",
+             f"- commit `{m['commit']}`, device {m['device']}, command `{m['command']}`",
+             f"- {m['shape']}; ms per call (CUDA events, median); speed-up = reference ms / ms", "",
+             "| tokens | implementation | ms | launches | speed-up | max rel err |",
+             "|---|---|---|---|---|---|"]
+    for T in dict.fromkeys(r["tokens"] for r in doc["rows"]):
+        rows = [r for r in doc["rows"] if r["tokens"] == T]
+        ref = next((r["ms"] for r in rows if r["name"] == "reference"), None)
+        for r in rows:
+            up = f"{ref / r['ms']:.2f}x" if ref else "-"
+            lines.append(f"| {T} | {r['name']} | {r['ms']:.3f} | {r['launches']} | {up} | "
+                         f"{r['max_rel_err']:.1e} |")
+    kern = [(r["tokens"], r["name"], k) for r in doc["rows"] for k in r.get("kernels_us", [])]
+    if kern:
+        lines += ["", "GPU µs per Triton kernel (--times):", ""]
+        lines += [f"- T={T} {name}: `{k[0]}` {k[1]:.1f} µs x{k[2]}" for T, name, k in kern]
+    return "\n".join(lines) + "\n"
+
+
+def write(doc: dict, out_dir: Path) -> str:
+    """prefill-ops.{json,md,png} under out_dir; returns the md."""
+    from replayssm.cli import _load_benchmark
+
+    report = _load_benchmark("report_e2e")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "prefill-ops.json").write_text(json.dumps(doc, indent=1) + "\n")
+    text = render(doc)
+    (out_dir / "prefill-ops.md").write_text(text)
+    series: dict[str, dict[str, float]] = {}
+    for r in doc["rows"]:
+        if r["name"] in ("reference", "triton"):
+            series.setdefault(r["name"], {})[f"{r['tokens']} tokens"] = r["ms"]
+    note = report.plot_parts(series, f"chunked scan, {doc['meta']['device']}", "ms per call",
+                      out_dir / "prefill-ops.png")
+    if note == report.PLOT_HINT:
+        print(f"prefill-ops: {note}", file=sys.stderr)
+    return text
 
 
 def main() -> None:
@@ -195,12 +246,21 @@ def main() -> None:
     ap.add_argument("--times", action="store_true", help="GPU time per Triton kernel")
     ap.add_argument("--config", action="append", default=[], type=parse_config,
                     help="time this LaunchConfig too: k=v,k=v (fields of ops/triton/ssd.py: LaunchConfig)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="write prefill-ops.{json,md,png} there (default: benchmarks/results)")
     args = ap.parse_args()
-    print(f"8B shape H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 activations, {args.state_dtype} pool, "
-          f"{args.boundaries} boundaries, {torch.cuda.get_device_name()}")
+    shape = (f"8B shape H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 activations, {args.state_dtype} pool, "
+             f"{args.boundaries} boundaries")
+    print(f"{shape}, {torch.cuda.get_device_name()}")
+    rows = []
     for T in args.tokens:
-        run_case(T, args.boundaries, getattr(torch, args.state_dtype), args.iters, args.sweep, args.times,
-                 tuple(args.config))
+        rows += run_case(T, args.boundaries, getattr(torch, args.state_dtype), args.iters, args.sweep,
+                         args.times, tuple(args.config))
+    from replayssm.cli import _load_benchmark
+
+    meta = {**_load_benchmark("report_e2e").run_meta(["python3", *sys.argv]),
+            "device": torch.cuda.get_device_name(), "shape": shape}
+    print(write({"meta": meta, "rows": rows}, Path(args.out)))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@
    `--prompt-len` prompt and `--output-len` output tokens (ignore_eos) per TP size; output
    tokens/s from wall time. bf16 greedy tokens are compared too (informational: reduction
    order differs between TP sizes, so near-ties may flip in bf16).
-Writes benchmarks/results/tp.json (commit, device, command, rows), tp.md and tp.png (when
-matplotlib is installed), and prints the table last.
+Writes benchmarks/results/tp.json (commit, device, command, rows), tp.md and tp.png (with
+matplotlib: the `[bench]` extra), and prints the table last; --smoke writes to a temporary directory.
 """
 
 from __future__ import annotations
@@ -166,6 +166,8 @@ def write_results(record: dict, out_dir: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("bench_tp: no plot: matplotlib is not installed (pip install -e '.[bench]' adds it)",
+              file=sys.stderr)
         return table
     fig, ax = plt.subplots(figsize=(4, 3))
     ax.bar([f"TP={r['tp']}" for r in record["rows"]], [r["output_tok_s"] for r in record["rows"]])

@@ -1,7 +1,7 @@
 """Profile of one prefix-hit prefill step of mode (c) ON (``replayssm bench --profile-prefill``).
 
-Mode (c) ON prefills only the ~1,040 new tokens of a later turn, yet on the H200 its TTFT had a
-fixed ~0.16 s that OFF's per-token rate does not explain (NOTES-e2e.md). This runs the (c) ON
+Mode (c) ON prefills only the ~1,040 new tokens of a later turn; this shows where that step's time
+goes beyond OFF's per-token rate (checkpoint states, attention over the cached context). It runs the (c) ON
 engine on one conversation (shared context + turns of `turn_input` new tokens and 16 output
 tokens, so a later turn prefills 1,024 + 16 tokens, as in the bench): turn 0 fills the cache,
 then every later turn's first step is the prefix-hit prefill (the request's TTFT step):
@@ -13,7 +13,7 @@ Every kernel goes to the innermost label open at its launch (profile_e2e.attribu
 document has kernels and kernel ms per part, wall ms, host ms per engine phase, and the host
 syncs (calls that wait for the device) with the label they ran under. For scale, an OFF engine
 prefills the same final prompt whole (timed and profiled: its kernel ms per part over all its
-tokens, and per 1,040 tokens). Writes e2e-prefill-profile.{json,md}; runs on the CPU as well
+tokens, and per 1,040 tokens). Writes e2e-prefill-profile.{json,md,png}; runs on the CPU as well
 (CPU op time stands in for kernel time there).
 """
 

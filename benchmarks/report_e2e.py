@@ -1,8 +1,12 @@
-"""Write the end-to-end benchmark's results: e2e.json, e2e.md (table + ON/OFF ratios), e2e.png, and the
-step profile's e2e-profile.json and e2e-profile.md.
+"""Write the end-to-end benchmark's results: e2e.{json,md,png} (table + ON/OFF ratios) and the step
+profiles' e2e-profile.{json,md,png} and e2e-prefill-profile.{json,md,png}.
 
 The JSON holds the commit, device, versions, command, workload, one row per (mode, setting,
-batch, repetition) and the ratios; the markdown and the plot are rendered from it alone.
+batch, repetition) and the ratios; the markdown and the plot are rendered from it alone, so
+
+    python3 benchmarks/report_e2e.py benchmarks/results/e2e.json [...e2e-profile.json ...]
+
+renders them again. The plots need matplotlib (`pip install -e '.[bench]'`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# What each mode's ratio measures and the issue's target for it.
+PLOT_HINT = "no plot: matplotlib is not installed (pip install -e '.[bench]' adds it)"
+# What each mode's ratio measures (the targets are bench_e2e.TARGETS).
 RATIO_SPEC = {
     "a": ("output_tok_s", "ON/OFF output tok/s (ReplaySSM on vs off, plain decode)", ">="),
     "b": ("output_tok_s", "ON/OFF output tok/s (spec k=3, ReplaySSM on vs off)", ">="),
@@ -55,8 +60,9 @@ def _mean(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
-def compute_ratios(rows: list[dict], targets: dict[str, float]) -> list[dict[str, Any]]:
-    """Per (mode, batch): ON and OFF means over the repetitions and their ratio vs the target."""
+def compute_ratios(rows: list[dict], targets: dict[str, float] | None) -> list[dict[str, Any]]:
+    """Per (mode, batch): ON and OFF means over the repetitions, their ratio, and the ratio against
+    the target (targets None: no target, as in the CPU smoke run)."""
     groups: dict[tuple[str, int], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         groups[(r["mode"], r["batch"])][r["setting"]].append(r)
@@ -72,9 +78,11 @@ def compute_ratios(rows: list[dict], targets: dict[str, float]) -> list[dict[str
             value = on / off if off > 0 else 0.0
         peak_on = _mean(by["on"], "peak_decoding_requests")
         peak_off = _mean(by["off"], "peak_decoding_requests")
-        out.append({"mode": mode, "batch": batch, "metric": key, "what": what, "on": on, "off": off,
-                    "value": value, "target": targets[mode], "meets_target": value >= targets[mode],
-                    "peak_decoding_on": peak_on, "peak_decoding_off": peak_off})
+        q = {"mode": mode, "batch": batch, "metric": key, "what": what, "on": on, "off": off, "value": value,
+             "peak_decoding_on": peak_on, "peak_decoding_off": peak_off}
+        if targets is not None:
+            q.update(target=targets[mode], meets_target=value >= targets[mode])
+        out.append(q)
     return out
 
 
@@ -122,14 +130,35 @@ COLUMNS = (("mode", "{}"), ("setting", "{}"), ("batch", "{}"), ("rep", "{}"), ("
            ("wall_s", "{:.1f}"))
 
 
+def mode_notes(w: dict[str, Any], modes: str) -> dict[str, str]:
+    """One line per mode: the sizes its rows ran with."""
+    notes = {
+        "a": f"(a) batch {w['decode_batch']}, {w['decode_prompt']}-token prompts, {w['decode_output']} "
+             "output tokens per request",
+        "b": f"(b) k = {w['spec_k']}, {w['spec_prompt']}-token prompts, {w['spec_output']} output tokens per "
+             "request; drafts are synthetic (speculative_method='synthetic', forced acceptance): the output "
+             "tokens are not the model's, only the speed counts",
+        "c": f"(c) {w['conversations']} conversation(s) over {w['shared_context']} shared tokens, "
+             f"{w['turns']} turns of {w['turn_input']} in / {w['turn_output']} out; TTFT over turns "
+             f"2..{w['turns']}",
+    }
+    return {m: n for m, n in notes.items() if m in modes}
+
+
+SMOKE_NOTE = ("CPU smoke run of the code paths: a tiny random-weight model, one OFF/ON/ON/OFF set per mode, "
+              "no warm-ups. The numbers show that every path runs; they do not measure ReplaySSM's speed "
+              "(`replayssm bench` on a CUDA GPU does).")
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
-    """The table of every run, then the ratios with their targets."""
-    lines = ["# End-to-end benchmark", "",
-             f"- commit `{doc['commit']}`, device {doc['device']}, {doc['versions']}",
-             f"- command: `{doc['command']}`", ""]
-    for mode, why in doc["skipped"].items():
-        lines.append(f"- mode ({mode}) skipped: {why}")
-    lines += [f"- {note}" for note in doc.get("notes", {}).values()]
+    """The table of every run, then the ratios (with their targets, except in the CPU smoke run)."""
+    smoke = doc["workload"].get("smoke", False)
+    lines = ["# End-to-end benchmark" + (": CPU smoke run" if smoke else ""), ""]
+    if smoke:
+        lines += [SMOKE_NOTE, ""]
+    lines += [f"- commit `{doc['commit']}`, device {doc['device']}, {doc['versions']}",
+              f"- command: `{doc['command']}`", ""]
+    lines += [f"- {note}" for note in mode_notes(doc["workload"], doc["modes"]).values()]
     graphs = {(r["mode"], bool(r.get("graph_replays"))) for r in doc["rows"]}
     lines += [f"- ({m}) {'CUDA graphs replayed' if g else 'eager (no graph replays)'}"
               for m, g in sorted(graphs)]
@@ -140,22 +169,21 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(f.format(r[c]) for c, f in COLUMNS) + " |")
     runs = doc.get("runs_by_mode") or {}
     if len({(tuple(m["commits"]), tuple(m["commands"])) for m in runs.values()}) > 1:
-        lines += ["", "Rows of different runs (per mode):", ""]
+        lines += ["", "Rows of different commands (per mode):", ""]
         lines += [f"- ({mode}) commit {', '.join(f'`{c}`' for c in m['commits'])}; command "
                   f"{', '.join(f'`{c}`' for c in m['commands'])}" for mode, m in sorted(runs.items())]
-    lines += [f"- note: {n}" for n in doc.get("provenance_notes", [])]
     warm = doc.get("warmups") or []
     lines += ["", f"Untimed warm-up runs before the timed ones: {len(warm)} (not in the table)" if warm else
-              "No untimed warm-up runs: rep 0 of each setting includes first-use costs (Triton JIT, ...)"]
+              "No untimed warm-up runs: rep 0 of each setting includes first-use costs"]
     if doc.get("spread_warnings"):
         lines += ["", "## Warnings: repetitions disagree", ""]
         lines += [f"- WARNING {w}" for w in doc["spread_warnings"]]
     lines += ["", "## ON/OFF (means over repetitions, OFF/ON/ON/OFF order)", ""]
     lines += _ratio_lines(doc["ratios"])
-    if doc.get("ratios_rep1"):
+    if doc.get("ratios_rep1") and not smoke:
         lines += ["", "## Secondary view: second repetitions only (rep 1 of each setting)", "",
-                  "Each setting's rep 1 ran after its rep 0 had compiled every kernel; a secondary view, "
-                  "not the measurement above.", ""]
+                  "Each setting's rep 1 runs after its rep 0; a secondary view, not the measurement above.",
+                  ""]
         lines += _ratio_lines(doc["ratios_rep1"])
     return "\n".join(lines) + "\n"
 
@@ -163,24 +191,34 @@ def render_markdown(doc: dict[str, Any]) -> str:
 def _ratio_lines(ratios: list[dict[str, Any]]) -> list[str]:
     lines = []
     for q in ratios:
-        verdict = "meets" if q["meets_target"] else "MISSES"
-        unit = "reduction" if q["mode"] == "c" else "x"
         value = f"{q['value']:.1%}" if q["mode"] == "c" else f"{q['value']:.2f}x"
-        lines.append(f"- ({q['mode']}) batch {q['batch']}: {q['what']}: {value} (ON {q['on']:.4g}, OFF "
-                     f"{q['off']:.4g}); target {unit} >= {q['target']}: {verdict}; peak decoding requests "
-                     f"ON {q['peak_decoding_on']:.0f} vs OFF {q['peak_decoding_off']:.0f}")
+        line = f"- ({q['mode']}) batch {q['batch']}: {q['what']}: {value} (ON {q['on']:.4g}, " \
+            f"OFF {q['off']:.4g})"
+        if "target" in q:
+            target = f"{q['target']:.0%}" if q["mode"] == "c" else f"{q['target']}x"
+            line += f"; target {target}: {'met' if q['meets_target'] else 'below target'}"
+        lines.append(line + f"; peak decoding requests ON {q['peak_decoding_on']:.0f} vs OFF "
+                     f"{q['peak_decoding_off']:.0f}")
     return lines
 
 
-def plot(doc: dict[str, Any], path: Path) -> str | None:
-    """Bar chart of output tok/s and TTFT per run; returns a note instead when matplotlib is missing."""
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no plot"
+        return None
+    return plt
+
+
+def plot(doc: dict[str, Any], path: Path) -> str | None:
+    """Bar chart of output tok/s and TTFT per run; returns a note instead when there is none."""
+    plt = _pyplot()
+    if plt is None:
+        return PLOT_HINT
     rows = doc["rows"]
     if not rows:
         return "no rows: no plot"
@@ -193,7 +231,32 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
         ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
         ax.set_title(title)
     commits = sorted({str(r.get("commit") or doc["commit"])[:7] for r in rows})
-    fig.suptitle(f"replayssm e2e, {doc['device']} ({', '.join(commits)})")
+    smoke = " (CPU smoke run)" if doc["workload"].get("smoke") else ""
+    fig.suptitle(f"replayssm e2e{smoke}, {doc['device']} ({', '.join(commits)})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def plot_parts(series: dict[str, dict[str, float]], title: str, xlabel: str, path: Path) -> str | None:
+    """Horizontal bars of ms per part, one bar per series (e.g. OFF and ON); a note when there is no plot."""
+    plt = _pyplot()
+    if plt is None:
+        return PLOT_HINT
+    parts = list(dict.fromkeys(p for s in series.values() for p, v in s.items() if v))
+    if not parts:
+        return "no parts: no plot"
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(parts) * len(series) + 1.5))
+    height = 0.8 / len(series)
+    for i, (name, s) in enumerate(series.items()):
+        ax.barh([j + i * height for j in range(len(parts))], [s.get(p, 0.0) for p in parts], height,
+                label=name)
+    ax.set_yticks([j + height * (len(series) - 1) / 2 for j in range(len(parts))], parts, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -209,11 +272,15 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def assemble(meta: dict[str, Any], result: dict[str, Any], targets: dict[str, float]) -> dict[str, Any]:
-    """The results document: meta, rows, ratios (means, and rep 1 only), per-mode provenance, warnings."""
+    """The results document: meta, rows, ratios (means, and rep 1 only), per-mode provenance, warnings.
+    The CPU smoke run (workload["smoke"]) gets neither the GPU targets nor rep-to-rep warnings: its
+    runs last a fraction of a second, so their spread says nothing."""
     rows = result["rows"]
+    smoke = result["workload"].get("smoke", False)
+    targets = None if smoke else targets
     return {**meta, **result, "runs_by_mode": mode_runs_meta(rows), "ratios": compute_ratios(rows, targets),
             "ratios_rep1": compute_ratios([r for r in rows if r["rep"] == 1], targets),
-            "spread_warnings": spread_warnings(rows)}
+            "spread_warnings": [] if smoke else spread_warnings(rows)}
 
 
 def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str],
@@ -227,18 +294,13 @@ def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(command)
     rows = [dict(r, command=meta["command"], commit=meta["commit"]) for r in result["rows"]]
-    skipped = dict(result["skipped"])
     if merge and (out / "e2e.json").is_file():
         old = json.loads((out / "e2e.json").read_text())
         rows = [r for r in old["rows"] if r["mode"] not in result["modes"]] + rows
-        skipped = {**{m: w for m, w in old["skipped"].items() if m not in result["modes"]}, **skipped}
-        old_notes = old.get("notes") if isinstance(old.get("notes"), dict) else {}
-        notes = {**{m: n for m, n in old_notes.items() if m not in result["modes"]},
-                 **result.get("notes", {})}
         warmups = [x for x in old.get("warmups", []) if x["mode"] not in result["modes"]]
-        result = {**result, "notes": dict(sorted(notes.items())),
-                  "warmups": warmups + result.get("warmups", [])}
-    doc = assemble(meta, {**result, "rows": rows, "skipped": skipped}, targets)
+        modes = "".join(sorted(set(old["modes"]) | set(result["modes"])))
+        result = {**result, "modes": modes, "warmups": warmups + result.get("warmups", [])}
+    doc = assemble(meta, {**result, "rows": rows}, targets)
     doc["plot_note"] = plot(doc, out / "e2e.png") if with_plot else "plot written at the end"
     write_atomic(out / "e2e.json", json.dumps(doc, indent=1, default=str) + "\n")
     write_atomic(out / "e2e.md", render_markdown(doc))
@@ -305,6 +367,43 @@ def write_doc(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any], st
     return doc
 
 
+def plot_profile(doc: dict[str, Any], path: Path) -> str | None:
+    """e2e-profile.png: ms per step by part, OFF against ON."""
+    off, on = doc["settings"]
+    return plot_parts({"OFF": {p: v / 1e3 for p, v in off["parts_us_per_step"].items()},
+                       "ON": {p: v / 1e3 for p, v in on["parts_us_per_step"].items()}},
+                      f"decode step by part, batch {off['batch']}, {doc['device']} "
+                      f"({str(doc['commit'])[:7]})",
+                      "ms per step", path)
+
+
 def write_profile(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """e2e-profile.json and e2e-profile.md under out_dir; returns the document with its meta."""
-    return write_doc(doc, out_dir, meta, "e2e-profile", render_profile)
+    """e2e-profile.{json,md,png} under out_dir; returns the document with its meta."""
+    doc = write_doc(doc, out_dir, meta, "e2e-profile", render_profile)
+    doc["plot_note"] = plot_profile(doc, Path(out_dir) / "e2e-profile.png")
+    return doc
+
+
+def rerender(path: Path) -> str:
+    """Render the md (and png) of an e2e.json, e2e-profile.json or e2e-prefill-profile.json again."""
+    doc = json.loads(path.read_text())
+    if path.name.startswith("e2e-prefill-profile"):
+        from replayssm.cli import _load_benchmark
+
+        rep = _load_benchmark("report_prefill")
+        text, note = rep.render(doc), rep.plot(doc, path.with_suffix(".png"))
+    elif path.name.startswith("e2e-profile"):
+        text, note = render_profile(doc), plot_profile(doc, path.with_suffix(".png"))
+    else:
+        text, note = render_markdown(doc), plot(doc, path.with_suffix(".png"))
+    write_atomic(path.with_suffix(".md"), text)
+    return note or f"{path.with_suffix('.md')} and .png written"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit(f"usage: {sys.argv[0]} RESULT.json [...]  (renders its .md and .png again)")
+    for arg in sys.argv[1:]:
+        print(f"{arg}: {rerender(Path(arg))}")

@@ -1,4 +1,4 @@
-"""e2e-prefill-profile.{json,md}: the document of benchmarks/profile_prefill.py, rendered.
+"""e2e-prefill-profile.{json,md,png}: the document of benchmarks/profile_prefill.py, rendered.
 
 The md answers: how long the (c) ON prefix-hit prefill step takes (wall), how much of it the device
 is busy, which parts hold the kernels (count, ms) against OFF's prefill of the same prompt scaled to
@@ -93,8 +93,25 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """e2e-prefill-profile.json and .md under out_dir; returns the document with its meta."""
+def plot(doc: dict[str, Any], path: Path) -> str | None:
+    """e2e-prefill-profile.png: ms by part of the ON prefix-hit step against OFF's prefill scaled to as
+    many tokens (its per-token rate)."""
     from replayssm.cli import _load_benchmark
 
-    return _load_benchmark("report_e2e").write_doc(doc, out_dir, meta, "e2e-prefill-profile", render)
+    on, off = doc["on"], doc.get("off")
+    series = {"ON prefix-hit step": {p: v["us"] / 1e3 for p, v in on["parts"].items()}}
+    if off is not None:
+        scale = doc["turns"][-1]["prefilled_tokens"] / doc["off_run"]["prompt_tokens"]
+        series["OFF, scaled to as many tokens"] = {p: v["us"] * scale / 1e3 for p, v in off["parts"].items()}
+    return _load_benchmark("report_e2e").plot_parts(
+        series, f"prefix-hit prefill step by part, {doc.get('device')} ({str(doc.get('commit'))[:7]})", "ms",
+        path)
+
+
+def write(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """e2e-prefill-profile.{json,md,png} under out_dir; returns the document with its meta."""
+    from replayssm.cli import _load_benchmark
+
+    doc = _load_benchmark("report_e2e").write_doc(doc, out_dir, meta, "e2e-prefill-profile", render)
+    doc["plot_note"] = plot(doc, Path(out_dir) / "e2e-prefill-profile.png")
+    return doc

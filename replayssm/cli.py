@@ -126,7 +126,8 @@ def _load_benchmark(name: str) -> Any:
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help="tiny model on the CPU, tiny workload: a smoke run in seconds")
+                        help="CPU smoke run of the code paths: a tiny model and workload, about 20 s; "
+                        "its numbers are not a speed measurement")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")
     parser.add_argument("--modes", default="abc",
@@ -138,8 +139,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                        ("turn-input", "new input tokens per turn"),
                        ("turn-output", "output tokens per turn")):
         parser.add_argument(f"--{flag}", type=int, default=None,
-                            help=f"mode (c)'s {what}, after --scale (default: the workload's; the seeds "
-                            "ran 51,200 shared tokens and 20 turns of 2,048 in / 1,024 out)")
+                            help=f"mode (c)'s {what}, after --scale (default: the workload's, 12,800 shared "
+                            "tokens and 4 turns of 1,024 in / 128 out)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other modes' rows of an existing e2e.json (split one benchmark over "
                         "several commands)")
@@ -192,6 +193,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.replay_stagger is not None:
         workload = dataclasses.replace(workload, replay_stagger=args.replay_stagger)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.quick:
+        log("bench: --quick is a CPU smoke run of the code paths on a tiny model; its numbers are not a "
+            "speed measurement (run `replayssm bench` on a CUDA GPU for that)")
     out = args.out
     if out is None and args.quick:
         # The smoke run's numbers are CPU ones: never over the checkout's measured results.
@@ -205,8 +209,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile_prefill:
         prof, rep = _load_benchmark("profile_prefill"), _load_benchmark("report_prefill")
         meta = report.run_meta(command)
-        doc = prof.run_prefill_profile(workload, log=log, save=lambda d: rep.write(d, out, meta))
-        print(rep.render(rep.write(doc, out, meta)))
+        doc = rep.write(prof.run_prefill_profile(workload, log=log, save=lambda d: rep.write(d, out, meta)),
+                        out, meta)
+        print(rep.render(doc))
+        log(f"bench: {doc['plot_note'] or f'wrote {out}/e2e-prefill-profile.{{json,md,png}}'}")
         return 0
     if args.profile:
         if args.profile_steps < 1:
@@ -217,7 +223,9 @@ def run_bench(args: argparse.Namespace) -> int:
             workload = dataclasses.replace(workload, decode_prompt=args.profile_prompt)
         prof = _load_benchmark("profile_e2e")
         doc = prof.run_profile(workload, steps=args.profile_steps, warm=min(4, args.profile_steps), log=log)
-        print(report.render_profile(report.write_profile(doc, out, report.run_meta(command))))
+        doc = report.write_profile(doc, out, report.run_meta(command))
+        print(report.render_profile(doc))
+        log(f"bench: {doc['plot_note'] or f'wrote {out}/e2e-profile.{{json,md,png}}'}")
         return 0
 
     def save(partial: dict, with_plot: bool = False) -> dict:
@@ -228,8 +236,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(report.render_markdown(doc))
     for warning in doc["spread_warnings"]:
         log(f"bench: WARNING {warning}")
-    if doc["plot_note"]:
-        log(f"bench: {doc['plot_note']}")
+    log(f"bench: {doc['plot_note'] or f'wrote {out}/e2e.{{json,md,png}}'}")
     return 0
 
 

@@ -8,45 +8,55 @@ FIELDS = ("mode", "setting", "batch", "rep", "order", "output_tok_s", "decode_to
           "peak_decoding_requests", "preemptions", "prefix_hit_tokens", "acceptance_length", "wall_s")
 
 
-def test_bench_quick_writes_rows_in_off_on_on_off_order(tmp_path, capsys):
-    """The quick bench writes e2e.json (meta, one row per mode x rep in OFF/ON/ON/OFF order) and e2e.md."""
+def test_bench_quick_is_a_cpu_smoke_run(tmp_path, capsys):
+    """The quick bench says it is a CPU smoke run and writes e2e.json (meta, one row per mode x rep in
+    OFF/ON/ON/OFF order, no warm-ups) and e2e.md, with ON/OFF ratios but no GPU targets and no
+    rep-to-rep warnings; the plot is written, or the output says which extra brings matplotlib."""
+    import importlib.util
+
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "e2e.json").read_text())
-    for key in ("commit", "device", "command", "versions", "workload", "rows", "ratios", "skipped"):
+    for key in ("commit", "device", "command", "versions", "workload", "rows", "ratios"):
         assert key in doc, key
-    ran = sorted({r["mode"] for r in doc["rows"]})
-    assert "a" in ran and set(ran) | set(doc["skipped"]) == {"a", "b", "c"}
-    for mode in ran:
+    assert doc["workload"]["smoke"] is True and doc["workload"]["device"] == "cpu"
+    assert sorted({r["mode"] for r in doc["rows"]}) == ["a", "b", "c"]
+    for mode in "abc":
         batches = sorted({r["batch"] for r in doc["rows"] if r["mode"] == mode})
-        for b in batches:
-            rows = sorted((r for r in doc["rows"] if r["mode"] == mode and r["batch"] == b),
-                          key=lambda r: r["order"])
-            assert [r["setting"] for r in rows] == ["off", "on", "on", "off"]
-            for r in rows:
-                assert all(f in r for f in FIELDS)
-                assert r["output_tokens"] > 0 and r["output_tok_s"] > 0 and r["ttft_s"] > 0
-                assert 1 <= r["peak_decoding_requests"] <= r["num_requests"]
+        assert len(batches) == 1
+        rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["order"])
+        assert [r["setting"] for r in rows] == ["off", "on", "on", "off"]
+        for r in rows:
+            assert all(f in r for f in FIELDS)
+            assert r["output_tokens"] > 0 and r["output_tok_s"] > 0 and r["ttft_s"] > 0
+            assert 1 <= r["peak_decoding_requests"] <= r["num_requests"]
     a = [r for r in doc["rows"] if r["mode"] == "a"]
     assert all(r["output_tokens"] == r["num_requests"] * doc["workload"]["decode_output"] for r in a)
-    assert {q["mode"] for q in doc["ratios"]} == set(ran)
+    assert {q["mode"] for q in doc["ratios"]} == {"a", "b", "c"}
+    assert all("target" not in q and "meets_target" not in q for q in doc["ratios"])
+    assert doc["spread_warnings"] == [] and doc["warmups"] == []
     assert all(r["cuda_graphs"] is False and r["graph_replays"] == 0 and r["graph_error"] is None
                for r in doc["rows"])
-    assert set(doc["notes"]) == set(ran)
     md = (tmp_path / "e2e.md").read_text()
-    assert "| mode | setting |" in md and "ON/OFF" in md
+    assert md.startswith("# End-to-end benchmark: CPU smoke run") and "| mode | setting |" in md
     captured = capsys.readouterr()
+    assert "CPU smoke run of the code paths" in captured.err and "CPU smoke run" in captured.out
     assert "ON/OFF" in captured.out
-    # One untimed warm-up per (mode, setting, batch), logged before that setting's rep 0, not a row.
-    keys = sorted({(r["mode"], r["setting"], r["batch"]) for r in doc["rows"]})
-    assert sorted((x["mode"], x["setting"], x["batch"]) for x in doc["warmups"]) == keys
-    assert all(x["steps"] > 0 for x in doc["warmups"]) and len(doc["rows"]) == 4 * len(keys) // 2
-    log = captured.err.splitlines()
-    for mode, setting, batch in keys:
-        head = f"bench: ({mode}) {setting:3s} batch {batch:4d}"
-        warm = [i for i, line in enumerate(log) if line.startswith(head + " warm-up (not recorded)")]
-        rep0 = [i for i, line in enumerate(log) if line.startswith(head + " rep 0:")]
-        assert len(warm) == 1 and len(rep0) == 1 and warm[0] < rep0[0], (mode, setting, batch)
-    assert "warm-up runs before the timed ones: " + str(len(keys)) in md
+    for text in (captured.out, captured.err, md):
+        assert "target" not in text and "MISSES" not in text and "WARNING" not in text
+        assert "warm-up (not recorded)" not in text and "Secondary view" not in text
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "e2e.png").stat().st_size > 0
+    else:
+        assert not (tmp_path / "e2e.png").exists()
+        assert "matplotlib is not installed (pip install -e '.[bench]' adds it)" in captured.err
+
+
+def _workload(smoke=False):
+    import dataclasses
+
+    from replayssm.cli import _load_benchmark
+
+    return dataclasses.asdict(dataclasses.replace(_load_benchmark("bench_e2e").quick_workload(), smoke=smoke))
 
 
 def _row(mode, setting, batch, rep, tok_s, ttft):
@@ -64,23 +74,25 @@ def test_ratios_and_merge(tmp_path):
     targets = {"a": 1.45, "b": 2.2, "c": 0.88}
     first = {"rows": [_row("a", s, 8, i, t, 1.0) for s, i, t in (("off", 0, 10), ("on", 0, 16),
                                                                    ("on", 1, 14), ("off", 1, 10))],
-             "skipped": {"b": "no spec"}, "modes": "ab", "notes": {"a": "a note"}}
+             "modes": "a", "workload": _workload()}
     doc = report.write_results(first, tmp_path, ["replayssm", "bench"], targets)
     (a,) = doc["ratios"]
     assert a["value"] == 1.5 and a["meets_target"] and a["peak_decoding_on"] == 8
     second = {"rows": [_row("c", s, 1, i, 1.0, t) for s, i, t in (("off", 0, 2.0), ("on", 0, 0.2),
                                                                     ("on", 1, 0.2), ("off", 1, 2.0))],
-              "skipped": {}, "modes": "c", "notes": {"c": "c note"}}
+              "modes": "c", "workload": _workload()}
     doc = report.write_results(second, tmp_path, ["replayssm", "bench", "--modes", "c"], targets, merge=True)
-    assert [r["mode"] for r in doc["rows"]] == ["a"] * 4 + ["c"] * 4
-    assert doc["skipped"] == {"b": "no spec"} and doc["notes"] == {"a": "a note", "c": "c note"}
+    assert [r["mode"] for r in doc["rows"]] == ["a"] * 4 + ["c"] * 4 and doc["modes"] == "ac"
+    md = (tmp_path / "e2e.md").read_text()
+    assert "- (a) batch 4, 5-token prompts" in md and "- (c) 2 conversation(s)" in md
     c = next(q for q in doc["ratios"] if q["mode"] == "c")
     assert abs(c["value"] - 0.9) < 1e-12 and c["meets_target"]
 
 
 def test_spread_warnings_and_rep1_view(tmp_path):
     """A setting whose reps differ by > 20% (or were planned for different request counts) is flagged;
-    the md shows the rep-1-only ratios as a labeled secondary view beside the means."""
+    the md shows the rep-1-only ratios as a labeled secondary view beside the means and the targets.
+    The CPU smoke run's document has neither warnings nor targets for the same rows."""
     from replayssm.cli import _load_benchmark
 
     report = _load_benchmark("report_e2e")
@@ -88,8 +100,9 @@ def test_spread_warnings_and_rep1_view(tmp_path):
                                                          ("off", 1, 5.5))]
     for r, fit in zip(rows, (8, 8, 8, 6)):
         r["num_requests_fit"] = fit
-    doc = report.write_results({"rows": rows, "skipped": {}, "modes": "a", "notes": {}}, tmp_path,
-                               ["replayssm", "bench"], {"a": 1.45, "b": 2.2, "c": 0.88}, with_plot=False)
+    targets = {"a": 1.45, "b": 2.2, "c": 0.88}
+    doc = report.write_results({"rows": rows, "modes": "a", "workload": _workload()}, tmp_path,
+                               ["replayssm", "bench"], targets, with_plot=False)
     assert len(doc["spread_warnings"]) == 2
     assert "(a) off batch 8: cache planned differently" in doc["spread_warnings"][0]
     assert "(a) on batch 8: output_tok_s differs by 60%" in doc["spread_warnings"][1]
@@ -99,11 +112,19 @@ def test_spread_warnings_and_rep1_view(tmp_path):
     md = (tmp_path / "e2e.md").read_text()
     assert md.index("## ON/OFF (means") < md.index("## Secondary view: second repetitions only")
     assert "WARNING (a) on batch 8" in md and "No untimed warm-up runs" in md
+    assert "target 1.45x: below target" in md
+    smoke = report.write_results({"rows": rows, "modes": "a", "workload": _workload(smoke=True)},
+                                 tmp_path / "smoke", ["replayssm", "bench", "--quick"], targets,
+                                 with_plot=False)
+    assert smoke["spread_warnings"] == [] and all("target" not in q for q in smoke["ratios"])
+    md = (tmp_path / "smoke" / "e2e.md").read_text()
+    assert "CPU smoke run" in md and "WARNING" not in md and "target" not in md
 
 
 def test_each_engine_is_released_before_the_next_is_built(monkeypatch):
     """Every engine (a graph runner holding the model runner included) is gone before the next engine is
-    built: the planner sizes caches from free memory, so a live predecessor would shrink the next plan."""
+    built, warm-up engines included: the planner sizes caches from free memory, so a live predecessor
+    would shrink the next plan."""
     import dataclasses
     import weakref
     from types import SimpleNamespace
@@ -124,9 +145,16 @@ def test_each_engine_is_released_before_the_next_is_built(monkeypatch):
             runners.append(weakref.ref(self.runner))
 
     monkeypatch.setattr(llm_engine, "LLMEngine", Tracked)
-    w = dataclasses.replace(bench.quick_workload(), decode_output=3)
-    doc = bench.run_benchmark(w, "a", log=lambda msg: None)
+    w = dataclasses.replace(bench.quick_workload(), decode_output=3, warmup=True)
+    log: list[str] = []
+    doc = bench.run_benchmark(w, "a", log=log.append)
     assert len(runners) == 6 and len(doc["rows"]) == 4 and len(doc["warmups"]) == 2
+    # One untimed warm-up per setting, logged before that setting's rep 0, not a row.
+    for setting in ("off", "on"):
+        head = f"bench: (a) {setting:3s} batch    4"
+        warm = [i for i, line in enumerate(log) if line.startswith(head + " warm-up (not recorded)")]
+        rep0 = [i for i, line in enumerate(log) if line.startswith(head + " rep 0:")]
+        assert len(warm) == 1 and len(rep0) == 1 and warm[0] < rep0[0], setting
 
 
 def test_bench_cuda_graphs_flag_reaches_the_engines(tmp_path, capsys):
@@ -156,7 +184,7 @@ def test_bench_replay_stagger_flag_reaches_the_engines(tmp_path):
 
 def test_bench_multiturn_sizes_from_flags(tmp_path, capsys):
     """--shared-context / --turns / --turn-input / --turn-output set mode (c)'s sizes after --scale:
-    the rows and the note carry them, and each conversation runs that many turns (one TTFT per turn
+    the rows and the md's note carry them, and each conversation runs that many turns (one TTFT per turn
     after the first); a size below 1 is refused with a message naming the flag."""
     out = tmp_path / "c"
     assert main(["bench", "--quick", "--modes", "c", "--scale", "0.5", "--shared-context", "20",
@@ -169,7 +197,7 @@ def test_bench_multiturn_sizes_from_flags(tmp_path, capsys):
         assert (r["shared_context"], r["turns"], r["turn_input"], r["output_len"]) == (20, 3, 5, 2)
         n = w["conversations"] * 3
         assert r["num_requests"] == n and r["output_tokens"] == n * 2
-    assert "20 shared tokens" in doc["notes"]["c"] and "3 turns" in doc["notes"]["c"]
+    assert "over 20 shared tokens, 3 turns of 5 in / 2 out" in (out / "e2e.md").read_text()
     assert main(["bench", "--quick", "--modes", "c", "--turns", "0", "--out", str(tmp_path / "x")]) == 2
     assert "--turns must be >= 1, got 0" in capsys.readouterr().err
 
