@@ -242,6 +242,8 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         return y
     S, H, P, N = state.shape
     r = pick_route(b, q, H, P, N, state.dtype) if route is None else route
+    if not isinstance(r, (Mono, MonoMMA, Lean, Stream, Fallback)):
+        raise TypeError(f"route: a Mono, MonoMMA, Lean, Stream or Fallback, got {r!r}")
     if not _fits(r, P, N):
         raise ValueError(f"{r}: needs block_p dividing P and N a multiple of 32 (P={P}, N={N})")
     args = (x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices,
@@ -256,12 +258,10 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
         launch_stream(*args, items=r.items, flush_programs_per_sm=r.flush_programs_per_sm,
                       flush_parts=r.flush_parts, flush_maxnreg=r.flush_maxnreg,
                       stream_maxnreg=r.stream_maxnreg, pdl=r.pdl)
-    elif isinstance(r, Fallback):
+    else:
         launch_step(*args)
         launch_fold(state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_indices, window, q,
                     rand_seed, r.block_p, r.num_warps)
-    else:
-        raise TypeError(f"route: a Mono, MonoMMA, Lean, Stream or Fallback, got {r!r}")
     return y
 
 
