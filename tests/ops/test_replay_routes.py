@@ -117,7 +117,7 @@ def _tiny_step(q: int, P: int, N: int) -> tuple:
 @pytest.mark.parametrize("route, q, error", [(Mono(32, 4), 1, "block_p dividing P"),
                                              (Lean(16, 1), 2, "one token"),
                                              (Stream(**S32, block_p=16, num_warps=1), 1, "several tokens"),
-                                             ("lean.a.y.v1", 1, "route: a Mono")])
+                                             ("Lean", 1, "route: a Mono")])
 def test_forward_refuses_routes_it_cannot_run(route, q, error):
     """A forced route whose tiles do not cover the state, or that does not take q, or that is no
     settings object, is refused before any launch."""
