@@ -1,16 +1,22 @@
-"""Decode hot-path kernels on the GPU: baseline selective state update vs ReplaySSM (Triton).
+"""Decode hot-path kernels on the GPU: the baseline selective state update vs the ReplaySSM forward.
 
-    PYTHONPATH=. python3 benchmarks/bench_kernels.py [--out DIR] [--shapes ..] [--batches ..] [--dtypes ..]
+    python3 benchmarks/bench_kernels.py [--out benchmarks/results] [--shapes nemotron-h-8b,...]
+        [--batches 1,32,256] [--qs 1,4] [--dtypes fp32,fp16] [--lockstep] [--no-flush] [--flashinfer]
 
-Then benchmarks/report.py renders the JSON into kernels.md and kernels.png.
+The defaults run the grid the results table reports: the Nemotron-H 8B shape (H = 128, P = 64,
+N = 128) and the Nemotron-3 Super TP8 shape (H = 16), batch 1 / 32 / 256, q = 1 and 4 tokens per
+row, fp32 and fp16 state, bf16 activations, W = 16. "replay" is the route the public op takes
+(`ops.triton.replay.pick_route`); "baseline" is the SSU at BASELINE_TILE. --flashinfer also times
+FlashInfer's kernels on fp32 cases (bench_flashinfer.py; flashinfer_build.py installs them).
 
-Writes kernels.json (commit, device, versions, command, copy bandwidth, one row per
-measurement), kernels.md (tables, targets) and kernels.png (plot, if matplotlib imports).
-Method (shared/DESIGN.md §6): every number is the median over CUDA-graph replays of whole
-W-step cycles, flush steps included; the cursors of each cycle step are simulated ahead with
-the reference commit (q=1 accepts 1; q>1 accepts uniform in [1, q]), so the graph replays the
-same per-row mix of flush and non-flush rows every time. Slot sets rotate so each graph
-touches >= 4x L2 of state. Bytes are the fewest each kernel must move (NOTES-kernels.md).
+Writes kernels.json (commit, device, versions, command, copy bandwidth, one row per case and
+implementation, rewritten after every case), kernels.md (tables; benchmarks/report.py) and
+kernels.png (plot, if matplotlib imports). Method: every number is the median over CUDA-graph
+replays of whole W-step cycles, flush steps included; the cursors of each cycle step are simulated
+ahead with the reference commit (q = 1 accepts 1; q > 1 accepts uniform in [1, q]), so the graph
+replays the same per-row mix of flush and non-flush rows every time (--lockstep: every row starts
+at the same cursor, as a batch that began together; --no-flush: no row flushes). Slot sets rotate
+so each graph touches >= 4x L2 of state. Bytes are the fewest each kernel must move.
 """
 
 from __future__ import annotations
@@ -27,15 +33,14 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 from replayssm.ops.replay import replay_commit_ref
 from replayssm.ops.triton import replay as treplay
 from replayssm.ops.triton import ssu as tssu
 from replayssm.ops.triton.ssu import LaunchConfig
 
-SHAPES = {"nemotron-h-8b": (128, 64, 128, 8), "nemotron-3-super-tp8": (16, 64, 128, 1)}
-BATCHES = [1, 8, 32, 128, 256, 512]
+SHAPES = {"nemotron-h-8b": (128, 64, 128, 8), "nemotron-3-super-tp8": (16, 64, 128, 1)}  # H, P, N, G
+BATCHES = [1, 32, 256]
 STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 QS = [1, 4]
 WINDOW = 16
@@ -43,35 +48,7 @@ ACT = torch.bfloat16
 ROTATE_BYTES = 240e6  # 4x the H200's 60 MB L2
 MAX_SETS = 512
 IMPLS = ("baseline", "replay")
-
-
-@dataclass(frozen=True)
-class Tile:
-    """A replay route ("" for the baseline, else fused | split | mma) and its tile config."""
-
-    route: str
-    config: LaunchConfig | None  # None: the route picks (route "auto": what the public op runs)
-
-    @staticmethod
-    def parse(text: str) -> Tile:
-        if text == "auto":
-            return Tile("auto", None)
-        route, _, cfg = text.rpartition(":")
-        return Tile(route, LaunchConfig(*map(int, cfg.split("x"))))
-
-    @property
-    def name(self) -> str:
-        if self.config is None:
-            return self.route
-        prefix = f"{self.route}:" if self.route else ""
-        return f"{prefix}{self.config.block_p}x{self.config.num_warps}w"
-
-
-TILES = ((32, 4), (64, 4), (64, 8))
-SWEEP = {
-    "baseline": [Tile("", LaunchConfig(p, w)) for p, w in TILES],
-    "replay": [Tile(r, LaunchConfig(p, w)) for r in ("fused", "split") for p, w in TILES],
-}
+BASELINE_TILE = LaunchConfig(block_p=64, num_warps=8)
 
 
 @dataclass(frozen=True)
@@ -81,11 +58,11 @@ class Case:
     state_dtype: str
     q: int
     # Every row's cursor starts at the same place, as in a batch that began decoding together: with one
-    # token all rows then flush on the same step of the W (e2e mode (a)); else each starts anywhere in
-    # its window and rows flush at random steps, a few each step (continuous arrivals).
+    # token all rows then flush on the same step of the W; else each starts anywhere in its window and
+    # rows flush at different steps, a few each step (continuous arrivals).
     lockstep: bool = False
-    # Every cursor capped at W - q, so no row flushes (the history kept): with the random mix, what the
-    # flush rows cost a step (a diagnostic; NOTES-kernels.md, session 21).
+    # Every cursor capped at W - q, so no row flushes (the history kept): against the default mix, what
+    # the flush rows cost a step.
     noflush: bool = False
 
 
@@ -102,33 +79,6 @@ def copy_bandwidth_gbps() -> float:
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) / 1e3)
     return 2 * a.numel() * 4 / statistics.median(times[2:]) / 1e9
-
-
-def read_bandwidth_gbps() -> float:
-    """Read-only bandwidth: a full reduction over 2 GiB (bytes read only)."""
-    a = torch.randn(2**29, device="cuda")
-    times = []
-    for _ in range(12):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        torch.sum(a)
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3)
-    return a.numel() * 4 / statistics.median(times[2:]) / 1e9
-
-
-@triton.jit
-def _slot_read_kernel(state_ptr, idx_ptr, out_ptr, H, P: tl.constexpr, N: tl.constexpr,
-                      BLOCK_P: tl.constexpr):
-    # The ReplaySSM output launch's state traffic alone: gather each row's (BLOCK_P, N) tile by
-    # slot index, reduce it over N, write BLOCK_P floats. A ceiling for that launch.
-    pid_p, h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s = tl.load(idx_ptr + i).to(tl.int64)
-    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, N)
-    S0 = tl.load(state_ptr + (s * H + h) * (P * N) + p[:, None] * N + n[None, :])
-    tl.store(out_ptr + (i * H + h) * P + p, tl.sum(S0, axis=1))
 
 
 class Bench:
@@ -196,33 +146,23 @@ class Bench:
                    + q * (H * P * a + H * 4 + G * N * a))  # + history reads, + appends
         return tokens + float(per_row.sum(1).mean()) / self.n_sets
 
-    def body(self, impl: str, tile: Tile, orders=None, cursors=None):
-        """orders[k][j]: slot set j's row order at recorded step k (default: as drawn); cursors: the
-        recorded steps' cursors (default: the simulated mix). bench_order.py times other row orders."""
-        config, route = tile.config, tile.route or "auto"
-        cursors = cursors or self.cursors
+    def body(self, impl: str, route=None):
+        """The launches of one graph: W recorded steps over every slot set. impl "baseline" (the SSU at
+        BASELINE_TILE) or "replay" (route: a settings object of `ops.triton.replay`; None: its table)."""
 
         def run():
-            if impl == "slot_read":
-                sums = torch.empty(self.case.batch, self.H, self.P, device=self.state.device)
-                for _ in range(WINDOW):
-                    for j in range(self.n_sets):
-                        _slot_read_kernel[(self.P // 32, self.H, self.case.batch)](
-                            self.state, self.idx[j], sums, self.H, P=self.P, N=self.N, BLOCK_P=32,
-                            num_warps=4)
-                return
             for k in range(WINDOW):
-                start, comm = cursors[k]
+                start, comm = self.cursors[k]
                 for j in range(self.n_sets):
-                    idx = self.idx[j] if orders is None else orders[k][j]
                     if impl == "baseline":
                         tssu.launch_ssu(self.state, self.x, self.dt, self.A, self.B, self.C, self.D,
-                                        self.dt_bias, idx, self.dst[j], True, k, self.y, config)
+                                        self.dt_bias, self.idx[j], self.dst[j], True, k, self.y,
+                                        BASELINE_TILE)
                     else:
                         treplay.launch_replay_forward(
                             self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.state,
-                            self.ring_x, self.ring_B, self.ring_dt, start, comm, idx, WINDOW, True, k,
-                            self.y, config, route)
+                            self.ring_x, self.ring_B, self.ring_dt, start, comm, self.idx[j], WINDOW, True, k,
+                            self.y, route)
         return run
 
 
@@ -261,22 +201,22 @@ def time_graph(run, steps: int) -> tuple[float, int]:
     return statistics.median(times) * 1e3 / steps, reps
 
 
-def measure(bench: Bench, impl: str, tile: Tile, sweep: bool = False) -> dict:
+def measure(bench: Bench, impl: str, route=None) -> dict:
+    """One row: µs per step of impl on the bench's case (route: as `Bench.body`)."""
     bench.y.fill_(float("nan"))
-    us, reps = time_graph(bench.body(impl, tile), WINDOW * bench.n_sets)
-    diag = impl == "slot_read" or tile.route.startswith("weights")
-    assert diag or not bench.y.isnan().any(), f"{impl}: NaN output"
+    us, reps = time_graph(bench.body(impl, route), WINDOW * bench.n_sets)
+    assert not bench.y.isnan().any(), f"{impl}: NaN output"
     c = bench.case
-    if impl == "slot_read":
-        nbytes = c.batch * bench.H * bench.P * (bench.N * STATE_DTYPES[c.state_dtype].itemsize + 4)
+    nbytes = bench.bytes_per_step(impl)
+    H, P, N, G = SHAPES[c.shape]
+    if impl == "baseline":
+        name, tile = "ssu", BASELINE_TILE
     else:
-        nbytes = bench.bytes_per_step(impl)
-    H, P, N, G = SHAPES[bench.case.shape]
-    return dict(asdict(bench.case), H=H, P=P, N=N, G=G, window=WINDOW, act_dtype="bf16", impl=impl,
-                route=tile.route, block_p=tile.config.block_p if tile.config else None,
-                num_warps=tile.config.num_warps if tile.config else None,
-                us_per_step=us, bytes_per_step=nbytes, gbps=nbytes / us / 1e3, n_sets=bench.n_sets, reps=reps,
-                sweep=sweep)
+        tile = route or treplay.pick_route(c.batch, c.q, H, P, N, STATE_DTYPES[c.state_dtype])
+        name = repr(tile)
+    return dict(asdict(c), H=H, P=P, N=N, G=G, window=WINDOW, act_dtype="bf16", impl=impl, route=name,
+                block_p=tile.block_p, num_warps=tile.num_warps, us_per_step=us, bytes_per_step=nbytes,
+                gbps=nbytes / us / 1e3, n_sets=bench.n_sets, reps=reps, sweep=False)
 
 
 def git_commit() -> str:
@@ -296,38 +236,25 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--dtypes", default=",".join(STATE_DTYPES))
-    ap.add_argument("--configs", default="",
-                    help="sweep override, e.g. replay=fused:64x8+split:32x4,baseline=64x8")
     ap.add_argument("--qs", default=",".join(map(str, QS)))
-    ap.add_argument("--extra", default="",
-                    help="replay tiles also timed at every case, e.g. mono:64x4+lean.c:32x4 (rows marked "
-                         "extra, left out of the tables)")
-    ap.add_argument("--sweep-extra", default="",
-                    help="replay tiles also timed at the headline sweep only, beside the chosen one and not "
-                         "candidates for the table, e.g. the previous default (rows marked sweep and extra)")
-    ap.add_argument("--flashinfer", action="store_true",
-                    help="also time FlashInfer's kernels on fp32 cases (bench_flashinfer.py)")
-    ap.add_argument("--fi-shapes", default="",
-                    help="FlashInfer beside these shapes only (default: all; modules are built per shape)")
-    ap.add_argument("--fi-target", default="/tmp/fi", help="where flashinfer_build.py installed FlashInfer")
-    ap.add_argument("--fi-workspace", default="/tmp/fiws")
     ap.add_argument("--lockstep", action="store_true",
                     help="every row's cursor starts at the same place (a batch that began together: with one "
-                         "token all rows flush on one step of the W); default: random, a few rows each step")
+                         "token all rows flush on one step of the W); default: a few rows flush each step")
     ap.add_argument("--no-flush", action="store_true",
-                    help="every cursor capped at W - q, so no row flushes (a diagnostic: against the default "
-                         "mix, what the flush rows cost a step)")
+                    help="every cursor capped at W - q, so no row flushes (against the default mix, what the "
+                         "flush rows cost)")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also time FlashInfer's kernels on fp32 cases (bench_flashinfer.py)")
+    ap.add_argument("--fi-target", default="/tmp/fi", help="where flashinfer_build.py installed FlashInfer")
+    ap.add_argument("--fi-workspace", default="/tmp/fiws")
     args = ap.parse_args()
-    for item in filter(None, args.configs.split(",")):
-        impl, cfg = item.split("=")
-        SWEEP[impl] = [Tile.parse(c) for c in cfg.split("+")]
-    qs = [int(v) for v in args.qs.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
                 window=WINDOW, act_dtype="bf16", copy_gbps=copy_bandwidth_gbps(), lockstep=args.lockstep,
-                noflush=args.no_flush)
+                noflush=args.no_flush,
+                baseline_tile=f"{BASELINE_TILE.block_p}x{BASELINE_TILE.num_warps}")
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
     fi = None
     if args.flashinfer:
@@ -336,81 +263,22 @@ def main() -> None:
         fi = FlashInferBench(Path(args.fi_target), Path(args.fi_workspace))
         fi.attach(meta)
     rows = []
-    best = {}
-    for q in qs:  # tile sweep at the headline case
-        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep, args.no_flush))
-        for impl in IMPLS:
-            trials, desc = [], []
-            for c in SWEEP[impl]:
-                try:
-                    trials.append((measure(bench, impl, c, sweep=True), c))
-                    desc.append(f"{c.name} {trials[-1][0]['us_per_step']:.1f}")
-                except ValueError as e:  # a tile the route refuses at this q (e.g. 8 warps, q > 1)
-                    desc.append(f"{c.name} refused ({e})")
-            rows += [r for r, _ in trials]
-            best[(impl, q)] = min(trials, key=lambda rc: rc[0]["us_per_step"])[1]
-            for c in map(Tile.parse, filter(None, args.sweep_extra.split("+")) if impl == "replay" else ()):
-                try:
-                    rows.append(dict(measure(bench, impl, c, sweep=True), extra=True))
-                    desc.append(f"(beside: {c.name} {rows[-1]['us_per_step']:.1f})")
-                except ValueError as e:
-                    desc.append(f"(beside: {c.name} refused ({e}))")
-            desc = ", ".join(desc)
-            print(f"sweep q={q} {impl}: {desc}", flush=True)
-        del bench
-        torch.cuda.empty_cache()
-    meta["chosen_configs"] = {f"{k[0]} q={k[1]}": v.name for k, v in best.items()}
-    meta["read_gbps"] = read_bandwidth_gbps()
-    for q in qs:  # where the time goes at the headline: weights launch alone, state reads alone
-        bench = Bench(Case("nemotron-h-8b", 256, "fp32", q, args.lockstep, args.no_flush))
-        # The weights launch as the measured default runs it (.t: B·C on tensor cores for q > 1; its
-        # .vN warps, replay.AUTO_ROUTES).
-        warps = treplay.route_options(treplay.AUTO_ROUTES[q > 1][0]).get("weights_warps", 4)
-        weights = Tile(f"weights{'.t' if q > 1 else ''}.v{warps}", LaunchConfig())
-        diags = (("replay", weights), ("slot_read", Tile("", LaunchConfig())))
-        for impl, tile in diags:
-            r = dict(measure(bench, impl, tile), diag=True, sweep=False)
-            rows.append(r)
-            print(f"diag q={q} {impl} {tile.route}: {r['us_per_step']:.1f} us {r['gbps']:.0f} GB/s",
-                  flush=True)
-        del bench
-    print(f"read-only bandwidth {meta['read_gbps']:.0f} GB/s", flush=True)
-    shapes = args.shapes.split(",")
-    batches = [int(v) for v in args.batches.split(",")]
-    for shape in shapes:
+    for shape in args.shapes.split(","):
         for sd in args.dtypes.split(","):
-            for q in qs:
-                for b in batches:
+            for q in (int(v) for v in args.qs.split(",")):
+                for b in (int(v) for v in args.batches.split(",")):
                     bench = Bench(Case(shape, b, sd, q, args.lockstep, args.no_flush))
                     for impl in IMPLS:
-                        tile = best[(impl, q)]
-                        if tile.route == "fused" and sd != "fp32":  # as the "auto" route picks
-                            tile = Tile("split", tile.config)
-                        r = measure(bench, impl, tile)
+                        r = measure(bench, impl)
                         rows.append(r)
                         print(f"{shape} {sd} q={q} b={b} {impl}: {r['us_per_step']:.2f} us "
-                              f"{r['gbps']:.0f} GB/s", flush=True)
-                    extras = []
-                    for tile in map(Tile.parse, filter(None, args.extra.split("+"))):
-                        try:
-                            r = dict(measure(bench, "replay", tile), extra=True)
-                        except ValueError as e:  # a tile the route refuses at this case
-                            extras.append(f"{tile.name} refused ({e})")
-                            continue
-                        except Exception as e:  # e.g. a kernel that fails to compile: the rest still run
-                            extras.append(f"{tile.name} failed ({type(e).__name__}: {str(e)[:200]})")
-                            continue
-                        rows.append(r)
-                        extras.append(f"{tile.name} {r['us_per_step']:.2f}")
-                    if extras:
-                        print(f"{shape} {sd} q={q} b={b} extra: {', '.join(extras)}", flush=True)
-                    if fi is not None and (not args.fi_shapes or shape in args.fi_shapes.split(",")):
+                              f"{r['gbps']:.0f} GB/s ({r['route']})", flush=True)
+                    if fi is not None:
                         rows += fi.rows(bench, time_graph)
                     del bench
                     torch.cuda.empty_cache()
                     # Written after every case, so a run cut short still leaves its numbers.
                     (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     from report import write_report  # benchmarks/ is the script's own folder on sys.path
 
     print(write_report(out))

@@ -19,7 +19,7 @@ FI_IMPLS = ("fi_baseline", "fi_replay")  # bench_flashinfer.py rows (--flashinfe
 def _index(rows: list[dict]) -> dict:
     by = {}
     for r in rows:
-        if not r["sweep"] and not r.get("diag") and not r.get("extra"):
+        if not r.get("sweep") and not r.get("diag") and not r.get("extra"):
             by[(r["shape"], r["batch"], r["state_dtype"], r["q"], r["impl"])] = r
     return by
 
@@ -114,34 +114,12 @@ def _flashinfer(meta: dict, by: dict) -> list[str]:
     return out + [""]
 
 
-def _sweep(rows: list[dict]) -> list[str]:
-    key = lambda r: r["route"] if r["block_p"] is None else (  # noqa: E731
-        (f"{r['route']}:" if r.get("route") else "") + f"{r['block_p']}x{r['num_warps']}w")
-    cols = sorted({key(r) for r in rows if r["sweep"]})
-    out = ["### Tile sweep (nemotron-h-8b, batch 256, fp32): us per step", "",
-           "| impl | q | " + " | ".join(cols) + " |"]
-    out.append("|---|---|" + "---|" * len(cols))
-    cells = defaultdict(dict)
-    for r in rows:
-        if r["sweep"]:
-            cells[(r["impl"], r["q"])][key(r)] = r["us_per_step"]
-    for (impl, q), c in sorted(cells.items()):
-        out.append(f"| {impl} | {q} | " + " | ".join(f"{c.get(k, float('nan')):.1f}" for k in cols) + " |")
-    return out + [""]
-
-
-def _diagnostics(meta: dict, rows: list[dict]) -> list[str]:
-    diag = [r for r in rows if r.get("diag")]
-    if not diag:
-        return []
-    out = ["### Where the time goes (nemotron-h-8b, batch 256, fp32)", "",
-           f"Read-only bandwidth (torch.sum over 2 GiB): {meta.get('read_gbps', float('nan')):.0f} GB/s.", ""]
-    for r in diag:
-        if r["impl"] == "replay":
-            out.append(f"- q={r['q']}: weights launch alone: {r['us_per_step']:.1f} us")
-        else:
-            out.append(f"- q={r['q']}: state-tile gather + reduce alone (the output launch's state reads): "
-                       f"{r['us_per_step']:.1f} us ({r['gbps']:.0f} GB/s)")
+def _routes(by: dict) -> list[str]:
+    """The route the table took at each replay case."""
+    out = ["### Routes taken", "", "| shape | state | q | batch | route |", "|---|---|---|---|---|"]
+    for (shape, b, sd, q, impl), r in sorted(by.items()):
+        if impl == "replay":
+            out.append(f"| {shape} | {sd} | {q} | {b} | `{r['route']}` |")
     return out + [""]
 
 
@@ -190,16 +168,15 @@ def write_report(results: Path) -> str:
             f"replays of whole W-step cycles (flush steps included)"
             + ("; cursors in lock-step (rows flush on the same step)" if meta.get("lockstep") else "")
             + ("; every cursor capped at W - q: no row flushes (a diagnostic)" if meta.get("noflush") else "")
-            + ".", "",
-            f"Tile configs chosen by the sweep: {meta['chosen_configs']}", ""]
+            + f"; baseline tile {meta.get('baseline_tile', '-')}; replay takes the route table's choice "
+            "(`ops.triton.replay.pick_route`).", ""]
     if meta.get("note"):  # how a merged file came together (several commands of one device call)
         commands = meta.get("commands", [])
         head += [meta["note"], ""] + [f"- commands[{k}]: `{c}`" for k, c in enumerate(commands)] + [""]
     targets = _targets(meta, by)
     plotted = _plot(by, results / "kernels.png")
     body = head + targets + (["![speedup](kernels.png)", ""] if plotted else []) + _tables(by)
-    body += _flashinfer(meta, by) + _sweep(rows)
-    body += _diagnostics(meta, rows)
+    body += _flashinfer(meta, by) + _routes(by)
     (results / "kernels.md").write_text("\n".join(body))
     return "\n".join(targets)
 

@@ -61,8 +61,8 @@ def pick_impl(module: str, name: str, tensor: torch.Tensor, ref: Callable) -> Ca
     try:
         triton_module = importlib.import_module(f"replayssm.ops.triton.{module}")
     except ImportError:
-        # A failed import is not cached by Python: it searched the path again at every call (every
-        # layer of every step, ~20 us each for the absent ssd module).
+        # A failed import is not cached by Python: it would search the path again at every call
+        # (every layer of every step).
         _NO_TRITON.add(module)
         return ref
     return getattr(triton_module, f"{name}_triton", ref)

@@ -78,17 +78,6 @@ def test_profile_prompt_sets_the_profiled_prompt(tmp_path, capsys):
     assert "--profile-prompt must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_kernel_timeline_positions_follow_streams():
-    """kernel_timeline: two launches beside each other start in either order from step to step; a
-    position is still one launch (by stream, then start), and steps split at equal counts."""
-    tl = _load_benchmark("kernel_timeline")
-    k = lambda name, stream, ts, dur: {"name": name, "stream": stream, "ts": ts, "dur": dur}  # noqa: E731
-    steps = [[k("out", 7, 0.0, 100.0), k("weights", 9, 1.0, 10.0), k("fold", 9, 20.0, 5.0)],
-             [k("weights", 9, 200.0, 10.0), k("out", 7, 200.5, 104.0), k("fold", 9, 220.0, 5.0)]]
-    s = tl.summarize(sorted(steps[0] + steps[1], key=lambda e: e["ts"]), 2)
-    assert [la["name"] for la in s["launches"]] == ["out", "weights", "fold"]
-    assert s["launches_per_step"] == 3 and s["gap_us"] == 100.0
-    assert s["launches"][0]["dur_us"] == 102.0 and s["span_us"] == 102.25
 
 
 def test_kernel_bench_cursor_mixes():
@@ -116,69 +105,6 @@ def test_kernel_bench_cursor_mixes():
     for q in (1, 4):
         assert flush_counts(False, q, noflush=True) == [0] * bk.WINDOW
     assert max(int(h.max()) for h in histories(False, 4, noflush=True)) == bk.WINDOW - 4  # the longest kept
-
-
-def test_order_bench_row_orders_and_report(tmp_path):
-    """bench_order: mix "first" moves the rows that flush this step (h_c + q > W) to the front, each part
-    in its given order, and keeps every slot once; "given" keeps the order. Its logs become one table
-    line per (case, tile) with the ordered route over the unordered one, and one per timing against its
-    case's reference."""
-    import torch
-
-    bo = _load_benchmark("bench_order")
-    W, q = 16, 4
-    committed = torch.tensor([0, 13, 5, 16, 12, 2, 15, 9], dtype=torch.int32)  # flush: slots 1, 3, 6
-    idx = torch.tensor([7, 3, 0, 6, 1, 5, -1], dtype=torch.int32)  # a padding row (-1) never flushes
-    committed_pad = torch.cat([committed, torch.zeros(1, dtype=torch.int32)])  # slot -1 reads the last
-    cursors = [(None, committed_pad)]
-    (first,), = bo.row_orders(cursors, [idx], q, W, "first")
-    assert first.tolist() == [3, 6, 1, 7, 0, 5, -1]
-    (given,), = bo.row_orders(cursors, [idx], q, W, "given")
-    assert given.tolist() == idx.tolist()
-
-    log = tmp_path / "kernels-order-q4.log"
-    log.write_text("copy bandwidth 4253 GB/s\n"
-                   "nemotron-3-super-tp8 b=128 q=4 flush=0.179: given auto 37.24; given mono.t:64x2 40.00; "
-                   "given mono.t.o:64x2 34.00; first mono.t:64x2 34.25; noflush mono.t:64x2 26.66; "
-                   "given mono.t:64x2 39.00; given mono.t.o:64x2 36.00; given mono.t.o:64x2 35.00; "
-                   "given mono.t:32x2 failed ValueError: no\n")
-    lock = tmp_path / "kernels-lockstep.log"  # no auto: the line's first route is the reference
-    lock.write_text("nemotron-h-8b b=256 q=1 flush=0.062: given lean.a.y.v1:32x4 310.00; "
-                    "given lean.a.y.v1.n1:32x4 301.00; given lean.a.y.v1:32x4 312.00\n")
-    md = bo.report(tmp_path / "order", [f"{log}:abc1234", f"{lock}:def5678"],
-                   title="Order and flush programs")
-    assert md.startswith("# Order and flush programs")
-    row = next(line for line in md.splitlines() if "64x2 |" in line and "| 0.875 |" in line)
-    # medians: unordered 40.00 (of 39, 40: the upper), ordered 35.00 (of 34, 35, 36)
-    assert "| 40.00 | 35.00 | 34.25 | 26.66 | 0.875 |" in row and "| 37.24 |" in row
-    assert "32x2" not in md  # a failed timing leaves no row
-    # Every timing against its case's reference: auto where timed, else the line's first route.
-    every = {line.split(" | ")[6]: line for line in md.splitlines()
-             if line.count(" | ") == 8 and "kernels-" in line}
-    assert every["mono.t.o:64x2"].endswith("| 35.00 | 0.940 |")
-    assert every["lean.a.y.v1.n1:32x4"].endswith("| 301.00 | 0.965 |")  # over 312.00, the upper median
-    assert "lock-step" in every["lean.a.y.v1.n1:32x4"]
-    data = json.loads((tmp_path / "order.json").read_text())
-    assert data["meta"]["commits"] == ["abc1234", "def5678"] and len(data["rows"]) == 11
-
-
-def test_flush_step_report(tmp_path):
-    """bench_flush_step: its log lines become one row per route with the lock-step cycle (15 plain steps
-    and one flush step over 16) and the flush step over the baseline's step; a failed route leaves none."""
-    fs = _load_benchmark("bench_flush_step")
-    log = tmp_path / "flush.log"
-    log.write_text("flush fractions per step [0.0, 1.0]; flush step 1, plain step 0\n"
-                   "baseline:64x4: flush 540.0 us (3971 GB/s state); plain 542.0 us (1978 GB/s state)\n"
-                   "lean.a.y.v1.n1:32x4: flush 675.0 us (3173 GB/s state); plain 288.0 us (3725 GB/s state)\n"
-                   "lean.o:32x4: failed ValueError: no; failed ValueError: no\n")
-    md = fs.report(tmp_path / "fs", f"{log}:abc1234")
-    data = json.loads((tmp_path / "fs.json").read_text())
-    assert [r["route"] for r in data["rows"]] == ["baseline:64x4", "lean.a.y.v1.n1:32x4"]
-    lean = data["rows"][1]
-    assert abs(lean["cycle_us_per_step"] - (15 * 288.0 + 675.0) / 16) < 1e-9
-    assert abs(lean["flush_over_baseline"] - 675.0 / 540.0) < 1e-9
-    assert "| lean.a.y.v1.n1:32x4 | 675.0 | 288.0 | 312.2 | 1.25 |" in md
-    assert data["meta"]["commit"] == "abc1234"
 
 
 def test_decode_attention_report(tmp_path):

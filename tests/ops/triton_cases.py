@@ -129,15 +129,15 @@ def _ring(S, H, G, R, P, N, act, device):
 
 
 def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, steps=9,
-                       state_dtype=torch.float32, act=torch.float32, config=None, route="auto",
-                       seed=0, lockstep=False) -> None:
-    """Forward + commit over several steps (random accepts, flushes, ring wrap) vs reference.
-    lockstep: every cursor starts empty, so with q = 1 all rows flush on the same steps."""
+                       state_dtype=torch.float32, act=torch.float32, route=None, seed=0,
+                       lockstep=False) -> None:
+    """Forward + commit over several steps (random accepts, flushes, ring wrap) vs reference, by `route`
+    (a settings object of `ops.triton.replay`; None: the table's choice). lockstep: every cursor starts
+    empty, so with q = 1 all rows flush on the same steps."""
     from replayssm.ops.triton import replay
 
     torch.manual_seed(seed)
     R = W + q + 1
-    cfg = config
     A, D, dt_bias = _params(H, device)
     state = (torch.randn(S, H, P, N) * 2).to(state_dtype).to(device)
     rings = _ring(S, H, G, R, P, N, act, device)
@@ -157,7 +157,7 @@ def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, ste
         for _ in range(2):
             cur = [t.clone() for t in before]
             y = replay.launch_replay_forward(x, dt, A, B, C, D, dt_bias, *cur[:6], idx, W, True, step,
-                                             torch.full_like(x, float("nan")), cfg, route)
+                                             torch.full_like(x, float("nan")), route)
             outs.append((y, cur))
         y, tri = outs[0]
         assert torch.equal(outs[1][0], y), "two runs differ (y)"
@@ -181,13 +181,11 @@ def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, ste
         tri = [r.clone() for r in ref]
 
 
-def check_output_passes(device, route: str, config, *, accurate: str | None = None, H=8, P=64, N=128,
-                        G=2, b=12, q=4, S=40, W=16) -> None:
+def check_output_passes(device, route, *, H=8, P=64, N=128, G=2, b=12, q=4, S=40, W=16) -> None:
     """Cheaper output products where y is bf16 (one TF32 pass, `tf32.dot_out`; bf16 hi + lo,
     `tf32.dot_bf16_split`): the largest error against the fp32 reference (run on the CPU) stays
-    within a bf16 ulp at the step's output scale, 2^-7 max |y|, as it does with fp32-accurate
-    products (route `accurate`, default route + ".x"). (The cycle tests allow 3e-2 (1 + |y|); the
-    interpreter's bf16 stores truncate, which this bound also admits.)"""
+    within a bf16 ulp at the step's output scale, 2^-7 max |y|. (The cycle tests allow 3e-2 (1 + |y|);
+    the interpreter's bf16 stores truncate, which this bound also admits.)"""
     from replayssm.ops.triton import replay
 
     torch.manual_seed(5)
@@ -203,15 +201,13 @@ def check_output_passes(device, route: str, config, *, accurate: str | None = No
     cpu = [t.to("cpu", copy=True) for t in (*args, *cache, idx)]  # the reference appends and folds in place
     y_ref = replay_forward_ref(*cpu, W, rand_seed=1, out=torch.empty(x.shape)).double()
     bound = 2.0**-7 * y_ref.abs().max().item()
-    for r in (route, accurate or route + ".x"):
-        y = replay.launch_replay_forward(*args, *[t.clone() for t in cache], idx, W, True, 1,
-                                         torch.full_like(x, float("nan")), config, r)
-        err = (y.cpu().double() - y_ref).abs().max().item()
-        assert err <= bound, f"{r}: max error {err:.3e} > 2^-7 max|y| = {bound:.3e}"
+    y = replay.launch_replay_forward(*args, *[t.clone() for t in cache], idx, W, True, 1,
+                                     torch.full_like(x, float("nan")), route)
+    err = (y.cpu().double() - y_ref).abs().max().item()
+    assert err <= bound, f"{route}: max error {err:.3e} > 2^-7 max|y| = {bound:.3e}"
 
 
-def check_graph_replay(route: str, config, q: int, *, H=8, P=64, N=128, G=2, b=24, S=40, W=16,
-                       starts=6) -> None:
+def check_graph_replay(route, q: int, *, H=8, P=64, N=128, G=2, b=24, S=40, W=16, starts=6) -> None:
     """One forward step captured in a CUDA graph gives the eager step's bits (outputs and the whole
     cache), from several cursor states: a route that forks a side stream must have its fork and
     join captured as graph edges (a missed one shows as a race against the eager result)."""
@@ -230,7 +226,7 @@ def check_graph_replay(route: str, config, q: int, *, H=8, P=64, N=128, G=2, b=2
     y = torch.empty_like(x)
 
     def step(cur, out):
-        replay.launch_replay_forward(x, dt, A, B, C, D, dt_bias, *cur, idx, W, True, 3, out, config, route)
+        replay.launch_replay_forward(x, dt, A, B, C, D, dt_bias, *cur, idx, W, True, 3, out, route)
 
     step(static, y)  # compiles every kernel (and creates the side stream) before the capture
     torch.cuda.synchronize()
@@ -458,124 +454,82 @@ def check_norm(device, *, rows=7, shapes=((96, 24), (256, 64), (40, 40)), seed=0
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def _replay_basic(small) -> None:
-    """The reference-layout routes ("auto", "split", "fused"), plain "stream-list", materialize."""
-    from replayssm.ops.triton.ssu import LaunchConfig
+def _replay_basic() -> None:
+    """The fallback route (masked tiles: any P, N), by the table's choice and forced, and materialize."""
+    from replayssm.ops.triton.replay import Fallback
 
-    for q, route in ((1, "auto"), (3, "auto"), (2, "split"), (2, "fused")):
-        check_replay_cycle("cpu", q=q, config=small, route=route, steps=6)
-    whole = LaunchConfig(block_p=8, num_warps=1)  # the streaming route needs whole tiles
-    for q, route in ((1, "stream-list"), (2, "stream-list.s3.i4"), (3, "stream-list.s1.c")):
-        check_replay_cycle("cpu", q=q, N=16, config=whole, route=route, steps=6)
+    small = Fallback(block_p=16, num_warps=1)  # P = 24: a full and a masked tile
+    for q, route in ((1, None), (3, None), (2, small)):
+        check_replay_cycle("cpu", q=q, route=route, steps=6)
     check_replay_cycle("cpu", q=2, act=torch.bfloat16, N=16, P=16, steps=5)
-    check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, config=small, steps=4)
-    check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, config=small, steps=6,
-                       route="fused")
+    check_replay_cycle("cpu", q=2, state_dtype=torch.bfloat16, act=torch.bfloat16, route=small, steps=4)
+    check_replay_cycle("cpu", q=1, state_dtype=torch.float16, act=torch.bfloat16, route=small, steps=6)
     check_materialize("cpu", state_dtype=torch.float16)
     check_materialize("cpu")
 
 
-def _replay_lean(small) -> None:
-    """The precomputed-ring-term route ("lean") and its options."""
-    from replayssm.ops.triton.ssu import LaunchConfig
+def _replay_lean() -> None:
+    """Route Lean (one token): bare output products beside the weights, ring-term and flush launches."""
+    from replayssm.ops.triton.replay import Lean
 
-    whole = LaunchConfig(block_p=8, num_warps=1)
-    # Reductions (q = 1), tensor-core pieces with the side-stream flush (16-row tiles, q = 3),
-    # pipelined pieces (q = 2). 8-row tiles fold with rank-one updates, 16-row tiles with a 3xTF32
-    # product (.e: updates); H=12, G=2 in blocks of 4 heads: the last block masked.
-    check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.h4", steps=6)
-    check_replay_cycle("cpu", q=2, N=16, config=whole, route="lean.s2.i4.h2", steps=5)
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.c", steps=6,
+    # Two P tiles; H = 12, G = 2 in ring-term blocks of 4 heads (the last block masked).
+    check_replay_cycle("cpu", q=1, P=32, N=16, H=12, G=2, route=Lean(16, 1), steps=6)
+    check_replay_cycle("cpu", q=1, P=32, N=16, W=16, route=Lean(16, 1), steps=18, state_dtype=torch.float16,
                        act=torch.bfloat16)
-    check_replay_cycle("cpu", q=1, P=32, N=16, W=16, config=LaunchConfig(16, 1), route="lean.e.h2",
-                       steps=18, state_dtype=torch.float16, act=torch.bfloat16)
-    # .o: outputs of every row in one launch, flush pieces only fold (column chunks of NS=16).
-    check_replay_cycle("cpu", q=3, P=32, N=64, W=16, config=LaunchConfig(16, 1), route="lean.o",
-                       steps=12, act=torch.bfloat16)
-    # .a: the bare output products beside the small launches, then scaled (one token and several).
-    check_replay_cycle("cpu", q=1, P=16, N=16, H=12, G=2, config=whole, route="lean.a", steps=6)
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="lean.a.y", steps=6,
-                       act=torch.bfloat16)
-    # .nN: while at most half the rows flush, N of the flush launch's programs per SM walk every
-    # piece (the interpreter's one SM: 1 of 4); the whole grid on steps where the batch flushes.
-    check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7)
-    check_replay_cycle("cpu", q=1, P=16, N=16, config=whole, route="lean.a.y.n1", steps=7, lockstep=True)
+    # Few flush programs: while at most half the rows flush, 1 of the flush launch's 4 programs per SM
+    # (the interpreter's one SM) walks every piece; the whole grid on steps where the batch flushes.
+    few = Lean(16, 1, few_flush_programs_per_sm=1)
+    check_replay_cycle("cpu", q=1, P=16, N=16, route=few, steps=7)
+    check_replay_cycle("cpu", q=1, P=16, N=16, route=few, steps=7, lockstep=True)
 
 
-def _replay_stream(small) -> None:
-    """The streaming route ("stream-list") at 16-row tiles and its options."""
-    from replayssm.ops.triton.ssu import LaunchConfig
+def _replay_stream() -> None:
+    """Route Stream (several tokens) at 16-row tiles. TF32 products only: the bf16 hi + lo products (bf16
+    C and y) miss the reference under the interpreter (errors ~1e11) and are checked on the GPU."""
+    from replayssm.ops.triton.replay import Stream
 
-    # 16-row tiles: several tokens take the tensor-core piece (q = 1 keeps the reductions).
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="stream-list", steps=6,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1), route="stream-list.o", steps=6)
-    # .t: B·C as tensor-core products over padded token / history axes (W = 5: history padded
-    # from 8 to 16); the flush pieces fold with one product per column chunk.
-    check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(16, 1), route="stream-list.t", steps=8,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=4, P=16, N=32, W=5, config=LaunchConfig(16, 1), route="stream-list.c.t",
-                       steps=8, state_dtype=torch.float16, act=torch.bfloat16)
-    # .v1: the weights launch in one warp (the interpreter runs a program as one; a launch
-    # option, but the route must parse and run): 4 groups of 3 heads.
-    check_replay_cycle("cpu", q=3, P=16, N=32, H=12, G=4, config=LaunchConfig(16, 1),
-                       route="stream-list.c.t.v1", steps=8, act=torch.bfloat16)
-    # .p2 / .rN / .gN: flush programs per SM and register caps (launch options only; the
-    # interpreter runs one SM, so two persistent flush programs share the listed pieces).
-    check_replay_cycle("cpu", q=2, P=32, N=32, config=LaunchConfig(16, 1),
-                       route="stream-list.c.t.p2.r96.g128", steps=6, act=torch.bfloat16)
-    # .fN: flush pieces in N column parts, one per pipelined iteration (the state product
-    # carried between parts, each part folding its own columns); fp16 state, history and ring
-    # wrap through W = 5.
-    check_replay_cycle("cpu", q=3, P=32, N=64, W=5, config=LaunchConfig(16, 1),
-                       route="stream-list.c.t.f2", steps=8, state_dtype=torch.float16,
-                       act=torch.bfloat16)
-    # .h: C loaded once per streaming program (8 pieces a program, 2 groups of 4 heads x 2 P tiles:
-    # each program inside one group; C chunks as a tuple). TF32 products only: the bf16 hi + lo
-    # products (.b) miss the reference under the interpreter (errors ~1e11, with or without .h) and
-    # are checked on the GPU.
-    check_replay_cycle("cpu", q=3, P=32, N=64, H=8, G=2, config=LaunchConfig(16, 1),
-                       route="stream-list.c.t.h", steps=8, act=torch.bfloat16)
-
-
-def _replay_mono(small) -> None:
-    """The one-launch routes ("mono", "mono.t")."""
-    from replayssm.ops.triton.ssu import LaunchConfig
-
-    # mono: one launch per step; two P tiles (appends from tile 0 only), a masked window (W=5).
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono", steps=6,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=1, P=16, N=64, W=8, config=LaunchConfig(16, 1), route="mono", steps=10,
+    fp32 = dict(flush_programs_per_sm=2, flush_parts=1, flush_maxnreg=160, stream_maxnreg=72, pdl=True,
+                block_p=16, num_warps=1)
+    # Eight pieces a program: 2 groups of 4 heads x 2 P tiles, each program in one group (C loaded once
+    # per program); W = 5: the history padded from 8 to 16 for the weights launch's B·C products.
+    check_replay_cycle("cpu", q=3, P=32, N=32, H=8, G=2, route=Stream(**fp32), steps=8)
+    # 4 groups of 3 heads: a program's pieces span groups (C loaded per piece); two pieces per program.
+    check_replay_cycle("cpu", q=2, P=32, N=32, H=12, G=4, route=Stream(**fp32), steps=6, act=torch.float16)
+    check_replay_cycle("cpu", q=4, P=16, N=32, route=Stream(**dict(fp32, items=2)), steps=8,
                        state_dtype=torch.float16)
-    # mono.t: tokens padded to 16 product rows; fp32 and 16-bit activations and pools.
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono.t", steps=6,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=4, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t", steps=8,
-                       state_dtype=torch.float16)
-    check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x", steps=6,
-                       act=torch.bfloat16)
-    check_output_passes("cpu", "mono.t", LaunchConfig(16, 1), H=4, P=16, N=32, b=5, q=3, S=11, W=8)
-    # .o: a grid of 2b rows, flush rows' programs in the first half (padding rows and rows that do not
+    # Flush pieces in two column parts, one per pipelined iteration (the state product carried between
+    # parts, each part folding its own columns); fp16 state, history and ring wrap through W = 5.
+    parts = Stream(flush_programs_per_sm=4, flush_parts=2, flush_maxnreg=96, stream_maxnreg=80, pdl=False,
+                   block_p=16, num_warps=1)
+    check_replay_cycle("cpu", q=3, P=32, N=64, route=parts, steps=8, state_dtype=torch.float16)
+
+
+def _replay_mono() -> None:
+    """The one-launch routes Mono and MonoMMA."""
+    from replayssm.ops.triton.replay import Mono, MonoMMA
+
+    # Mono: two P tiles (appends from tile 0 only), a masked window (W = 8), several tokens too.
+    check_replay_cycle("cpu", q=1, P=16, N=64, W=8, route=Mono(16, 1), steps=10, state_dtype=torch.float16)
+    check_replay_cycle("cpu", q=3, P=32, N=16, route=Mono(16, 1), steps=6, act=torch.bfloat16)
+    # order: a grid of 2b rows, flush rows' programs in the first half (padding rows and rows that do not
     # flush in the second): every row worked exactly once, in both cursor mixes.
-    check_replay_cycle("cpu", q=3, P=32, N=16, config=LaunchConfig(16, 1), route="mono.t.o", steps=6,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=1, P=16, N=32, W=4, config=LaunchConfig(16, 1), route="mono.o", steps=6,
-                       lockstep=True)
-    # mono.t .jN: a flush row's fold first and its outputs from the folded state, one pass, N rows at a
-    # time (two sub-tiles of a 32-row tile, several column chunks); fp32 and 16-bit pools, one and several
-    # tokens (q = 1 in lock-step: every row flushing on one step), ordered or not, fp32-accurate products.
-    check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(32, 1), route="mono.t.o.j16", steps=6,
-                       act=torch.bfloat16)
-    check_replay_cycle("cpu", q=4, P=32, N=64, W=8, config=LaunchConfig(32, 1), route="mono.t.j32", steps=8,
+    check_replay_cycle("cpu", q=1, P=16, N=32, W=4, route=Mono(16, 1, order=True), steps=6, lockstep=True)
+    check_replay_cycle("cpu", q=1, P=32, N=16, route=Mono(16, 1, order=True), steps=6)
+    # MonoMMA: tokens padded to 16 product rows; fp32 and 16-bit activations and pools.
+    check_replay_cycle("cpu", q=3, P=32, N=16, route=MonoMMA(16, 1), steps=6, act=torch.bfloat16)
+    check_replay_cycle("cpu", q=4, P=16, N=32, W=8, route=MonoMMA(16, 1), steps=8, state_dtype=torch.float16)
+    check_output_passes("cpu", MonoMMA(16, 1), H=4, P=16, N=32, b=5, q=3, S=11, W=8)
+    check_replay_cycle("cpu", q=3, P=32, N=16, route=MonoMMA(16, 1, order=True), steps=6, act=torch.bfloat16)
+    # join: a flush row's fold first and its outputs from the folded state, one pass over its 32 rows
+    # (several column chunks); fp32 and 16-bit pools, ordered or not.
+    check_replay_cycle("cpu", q=4, P=32, N=64, W=8, route=MonoMMA(32, 1, join=True), steps=8,
                        state_dtype=torch.float16)
-    check_replay_cycle("cpu", q=1, P=32, N=64, W=4, config=LaunchConfig(32, 1), route="mono.t.o.j16", steps=6,
-                       lockstep=True)
-    check_replay_cycle("cpu", q=2, P=16, N=32, W=8, config=LaunchConfig(16, 1), route="mono.t.x.j16", steps=6,
+    check_replay_cycle("cpu", q=2, P=64, N=32, route=MonoMMA(32, 1, order=True, join=True), steps=6,
                        act=torch.bfloat16)
-    # .f2: a flush row's tile in two programs of half its rows each (a grid of 3b rows), the first appending
-    # (with a register cap, .r128, which the interpreter takes and ignores).
-    check_replay_cycle("cpu", q=3, P=32, N=32, config=LaunchConfig(32, 1), route="mono.t.o.j16.f2.r128",
-                       steps=6, act=torch.bfloat16)
+    # split: a flush row's 64-row tile in two programs of 32 rows each (a grid of 3b rows), the first
+    # appending, under a register cap (which the interpreter takes and ignores).
+    split = MonoMMA(64, 1, order=True, join=True, split=2, maxnreg=128)
+    check_replay_cycle("cpu", q=3, P=64, N=32, route=split, steps=6, act=torch.bfloat16)
 
 
 # The replay cases in four parts, each its own interpreter process (and test), so no one test
@@ -588,7 +542,6 @@ def run_interpreter(part: str) -> None:
     """Tiny CPU shapes under TRITON_INTERPRET=1 (tiles smaller than P to exercise masks)."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    small = LaunchConfig(block_p=16, num_warps=1)  # P = 24: a full and a masked tile
     if part == "ssu":
         small = LaunchConfig(block_p=8, num_warps=1)
         check_rounding("cpu")
@@ -597,7 +550,7 @@ def run_interpreter(part: str) -> None:
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
     elif part in REPLAY_PARTS:
-        REPLAY_PARTS[part](small)
+        REPLAY_PARTS[part]()
     elif part == "norm":
         check_norm("cpu")
     elif part == "activation":

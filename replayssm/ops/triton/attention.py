@@ -15,8 +15,8 @@ the bytes the step must move. Rows with an empty context (no visible key) write 
 rows x KV heads programs would leave SMs idle (few rows, e.g. one long conversation), each
 program's keys are cut into SPLITS runs on a third grid axis and a second launch merges the runs'
 partial sums (`decode_splits`). The count is a compile-time constant (a power of two, so at most six
-variants): with it as a runtime argument the merge's loop cost 9 µs at 32 runs on the H200, and an
-unrolled loop masked to the count 35-100 µs (session 24).
+variants): as a runtime argument it costs the merge a loop with a dynamic bound, or an unrolled loop
+masked to the count, both slower.
 
 Prefill (`paged_prefill_attention_triton`, any q_len). Grid (query tiles, query heads): the rows'
 queries are cut into BLOCK_M-token tiles, numbered through a device prefix sum of tiles per row
@@ -205,10 +205,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         splits = decode_splits(n * kv_heads, max_context_len, sms)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
-    # Two pipeline stages, not Triton's default three: 12-13% faster at batch 256 (the H200, session
-    # 24, µs: 146-147 vs 168-169 at 532 keys a row, 267 vs 305 at 1,032, 90 vs 103 for verify rows of 4
-    # at 300 keys). Runs of 128 keys where the keys split 4 ways or more: 8 rows of 4,096 keys 42.1 vs
-    # 51.5, one row of 13,000 33.2 vs 35.9, of 32,768 50.8 vs 61.0 (2 ways, 32 rows of 2,048: 76.8 vs 72.6).
+    # Two pipeline stages, not Triton's default three: faster at large batches of decode and verify
+    # rows; key tiles of 128 where the keys split 4 ways or more (long rows).
     if tiles is not None:
         block_n, warps, stages = tiles
     elif block_m > 64:

@@ -1,14 +1,13 @@
-"""The flush rows of a ReplaySSM forward step: listed on the device, then folded by a persistent
-launch (shared by routes "lean" and "stream-list").
+"""The flush rows of a one-token ReplaySSM forward step (route `Lean`): listed on the device, then
+folded by a persistent launch.
 
 A list kernel (one program) writes a record (row, slot, h_c, ring start) per row that flushes this
 step (h_c + Q > W); the persistent launch walks the (head, P tile) pieces of the listed rows on a
 fixed grid of a few programs per SM, so few flush rows still spread over every SM and the fold's
-registers never throttle the launches that stream the other rows. A piece folds
+registers never throttle the launch that streams the other rows. A piece writes the row's y from
+its tile and the ring term r (`replay_ring.py`), then folds
     S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ
-from the weights launch's scratch (`replay_step.py`) and, with outputs, writes the row's y from
-the same tile (`replay_lean.py`'s ring term r_t); without, it only folds (the rows' outputs came
-from a launch over every row before it).
+from the weights launch's scratch (`replay_step.py`). `fold_chunks` is the fold of route `Mono`.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round
 
 FLUSH_PROGRAMS_PER_SM = 4
 # Rows per iteration of the one-program flush list kernels: fixed, so every batch size (every CUDA
-# graph bucket) shares one compiled kernel. Sized by batch, each new bucket compiled its own
-# mid-run: several seconds in the first timed run of (b) on the H200 (benchmarks/NOTES-e2e.md).
+# graph bucket) shares one compiled kernel instead of compiling its own mid-run.
 LIST_BLOCK = 1024
 
 
@@ -67,22 +65,17 @@ def _lean_list_kernel(idx_ptr, committed_ptr, ring_start_ptr, list_ptr, count_pt
 @triton.jit(do_not_specialize=["seed_mix"])
 def _lean_flush_kernel(
     list_ptr, count_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, r_ptr, seed_mix,
-    sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R, b, few,
+    sC_b, sC_g, sy_b, sy_h, H, G, R, b, few,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, DOT: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, OUT: tl.constexpr, FEW: tl.constexpr = False,
+    BLOCK_P: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, FEW: tl.constexpr = False,
 ):
-    # Persistent over the (head, P tile) pieces of the listed rows. A piece loads its tile once,
-    # writes y_t = e^{Λ_t} (S0 C_t) + r_t, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32
-    # and writes it: (DOT) one (BLOCK_P, KB) x (KB, N) 3xTF32 tensor-core product onto the decayed
-    # tile (~2^-21 relative error per product against fp32's 2^-24; on the H200 it halved this
-    # launch, 82 -> 47 us, NOTES-kernels.md), or one fp32 rank-one update per history entry.
-    # Without OUT (the output launch took these rows too) a piece only folds, an NS-column chunk
-    # at a time (3xTF32 product), so few registers are live and many pieces stream at once.
+    # Persistent over the (head, P tile) pieces of the listed rows (one token each). A piece loads its
+    # tile once, writes y = e^{Λ} (S0 C) + r, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ with one
+    # (BLOCK_P, KB) x (KB, N) 3xTF32 tensor-core product onto the decayed tile (~2^-21 relative error
+    # per product against fp32's 2^-24) and writes it.
     NPT: tl.constexpr = P // BLOCK_P
     KB: tl.constexpr = 16 if HB < 16 else HB
     JB: tl.constexpr = HB + QB
-    NC: tl.constexpr = N // NS
     per_row = H * NPT
     end = tl.load(count_ptr) * per_row
     nprog = tl.num_programs(0)
@@ -107,97 +100,48 @@ def _lean_flush_kernel(
         wf = (i.to(tl.int64) * H + h) * ((Q + 1) * JB) + Q * JB
         xrow0 = s64 * H * R + h * R
         Brow0 = s64 * G * R + g * R
-        if not OUT:
-            j = tl.arange(0, KB)
-            jm = j < hc
-            rows = (o + j) % R
-            xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jm[None, :],
-                         other=0.0).to(tl.float32) * tl.load(w_ptr + wf + j, mask=jm, other=0.0)[None, :]
-            decay = tl.load(sc_ptr + scbase + Q)
-            fold_chunks(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mix, N, NS, STATE_DTYPE,
-                        MAXV)
-        elif DOT:
-            n = tl.arange(0, N)
-            tile = p[:, None] * N + n[None, :]
-            S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
-            if Q > 1:
-                # Several tokens: S0 C^T on the tensor cores, as `_lean_piece`.
-                TB: tl.constexpr = 16 if QB < 16 else QB
-                t = tl.arange(0, TB)
-                tm = t < Q
-                Ct = tl.load(C_ptr + i * sC_b + g * sC_g + t[None, :] * sC_t + n[:, None], mask=tm[None, :],
-                             other=0.0).to(tl.float32)  # (N, TB)
-                if C_ptr.dtype.element_ty == tl.float32:
-                    acc = tl.dot(S0, Ct, input_precision="tf32x3")
-                else:
-                    hi = (S0.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-                    acc = tl.dot(hi, Ct, input_precision="tf32")
-                    acc = tl.dot(S0 - hi, Ct, acc, input_precision="tf32")
-                acc = acc * tl.load(sc_ptr + scbase + t, mask=tm, other=0.0)[None, :]
-                acc += tl.load(r_ptr + ((i.to(tl.int64) * Q + t[None, :]) * H + h) * P + p[:, None],
-                               mask=tm[None, :], other=0.0)
-                tl.store(y_ptr + i * sy_b + t[None, :] * sy_t + h * sy_h + p[:, None],
-                         acc.to(y_ptr.dtype.element_ty), mask=tm[None, :])
-            else:
-                Ct = tl.load(C_ptr + i * sC_b + g * sC_g + n).to(tl.float32)
-                yt = tl.load(sc_ptr + scbase) * tl.sum(S0 * Ct[None, :], axis=1)
-                yt += tl.load(r_ptr + (i.to(tl.int64) * H + h) * P + p)
-                tl.store(y_ptr + i * sy_b + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
-            j = tl.arange(0, KB)
-            jm = j < hc
-            rows = (o + j) % R
-            f = tl.load(w_ptr + wf + j, mask=jm, other=0.0)
-            xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jm[None, :],
-                         other=0.0).to(tl.float32) * f[None, :]  # (BLOCK_P, KB)
-            Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
-                         other=0.0).to(tl.float32)  # (KB, N)
-            S = tl.dot(xf, Bh, S0 * tl.load(sc_ptr + scbase + Q), input_precision="tf32x3")
-        else:
-            # The tile as (N / NS chunks, BLOCK_P, NS), as `_lean_piece`.
-            ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
-            tile = p[None, :, None] * N + ncol[:, None, :]
-            S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
-            for t in tl.static_range(Q):
-                Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
-                yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
-                yt += tl.load(r_ptr + ((i.to(tl.int64) * Q + t) * H + h) * P + p)
-                tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
-            S = S0 * tl.load(sc_ptr + scbase + Q)
-            for jj in tl.static_range(HB):
-                r = (o + jj) % R
-                fj = tl.load(w_ptr + wf + jj, mask=jj < hc, other=0.0)
-                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
-                Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0)
-                Bj = Bj.to(tl.float32)
-                S += (fj * xj)[None, :, None] * Bj[:, None, :]
-        if OUT:
-            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+        n = tl.arange(0, N)
+        tile = p[:, None] * N + n[None, :]
+        S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)
+        Ct = tl.load(C_ptr + i * sC_b + g * sC_g + n).to(tl.float32)
+        yt = tl.load(sc_ptr + scbase) * tl.sum(S0 * Ct[None, :], axis=1)
+        yt += tl.load(r_ptr + (i.to(tl.int64) * H + h) * P + p)
+        tl.store(y_ptr + i * sy_b + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
+        j = tl.arange(0, KB)
+        jm = j < hc
+        rows = (o + j) % R
+        f = tl.load(w_ptr + wf + j, mask=jm, other=0.0)
+        xf = tl.load(rx_ptr + (xrow0 + rows)[None, :] * P + p[:, None], mask=jm[None, :],
+                     other=0.0).to(tl.float32) * f[None, :]  # (BLOCK_P, KB)
+        Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
+                     other=0.0).to(tl.float32)  # (KB, N)
+        S = tl.dot(xf, Bh, S0 * tl.load(sc_ptr + scbase + Q), input_precision="tf32x3")
+        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
 
 
 def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w, sc,
-                 r, block_p: int, num_warps: int, programs_per_sm: int = 4, dot_fold: bool = True,
-                 outputs: bool = True, few_programs_per_sm: int = 0) -> None:
-    """List the rows that flush this step, then fold them with a persistent launch (programs_per_sm
-    programs per SM); outputs: the same launch writes their y from r (else it only folds, and needs
-    block_p >= 16). w, sc: the weights launch's scratch; r: the ring term (unused without outputs).
-    few_programs_per_sm (0: off): on steps where at most half the rows flush, only that many programs
-    per SM work (decided on the device from the list's count)."""
+                 r, block_p: int, num_warps: int, few_programs_per_sm: int = 0) -> None:
+    """List the rows that flush this step (one token each), then write their y from r and fold them
+    with a persistent launch of FLUSH_PROGRAMS_PER_SM programs per SM (tiles of >= 16 rows). w, sc: the
+    weights launch's scratch; r: the ring term. few_programs_per_sm (0: off): on steps where at most
+    half the rows flush, only that many programs per SM work (decided on the device from the list's
+    count)."""
     S, H, P, N = state.shape
     b, q = C.shape[:2]
     G, R = ring_B.shape[1], ring_x.shape[2]
+    assert q == 1 and block_p >= 16
     sdt = tl_dtype(state.dtype)
     records = torch.empty(b, 4, device=C.device, dtype=torch.int32)
     count = torch.empty(1, device=C.device, dtype=torch.int32)
     _lean_list_kernel[(1,)](state_indices, committed, ring_start, records, count, b, int(window), Q=q,
                             BLOCK=LIST_BLOCK, num_warps=4)
-    programs = min(b * H * (P // block_p), flush_programs(C.device, programs_per_sm))
+    programs = min(b * H * (P // block_p), flush_programs(C.device))
     _lean_flush_kernel[(programs,)](
         records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
-        *C.stride()[:3], *y.stride()[:3], H, G, R, b,
+        C.stride(0), C.stride(2), y.stride(0), y.stride(2), H, G, R, b,
         flush_programs(C.device, few_programs_per_sm) if few_programs_per_sm else 0,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
-        NS=min(N, 32), DOT=dot_fold and block_p >= 16, STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT=outputs,
-        FEW=few_programs_per_sm > 0, num_warps=num_warps,
+        STATE_DTYPE=sdt, MAXV=max_finite(sdt), FEW=few_programs_per_sm > 0, num_warps=num_warps,
     )
 
 

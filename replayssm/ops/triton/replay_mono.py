@@ -1,20 +1,16 @@
-"""ReplaySSM forward step in one launch (route "mono"), for small one-token batches ("auto" takes
-its tensor-core twin "mono.t", replay_mono_mma.py, for several tokens).
+"""ReplaySSM forward step in one launch (route `Mono`), for small one-token steps (several tokens
+take its tensor-core twin `MonoMMA`, replay_mono_mma.py).
 
-The other routes split a step into a weights launch, output launches and flush launches, which
-pays at large batches (B·C once per group, the fold's registers kept out of the streaming
-programs) but costs a launch latency each: at batch 32 of the Nemotron-3 Super TP8 shape
-(H = 16) the four launches of stream-list took 41 us against 28 us for the baseline's one
-(benchmarks/NOTES-kernels.md, session 6; this route: 29 us). Here one program per (row, head,
-P tile) does it all:
+The split routes cut a step into a weights launch, output launches and flush launches, which pays
+at large batches (B·C once per group, the fold's registers kept out of the streaming programs) but
+costs a launch latency each. Here one program per (row, head, P tile) does it all:
 
     1. B·C, the cumulative decays and the coefficients of `replay_step._weights_kernel`, for its
        own head only (B·C recomputed per head and P tile: ~QB (HB + QB) N products, small next
-       to the tile's P N), a token at a time, before the tile is loaded (80 registers at 32x4,
-       q = 1, in an sm_90 build; 106 with the tile loaded first, which measured no faster on the
-       H200: 5.1 vs 5.4 us at batch 1, slower above);
+       to the tile's P N), a token at a time, before the tile is loaded (so B never shares the
+       registers with the tile);
     2. y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t, one reduction over N per
-       token on the CUDA cores (as `replay_pieces._piece`);
+       token on the CUDA cores;
     3. appends: x rows (every program, its P tile), Δ (P tile 0), B (P tile 0 of the group's
        first head), never onto a history row;
     4. flush rows (h_c + Q > W): S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ, one 3xTF32 tensor-core
@@ -28,7 +24,7 @@ import triton
 import triton.language as tl
 
 from replayssm.ops.triton.replay_flush import fold_chunks
-from replayssm.ops.triton.replay_stream import regs, stream_supported
+from replayssm.ops.triton.replay_stream import stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
 from replayssm.ops.triton.ssu import softplus_dt
 
@@ -38,7 +34,7 @@ def _ordered_row(idx_ptr, committed_ptr, window, Q: tl.constexpr, ORDER: tl.cons
     """This program's row and whether it has work. With ORDER the grid spans 2b rows: the first half
     works the flush rows only and the second half the rest, so the flush rows' longer (folding)
     programs are dispatched first and the short ones fill in behind them, instead of a fold starting
-    in the last wave (benchmarks/NOTES-kernels.md, session 22)."""
+    in the last wave."""
     k = tl.program_id(2)
     if not ORDER:
         return k, True
@@ -191,15 +187,15 @@ def _fold(state_ptr, rx_ptr, rB_ptr, rdt_ptr, A, lam_h, o, hc, p, sbase, xrow0, 
 
 def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                 state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                order: bool = False, maxnreg: int = 0) -> None:
+                order: bool = False) -> None:
     """One launch, grid (P / block_p, H, b) (2b with `order`: the flush rows' programs first,
     `_ordered_row`); needs whole tiles (`replay_stream.stream_supported`) of >= 16 rows (the fold's
-    tensor-core product). maxnreg (option .rN): a register cap, 0 for none."""
+    tensor-core product)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16:
-        raise ValueError(f"route 'mono' needs block_p >= 16 dividing P and N a multiple of 32 (P={P}, N={N})")
+        raise ValueError(f"route Mono needs block_p >= 16 dividing P and N a multiple of 32 (P={P}, N={N})")
     sdt = tl_dtype(state.dtype)
     _mono_kernel[(P // block_p, H, b * (1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
@@ -207,5 +203,5 @@ def launch_mono(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring
         *y.stride()[:3], H, G, R,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus), STATE_DTYPE=sdt,
-        MAXV=max_finite(sdt), ORDER=bool(order), num_warps=num_warps, **regs(maxnreg),
+        MAXV=max_finite(sdt), ORDER=bool(order), num_warps=num_warps,
     )

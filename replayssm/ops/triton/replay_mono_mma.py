@@ -1,26 +1,22 @@
-"""ReplaySSM forward step in one launch with tensor-core products (route "mono.t"), for small verify steps.
+"""ReplaySSM forward step in one launch with tensor-core products (route `MonoMMA`), for small
+verify steps.
 
-Route "mono" (replay_mono.py) works a token at a time on the CUDA cores: at q = 4 its per-token
-reductions over N took 144 registers and 774 shuffles at 32x4 (sm_90 build), and FlashInfer's one
-kernel ran small verify steps in about half its time (benchmarks/NOTES-kernels.md, session 6).
-Here the same program (row, head, P tile) pads the step's tokens to QB >= 16 rows and forms
-everything as products:
+Route `Mono` (replay_mono.py) works a token at a time on the CUDA cores, whose per-token reductions
+over N cost many registers and shuffles at several tokens. Here the same program (row, head, P tile)
+pads the step's tokens to QB >= 16 rows and forms everything as products:
 
     C·Bᵀ           (QB, N) x (N, HB)   and (QB, N) x (N, QB): the coefficient weights
                    w_tj = Δ_j e^{Λ_t - Λ_j} C_t·B_j (history j) and w_tk (this step's k <= t);
     y              e^{Λ_t} C S0ᵀ + w_h x_h + w_n x_n + D x_t;
 
-the three products over N in one pass of NS-column chunks, the state tile never held whole.
-
-with fp32 accuracy (`tf32.dot_split`: one TF32 pass for two 16-bit operands, two with one fp32),
-or one pass each where y is 16-bit (`tf32.dot_out`: the products reach only y). Appends and the
-flush fold are replay_mono.py's. Option .jN sends a flush row through `_joined_pass` instead: the
-fold first and the outputs from the folded state, in one pass over the tile ("auto" takes .j32 by
-rows and state dtype, `replay.MONO_T_JOIN_ROWS`; one token, route "mono", lost with it and has no
-such option, benchmarks/NOTES-kernels.md, session 28). Option .fM (with .o and .jN) works a flush row's
-tile in M programs of BLOCK_P / M rows each, dispatched before the other rows' (`_split_row`): where the
-grid is about one wave the flush programs end the step, and halved they end it sooner ("auto" takes
-.o.j32.f2 at 64x2 by row-heads and state dtype, `replay.MONO_T_SPLIT_ROW_HEADS`; session 29).
+the three products over N in one pass of NS-column chunks, the state tile never held whole, with
+fp32 accuracy (`tf32.dot_split`: one TF32 pass for two 16-bit operands, two with one fp32), or one
+pass each where y is 16-bit (`tf32.dot_out`: the products reach only y). Appends and the flush fold
+are replay_mono.py's. With JOIN a flush row goes through `_joined_pass` instead: the fold first and
+the outputs from the folded state, in one pass over the tile, JOIN_ROWS rows at a time. With SPLIT
+(and ORDER, JOIN) a flush row's tile is worked by SPLIT programs of BLOCK_P / SPLIT rows each,
+dispatched before the other rows' (`_split_row`): where the grid is about one wave the flush
+programs end the step, and split they end it sooner.
 """
 
 from __future__ import annotations
@@ -33,6 +29,8 @@ from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _ordered_
 from replayssm.ops.triton.replay_stream import regs, stream_supported
 from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 from replayssm.ops.triton.tf32 import dot_out, dot_split
+
+JOIN_ROWS = 32  # rows of a joined flush tile per pass of `_joined_pass`
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -74,13 +72,13 @@ def _mono_mma_kernel(
 
     flush = valid & (hc + Q > window)
     if flush & JOIN:
-        FB: tl.constexpr = BLOCK_P // SPLIT  # .fM: each of a flush tile's M programs works FB of its rows
+        FB: tl.constexpr = BLOCK_P // SPLIT  # each of a flush tile's SPLIT programs works FB of its rows
         _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr,
                      rdt_ptr, y_ptr, seed_mix, i, h, g, hc, o, pid_p * BLOCK_P + part * FB, sbase, xrow0,
                      Brow0, R, sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
                      sy_b, sy_t, sy_h,
                      Q, QB, HB, P, N, FB, FP, NS, DT_SOFTPLUS, STATE_DTYPE, MAXV, OUT16)
-        tma = tm & ((t * 0 + part) == 0) if SPLIT > 1 else tm  # the first of the M appends for all
+        tma = tm & ((t * 0 + part) == 0) if SPLIT > 1 else tm  # the first of the SPLIT programs appends
         xn_raw = tl.load(x_ptr + i * sx_b + t[:, None] * sx_t + h * sx_h + p[None, :], mask=tma[:, None],
                          other=0.0)
     else:
@@ -130,9 +128,9 @@ def _mono_mma_kernel(
 
 @triton.jit
 def _split_row(idx_ptr, committed_ptr, window, Q: tl.constexpr, SPLIT: tl.constexpr):
-    """`replay_mono._ordered_row` with option .fM (SPLIT = M): a grid of (M + 1) b rows, M parts of the
-    flush rows first (program part k of a flush row works the k-th M-th of its tile's rows), then the
-    others. (row, whether this program has work, part)."""
+    """`replay_mono._ordered_row` for split flush tiles: a grid of (SPLIT + 1) b rows, SPLIT parts of the
+    flush rows first (program part k of a flush row works the k-th SPLIT-th of its tile's rows), then
+    the others. (row, whether this program has work, part)."""
     k = tl.program_id(2)
     b = tl.num_programs(2) // (SPLIT + 1)
     first = k < b * SPLIT
@@ -149,7 +147,7 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
                  Q: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                  BLOCK_P: tl.constexpr, FP: tl.constexpr, FNS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
                  STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr):
-    """A flush row's outputs and fold in ONE pass over its state tile (option .j): the fold first, the
+    """A flush row's outputs and fold in ONE pass over its state tile (JOIN): the fold first, the
     outputs from the folded state. With S_h = e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ (the history folded),
 
         y_t = e^{Λ_t - Λ_h} C_t S_hᵀ + Σ_{k<=t} w_tk x_k + D x_t,
@@ -158,11 +156,9 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
     the tile is read once, folded by one tensor-core product with the history (`dot_split`: fp32
     accuracy), written (rounded for 16-bit pools) and, unrounded, multiplied into the outputs; the
     BLOCK_P rows go FP at a time through one flat loop, so the loop's loads pipeline across the
-    sub-tiles (a loop per sub-tile lost 5-13%, session 28) and the chunks stay small. The program's ring
-    appends are its caller's. QB, KB >= 16: tokens and history padded for the products. The decays are
-    formed here again from the ring's Δ and the step's dt (the caller holds them too): passing the
-    caller's in took 6 registers off the kernel and moved its times both ways (NOTES-kernels.md,
-    session 28, call 6), so the measured form stays."""
+    sub-tiles and the chunks stay small. The program's ring appends are its caller's. QB, KB >= 16:
+    tokens and history padded for the products. The decays are formed here again from the ring's Δ
+    and the step's dt (the caller holds them too)."""
     X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32
     RING16: tl.constexpr = rB_ptr.dtype.element_ty != tl.float32
     j = tl.arange(0, KB)
@@ -216,19 +212,18 @@ def _joined_pass(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_p
 
 def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                     state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                    exact: bool = False, order: bool = False, join: int = 0, split: int = 1,
-                    maxnreg: int = 0) -> None:
-    """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements;
-    `order`, `join` and `maxnreg` as there). exact: fp32-accurate products even where y is 16-bit (else
-    one TF32 pass each there). split (option .fM, with order and join): a flush row's tile in M programs of
-    block_p / M rows each, grid (P / block_p, H, (M + 1) b)."""
+                    order: bool = False, join: bool = False, split: int = 1, maxnreg: int = 0) -> None:
+    """One launch, grid (P / block_p, H, b), as `replay_mono.launch_mono` (same tile requirements,
+    `order` as there). join: flush rows through `_joined_pass`, JOIN_ROWS rows at a time. split (with
+    order and join): a flush row's tile in that many programs, grid (P / block_p, H, (split + 1) b).
+    maxnreg: a register cap per thread (0: none)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     if not stream_supported(P, N, block_p) or block_p < 16 or N < 16:
-        raise ValueError(f"route 'mono.t' needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
+        raise ValueError(f"route MonoMMA needs block_p >= 16 dividing P and N >= 16, a multiple of 32 "
                          f"(P={P}, N={N})")
-    check_join(join, block_p, order, split)
+    assert split == 1 or (order and join and (block_p // split) % JOIN_ROWS == 0)
     sdt = tl_dtype(state.dtype)
     _mono_mma_kernel[(P // block_p, H, b * (split + 1 if split > 1 else 1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
@@ -236,16 +231,7 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
         *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),
-        STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32 and not exact,
-        ORDER=bool(order), JOIN=join > 0, FP=join or 16, SPLIT=split, num_warps=num_warps, **regs(maxnreg),
+        STATE_DTYPE=sdt, MAXV=max_finite(sdt), OUT16=y.dtype != torch.float32,
+        ORDER=bool(order), JOIN=bool(join), FP=JOIN_ROWS if join else 16, SPLIT=split, num_warps=num_warps,
+        **regs(maxnreg),
     )  # fmt: skip
-
-
-def check_join(join: int, block_p: int, order: bool = False, split: int = 1) -> None:
-    """Option .jN: N rows at a time through `_joined_pass`: at least 16 (its products), dividing the tile
-    (with .fM, dividing the tile's M-th that each flush program works). .fM takes .o and .jN."""
-    if split < 1 or (split > 1 and not (order and join)):
-        raise ValueError(f"option .f{split} is taken with options .o and .jN")
-    if join and (join < 16 or (block_p // split) % join or block_p % split):
-        raise ValueError(f"option .j{join} needs 16 <= {join} dividing block_p = {block_p}"
-                         + (f" / {split}" if split > 1 else ""))

@@ -1,11 +1,11 @@
-"""One (head, P tile) piece of a ReplaySSM forward row, as `@triton.jit` helpers of `replay_stream.py`.
+"""One (head, P tile) piece of a several-token ReplaySSM forward row, as `@triton.jit` helpers of
+`replay_stream.py`.
 
-`_piece` evaluates one token at a time on the CUDA cores (a reduction over N per token);
-`_piece_mma` takes several tokens as tensor-core products (whole pieces, or a piece in column parts
-carried over loop iterations); `_any_piece` picks one. Both compute
+`_piece_mma` takes the step's tokens as tensor-core products (whole pieces, or a piece in column parts
+carried over loop iterations) and computes
     y_t = e^{Λ_t} (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t
-from the weights launch's scratch (`replay_step.py`), append the new x rows to the ring and, with
-FOLD, fold the history into the tile and write it: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in fp32.
+from the weights launch's scratch (`replay_step.py`), appends the new x rows to the ring and, with
+FOLD, folds the history into the tile and writes it: S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ.
 """
 
 from __future__ import annotations
@@ -18,65 +18,6 @@ from replayssm.ops.triton.tf32 import dot_bf16_split, dot_split
 
 
 @triton.jit
-def _piece(
-    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
-    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr,
-):
-    # One (head, P tile) piece of row i: outputs of its Q tokens, x appended to the ring, and
-    # (FOLD) the history folded into the tile and written back.
-    NPT: tl.constexpr = P // BLOCK_P
-    NC: tl.constexpr = N // NS
-    w = first + k
-    h = w // NPT
-    p = (w % NPT) * BLOCK_P + tl.arange(0, BLOCK_P)
-    g = h // (H // G)
-    ncol = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]  # (NC, NS), as replay_step
-    tile = p[None, :, None] * N + ncol[:, None, :]
-    sbase = (s64 * H + h) * (P * N)
-    S0 = tl.load(state_ptr + sbase + tile).to(tl.float32)  # padding rows read slot 0, zeroed below
-    xrow0 = s64 * H * R + h * R
-    j = tl.arange(0, HB)
-    jm = j < hc
-    xh = tl.load(rx_ptr + (xrow0 + (o + j) % R)[:, None] * P + p[None, :], mask=jm[:, None],
-                 other=0.0).to(tl.float32)  # (HB, BLOCK_P)
-    kk = tl.arange(0, QB)
-    km = kk < Q
-    xrows = x_ptr + i * sx_b + kk[:, None] * sx_t + h * sx_h + p[None, :]
-    xn_raw = tl.load(xrows, mask=km[:, None], other=0.0)
-    xn = xn_raw.to(tl.float32)
-    JB: tl.constexpr = HB + QB
-    wbase = (i.to(tl.int64) * H + h) * ((Q + 1) * JB)
-    scbase = (i.to(tl.int64) * H + h) * (Q + 1)
-    Dh = tl.load(D_ptr + h)
-    for t in tl.static_range(Q):
-        Ct = tl.load(C_ptr + i * sC_b + t * sC_t + g * sC_g + ncol).to(tl.float32)
-        yt = tl.load(sc_ptr + scbase + t) * tl.sum(tl.sum(S0 * Ct[:, None, :], axis=0), axis=1)
-        wh = tl.load(w_ptr + wbase + t * JB + j, mask=jm, other=0.0)
-        wn = tl.load(w_ptr + wbase + t * JB + HB + kk, mask=km, other=0.0)
-        yt += tl.sum(wh[:, None] * xh, axis=0) + tl.sum(wn[:, None] * xn, axis=0)
-        xt = tl.load(x_ptr + i * sx_b + t * sx_t + h * sx_h + p).to(tl.float32)
-        yt = tl.where(valid, yt + Dh * xt, 0.0)
-        tl.store(y_ptr + i * sy_b + t * sy_t + h * sy_h + p, yt.to(y_ptr.dtype.element_ty))
-    kv = km & ((kk * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
-    tl.store(rx_ptr + (xrow0 + (o + hc + kk) % R)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None])
-    if FOLD:
-        S = S0 * tl.load(sc_ptr + scbase + Q)
-        Brow0 = s64 * G * R + g * R
-        # Unrolled over the window with masked loads (f = 0 past h_c), so every load issues up
-        # front instead of one L2 round trip per history entry.
-        for jj in tl.static_range(HB):
-            r = (o + jj) % R
-            f = tl.load(w_ptr + wbase + Q * JB + jj, mask=jj < hc, other=0.0)
-            xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=(p * 0 + jj) < hc, other=0.0).to(tl.float32)
-            Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=(ncol * 0 + jj) < hc, other=0.0).to(tl.float32)
-            S += (f * xj)[None, :, None] * Bj[:, None, :]
-        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
-
-
-@triton.jit
 def _piece_mma(
     k, first, i, s64, valid, hc, o, acc, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr,
     sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
@@ -84,15 +25,13 @@ def _piece_mma(
     BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr,
     MAXV: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr, Cs=0, CH: tl.constexpr = False,
 ):
-    # `_piece` for several tokens: the Q reductions over N become tensor-core products of the
-    # (BLOCK_P, NS) column chunks of the tile with C^T (tokens padded to TB >= 16 columns), chunk
-    # by chunk so that no warp holds all of C^T. 16-bit C is exact in TF32, so an fp32 tile split
-    # into hi + lo TF32 parts gives ~fp32 products (two MMAs, `tf32.dot_split`; one TF32 pass where
-    # y is 16-bit measured slower here: 546 vs 485 us at q = 4, 8B, b = 256, NOTES-kernels.md
-    # session 10). FOLD (the flush launch's pieces): the fold is one fp32-accurate product per
-    # column chunk (`dot_split`, ~2^-22 of each term, as the lean fold-only launch's 3xTF32); it
-    # was rank-one fp32 updates on the CUDA cores until session 11.
-    # SPLIT > 1 (the flush launch's option .fN): one of SPLIT column parts of piece k // SPLIT per
+    # The Q outputs of a piece as tensor-core products of the (BLOCK_P, NS) column chunks of the tile
+    # with C^T (tokens padded to TB >= 16 columns), chunk by chunk so that no warp holds all of C^T.
+    # 16-bit C is exact in TF32, so an fp32 tile split into hi + lo TF32 parts gives ~fp32 products
+    # (two MMAs, `tf32.dot_split`); MMA == 2: the tile as bf16 hi + lo against bf16 C (16-bit y).
+    # FOLD (the flush launch's pieces): the fold is one fp32-accurate product per column chunk
+    # (`dot_split`, ~2^-22 of each term).
+    # SPLIT > 1 (the flush launch's column parts): one of SPLIT column parts of piece k // SPLIT per
     # call, acc carrying the state product between the parts (returned; SPLIT = 1 ignores it):
     # a loop over parts copies 1 / SPLIT of a tile per iteration, so the pipeline can keep the next
     # part's copies in flight while this one computes, within the shared memory one tile took. The
@@ -155,9 +94,8 @@ def _piece_mma(
                        w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)
     elif part == SPLIT - 1:
         # Its small loads sit in this branch, outside the pipeline (the next part's copies are in
-        # flight here): hoisted and masked, the pipeline prefetched them too, but the sm_90 build
-        # of the streaming launch in parts (session 12) took 135 registers and 55 KB at q = 4 (74
-        # and 40 KB this way).
+        # flight here): hoisted, the pipeline would stage them too, at more registers and shared
+        # memory per program.
         xh = _history_x(rx_ptr, xrow0, o, hc, p, R, P, HB)
         _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr,
                        w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)
@@ -218,23 +156,3 @@ def _piece_outputs(
              mask=tm[None, :])
     tv = tm & ((t * 0 + valid.to(tl.int32)) > 0)  # a scalar bool in a mask trips the interpreter
     tl.store(rx_ptr + (xrow0 + (o + hc + t) % R)[None, :] * P + p[:, None], xn_raw, mask=tv[None, :])
-
-
-@triton.jit
-def _any_piece(
-    k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr,
-    seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-    Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
-    MAXV: tl.constexpr, Cs=0, CH: tl.constexpr = False,
-):
-    # MMA: 0 = CUDA cores, 1 = tensor-core outputs, 2 = the same with bf16 hi + lo state products.
-    # CH: C^T chunks preloaded in Cs (`_piece_mma`).
-    if MMA:
-        _piece_mma(k, first, i, s64, valid, hc, o, 0.0, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-                   w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-                   Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV, MMA, 1, Cs, CH)
-    else:
-        _piece(k, first, i, s64, valid, hc, o, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr,
-               w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
-               Q, QB, HB, P, N, BLOCK_P, NS, FOLD, STATE_DTYPE, MAXV)

@@ -1,4 +1,4 @@
-"""ReplaySSM forward step in two launches: per-group weights, then per-head outputs (+ flush).
+"""ReplaySSM forward step in two launches: per-group weights, then per-head outputs (route `Fallback`).
 
 1. Weights, grid (b, G): B_j·C_t once per group (history j < h_c and new tokens), then for each
    head of the group the closed-form coefficients, into a small fp32 scratch (b, H, Q+1, HB+QB):
@@ -7,10 +7,11 @@
    and scale (b, H, Q+1) = [e^{Λ_t} for t < Q | e^{Λ_h}]. Appends the new B rows and Δ.
 2. Outputs, grid (P tiles, H, b) like the baseline: load the S0 tile once, then per token
        y_t = scale_t (S0 C_t) + Σ_j w_tj x_j + Σ_k w_tk x_k + D x_t
-   (one reduction over N per token, as in the baseline; no B·C and no cumulative sums here).
-   Appends x. Flush rows (h_c + Q > W) also fold their history into the same registers,
-   S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ in plain fp32, and write it: the state is read once per
-   step and written only on flush. With FUSE_FLUSH off the caller folds in a separate launch.
+   (one reduction over N per token, as in the baseline; no B·C and no cumulative sums here), with
+   masked tail tiles, so any (P, N) runs. Appends x. The caller folds the flush rows afterwards
+   (`replay_fold.py`).
+
+The weights launch also serves routes `Lean` and `Stream` (`launch_weights`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
 from replayssm.ops.triton.ssu import softplus_dt
 from replayssm.ops.triton.tf32 import dot_split
 
 try:  # programmatic dependent launch (sm_90+; Triton >= 3.4)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # older Triton: the .l option is refused (`pdl_supported`)
+except ImportError:  # older Triton: no programmatic dependent launch (`pdl_supported`)
     gdc_launch_dependents = gdc_wait = None
 
 
@@ -138,14 +138,12 @@ def _weights_kernel(
              mask=okb[:, None] & nm[None, :])
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def _out_kernel(
-    x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
-    w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
+    w_ptr, sc_ptr, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, EVEN: tl.constexpr,
-    FUSE_FLUSH: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -199,19 +197,6 @@ def _out_kernel(
     arow = (o + hc + k) % R
     kv = km & ((k * 0 + s) >= 0)  # validity as a tensor (a scalar bool in a mask trips the interpreter)
     tl.store(rx_ptr + (xrow0 + arow)[:, None] * P + p[None, :], xn_raw, mask=kv[:, None] & pm[None, :])
-    if FUSE_FLUSH:
-        if valid & (hc + Q > window):
-            # Closed-form fold of the h_c history entries into the tile already in registers.
-            S = S0 * tl.load(sc_ptr + scbase + Q)
-            Brow0 = s64 * G * R + g * R
-            for jj in range(0, hc):
-                r = (o + jj) % R
-                f = tl.load(w_ptr + wbase + Q * JB + jj)
-                xj = tl.load(rx_ptr + (xrow0 + r) * P + p, mask=pm, other=0.0).to(tl.float32)
-                Bj = tl.load(rB_ptr + (Brow0 + r) * N + ncol, mask=nm, other=0.0).to(tl.float32)
-                S += (f * xj)[None, :, None] * Bj[:, None, :]
-            val = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
-            tl.store(state_ptr + sbase + tile, val, mask=tmask)
 
 
 def weights_scratch(b: int, q: int, H: int, window: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,9 +216,8 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
     to 16, instead of per-token reductions on the CUDA cores. pdl: every program lets the
     stream's next launch start at once (`pdl_supported` devices; that launch must be launched
     with launch_pdl and wait with gdc_wait before reading w, sc or the appended ring rows).
-    num_warps: the launch's warps (the auto routes take one: it is bound by its chains of dependent
-    loads, and one-warp programs let an SM hold about three times as many; benchmarks/NOTES-kernels.md,
-    session 14)."""
+    num_warps: the launch's warps (routes `Lean` and `Stream` take one: it is bound by its chains of
+    dependent loads, and one-warp programs let an SM hold more of them)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
@@ -252,30 +236,20 @@ def launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring
 
 
 def launch_step(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int,
-                fuse_flush: bool = True, outputs: bool = True, bc_dot: bool = False,
-                weights_warps: int = 4) -> None:
-    """Weights launch, then the output launch (which also folds flush rows when fuse_flush).
-
-    outputs=False stops after the weights launch (the benchmark times it alone, with the
-    `launch_weights` options bc_dot and num_warps = weights_warps of the route it stands for).
-    """
+                state_indices, window, dt_softplus, rand_seed, y, block_p: int, num_warps: int) -> None:
+    """Weights launch, then the output launch over every row (flush rows are folded by the caller)."""
     S, H, P, N = state.shape
     b, q = x.shape[:2]
     G, R = B.shape[2], ring_x.shape[2]
     QB, HB = triton.next_power_of_2(q), triton.next_power_of_2(int(window))
     BN = triton.next_power_of_2(N)
     w, sc = launch_weights(x, dt, A, B, C, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                           state_indices, window, dt_softplus, bc_dot=bc_dot, num_warps=weights_warps)
-    if not outputs:
-        return
+                           state_indices, window, dt_softplus)
     block_p = min(block_p, triton.next_power_of_2(P))
-    sdt = tl_dtype(state.dtype)
     _out_kernel[(triton.cdiv(P, block_p), H, b)](
-        x, D, C, state, ring_x, ring_B, ring_start, committed, state_indices, y, w, sc,
-        seed_mix(rand_seed), int(window), x.stride(0), x.stride(1), x.stride(2),
+        x, D, C, state, ring_x, ring_start, committed, state_indices, y, w, sc,
+        x.stride(0), x.stride(1), x.stride(2),
         C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2), H, G, R,
         Q=q, QB=QB, HB=HB, P=P, N=N, BLOCK_P=block_p, BLOCK_N=BN, NS=min(BN, 32),
-        EVEN=(P % block_p == 0) and BN == N,
-        FUSE_FLUSH=fuse_flush, STATE_DTYPE=sdt, MAXV=max_finite(sdt), num_warps=num_warps,
+        EVEN=(P % block_p == 0) and BN == N, num_warps=num_warps,
     )

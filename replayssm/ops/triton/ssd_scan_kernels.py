@@ -11,9 +11,8 @@ the same rules with the helpers here. Organised against memory latency:
 - A chunk's live positions are consecutive tokens of the packed input (ops/ssd_layout.py), so the
   token at position i of chunk c is start[c] + i, start[c] = idx[c, 0] read once per program.
   Every address in a loop is affine in the loop counter: no dependent index load before Δ and no
-  dependent Δ load before x/B/C, so consecutive steps' loads can be in flight together. (The first
-  kernels loaded a token index per position; these took 4.73 vs 11.84 ms per layer at 16,384
-  tokens on the H200, benchmarks/results/prefill-ops-s7-call5-affine.log.)
+  dependent Δ load before x/B/C, so consecutive steps' loads can be in flight together (a token
+  index loaded per position would put one more load in every chain).
 - Products with one 16-bit operand (exact in tf32) take two tf32 passes over the hi and lo parts
   of the fp32 operand instead of three (ops/triton/tf32.py: dot_split); C·B of 16-bit inputs
   takes one; fp32 activations keep 3xTF32. (A bf16 tl.dot would halve C·B's tensor-core time,

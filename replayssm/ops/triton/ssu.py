@@ -25,7 +25,7 @@ class LaunchConfig:
     num_warps: int = 4
 
 
-# Chosen from the H200 sweep in benchmarks/bench_kernels.py (see benchmarks/NOTES-kernels.md).
+# The fastest of the tiles timed on the H200 (docs/kernels.md).
 CONFIG = LaunchConfig(block_p=64, num_warps=4)
 
 

@@ -6,7 +6,7 @@ to TF32 in the pass: ~2^-22 of v lost). A 16-bit operand (bf16/fp16 activations,
 exact in TF32 already, so a product with one such operand needs two passes (hi and lo of the
 other), and one with two needs one; only fp32 x fp32 takes Triton's three ("tf32x3").
 
-`dot_out` is for products that only reach a 16-bit output (route mono.t's decode outputs y with
+`dot_out` is for products that only reach a 16-bit output (route MonoMMA's outputs y with
 bf16/fp16 activations): one pass, whose ~2^-11 relative error per operand is below the output's
 own rounding at the scale of its terms (2^-9 for bf16, 2^-11 for fp16), where dot_split's extra
 passes buy bits the store throws away. Nothing a pass rounds reaches a stored state: folds keep
@@ -14,7 +14,7 @@ dot_split or fp32.
 
 `dot_bf16_split` is the same split at bf16 width for an fp32 operand against a bf16 one: hi = bf16(v),
 lo = bf16(v - hi), two bf16 products (~2^-17 of each term: between one TF32 pass and dot_split),
-for products that only reach 16-bit outputs (the several-token default's state products, option .b).
+for products that only reach 16-bit outputs (route Stream's state products with bf16 C).
 """
 
 from __future__ import annotations
