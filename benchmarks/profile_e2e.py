@@ -80,15 +80,16 @@ def patched_labels(methods: list[tuple[object, str, str]], functions: list[tuple
 
 def labels(engine):
     """Wrap the step's modules and ops in record_function labels named by PARTS (undone on exit)."""
+    from replayssm.engine import llm_engine
     from replayssm.models.layers import attention, mamba2
 
     methods = layer_labels(engine.runner.model) + [
-        (engine, "_sample", "sampling"),
         (engine.runner, "commit", "commit (conv windows, cursors)"),
         (engine.runner, "execute", "runner.execute glue (inputs, indexing)"),
     ]
     functions = [(mamba2, name, "mamba SSM (replay / state update)")
                  for name in ("replay_forward", "selective_state_update")] + [
+        (llm_engine, "sample_chunks", "sampling"),
         (mamba2, "causal_conv1d_update", "mamba conv"),
         (mamba2, "rms_norm_gated", "mamba gated norm"),
         (attention, "store_kv", "attention (KV store + paged decode)"),

@@ -48,6 +48,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 def labels(engine):
     """record_function labels (PARTS) on the engine phases, layer parts and prefill ops (undone on exit)."""
+    from replayssm.engine import llm_engine
     from replayssm.models.layers import attention, mamba2
     from replayssm.ops import ssd
 
@@ -57,7 +58,6 @@ def labels(engine):
                 for block in engine.runner.model.layers if block.kind == "mamba"]
     methods += [
         (engine, "step", "engine.step (rest: outputs, token read-back)"),
-        (engine, "_sample", "sampling"),
         (engine.runner, "commit", "commit"),
         (engine.runner, "execute", "runner.execute glue (checks, inputs)"),
         (engine.runner, "copy_slots", "engine: slot copies (checkpoint -> live)"),
@@ -67,6 +67,7 @@ def labels(engine):
         methods += [(engine.prefix_cache, "plan", "engine: checkpoint plan"),
                     (engine.prefix_cache, "finish", "engine: publish + register blocks")]
     functions = [
+        (llm_engine, "sample_chunks", "sampling"),
         (mamba2, "causal_conv1d_varlen", "mamba conv (varlen)"),
         (mamba2, "ssd_chunked_scan", "mamba chunked scan"),
         (ssd, "_boundary_states", "mamba checkpoint states"),
