@@ -134,8 +134,7 @@ def freeze_heap() -> int:
     A full collection walks every tracked object while holding the GIL, so the engine loop and every
     request wait through it: with torch, transformers and an engine of the 8B's 52-layer pattern at
     a tiny width loaded (~250k tracked objects), the one full collection of a 300-step decode run at
-    batch 256 takes 117 ms on a 2-core CPU; with them frozen none runs (`benchmarks/gc_pauses.py`).
-    Only for an engine that lives
+    batch 256 takes 117 ms on a 2-core CPU; with them frozen none runs. Only for an engine that lives
     as long as the process: frozen objects leave the collector for good, so reference cycles of an
     engine dropped later (and the device memory they hold) would never be freed.
     """

