@@ -148,7 +148,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError as exc:  # the CLI turns ValueError into a one-line message
-        raise ValueError("serve needs the server extra: pip install -e '.[server]' in the source tree") from exc
+        raise ValueError("serve needs the server extra: pip install -e '.[server]'") from exc
 
     engine = build_engine(args)
     app, engine_loop = build_app(engine, args.served_model_name)
