@@ -82,12 +82,12 @@ def _add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> No
     parser.add_argument(flag, type=kind, default=f.default, help=help_text + suffix)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     """Flags for every engine field in ENGINE_FLAGS, defaults from the dataclasses."""
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
-        required=True,
+        required=model_required,
         help="checkpoint directory (Hugging Face layout), or 'demo' for "
         "the built-in random-weight Nemotron-H-shaped model",
     )

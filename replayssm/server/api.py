@@ -1,9 +1,13 @@
-"""FastAPI routes: OpenAI completions and chat (streaming and not), models, health, metrics.
+"""FastAPI routes: OpenAI completions and chat (streaming and not), models, tokenize and
+detokenize, health, version, metrics.
 
 Every user error becomes a 4xx with an OpenAI error body; the engine keeps running. A client
 that disconnects aborts its requests: streaming responses abort when their generator is
 cancelled (and again, idempotently, in the response's background task, which also covers a
 generator that never started); non-streaming handlers race the result against http.disconnect.
+On shutdown `ServerState.drain` stops admitting, lets open requests finish for a while, then ends
+each one cleanly: a stream with a final finish_reason "abort" event and `data: [DONE]`, any other
+request with a 503.
 """
 
 from __future__ import annotations
@@ -19,19 +23,32 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import replayssm
 from replayssm.server.async_engine import AsyncEngine, EngineDeadError, EngineLoop, RequestGroup
-from replayssm.server.handlers import ChatHandler, CompletionHandler
+from replayssm.server.gate import Admission, add_gate
+from replayssm.server.handlers import ChatHandler, CompletionHandler, detokenize, tokenize
 from replayssm.server.metrics import ServingMetrics
 from replayssm.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    VersionResponse,
+    check_text,
     now_s,
 )
 from replayssm.server.serving import sse
+
+# Text longer than this many characters per token of the context cannot be a prompt that fits: refused
+# before tokenizing, which takes seconds and holds gigabytes of tokenizer memory for megabytes of text.
+MAX_CHARS_PER_TOKEN = 16
+MAX_BODY_BYTES = 64 << 20  # a request body past this gets a 413 before it is read whole
+STOP_GRACE_S = 5.0  # after the drain timeout: how long stopped responses get to send their last events
 
 
 class ServerState:
@@ -45,9 +62,13 @@ class ServerState:
         self.model_name = served_model_name
         self.metrics = metrics
         self.created = now_s()
+        self.max_prompt_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
+        self.admission = Admission()
+        self.open_groups: set[RequestGroup] = set()
+        self.stopping = False
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
@@ -57,7 +78,45 @@ class ServerState:
             return list(prompt)
         if self.tokenizer is None:
             raise APIError(400, f"{self.model_name} has no tokenizer: send prompts as token ids", param=param)
+        self.check_size(len(prompt), param)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def check_size(self, num_chars: int, param: str) -> None:
+        """Refuse text too long to fit the context whatever its tokens, before anything tokenizes it."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} has {num_chars} characters; a {self.max_model_len}-token context "
+                           f"takes at most {self.max_prompt_chars} ({MAX_CHARS_PER_TOKEN} per token)",
+                           param=param, code="context_length_exceeded")
+
+    def track(self, group: RequestGroup) -> None:
+        """Count a group as open until `release`; one added after the drain deadline stops at once."""
+        self.open_groups.add(group)
+        if self.stopping:
+            self._stop(group)
+
+    def release(self, group: RequestGroup) -> None:
+        """The group's response is over: abort what is unfinished (idempotent)."""
+        self.open_groups.discard(group)
+        if not group.done:
+            self.engine.abort(group)
+
+    def stop_open(self) -> None:
+        """End every open group now: abort it in the engine, and let its response finish with what it has."""
+        self.stopping = True
+        for group in list(self.open_groups):
+            self._stop(group)
+
+    def _stop(self, group: RequestGroup) -> None:
+        self.engine.abort(group)
+        group.stop()
+
+    async def drain(self, timeout: float) -> None:
+        """Shutdown: admit nothing new (503), give open requests `timeout` seconds to finish, then stop
+        them and wait (briefly) for their final events to go out."""
+        self.admission.draining = True
+        if not await self.admission.wait_idle(timeout):
+            self.stop_open()
+            await self.admission.wait_idle(STOP_GRACE_S)
 
 
 def error_response(err: APIError, metrics: ServingMetrics | None = None) -> JSONResponse:
@@ -66,12 +125,36 @@ def error_response(err: APIError, metrics: ServingMetrics | None = None) -> JSON
     return JSONResponse(ErrorResponse.from_api_error(err).model_dump(), status_code=err.status_code)
 
 
-async def parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:
-    """Strict JSON -> schema; malformed JSON and wrong types are 400s naming the first bad field."""
+async def read_body(request: Request) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to pass MAX_BODY_BYTES."""
+    too_large = APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    return bytes(body)
+
+
+async def parse_json(request: Request) -> object:
+    """The parsed JSON body, every string in it valid Unicode; malformed bodies are 400s."""
+    body = await read_body(request)
     try:
-        data = json.loads(await request.body())
+        data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+    check_text(body, data)
+    return data
+
+
+async def parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:
+    """Strict JSON -> schema; malformed JSON and wrong types are 400s naming the first bad field."""
+    return validate(schema, await parse_json(request))
+
+
+def validate(schema: type[BaseModel], data: object) -> BaseModel:
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -128,19 +211,21 @@ def streaming_response(state: ServerState, group: RequestGroup,
         except EngineDeadError as exc:
             yield sse(ErrorResponse.from_api_error(APIError(503, str(exc), type="server_error")))
         finally:
-            if not group.done:
-                state.engine.abort(group)
+            state.release(group)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             background=BackgroundTask(state.engine.abort, group))
+                             background=BackgroundTask(state.release, group))
 
 
-def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServingMetrics) -> FastAPI:
-    """The OpenAI-compatible app over an already-started EngineLoop."""
+def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServingMetrics,
+               **access) -> FastAPI:
+    """The OpenAI-compatible app over an already-started EngineLoop; `access` holds `add_gate`'s
+    options (api_key, allowed_origins, allowed_methods, allowed_headers, allow_credentials)."""
     app = FastAPI(title="replayssm", docs_url=None, redoc_url=None)
     state = ServerState(engine_loop, served_model_name, metrics)
     app.state.server = state
+    add_gate(app, state.admission, lambda err: error_response(err, metrics), **access)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
@@ -162,7 +247,13 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
     async def health() -> Response:
         if not engine_loop.alive:
             return error_response(APIError(503, "engine loop is not running", type="server_error"), metrics)
+        if state.admission.draining:
+            return error_response(APIError(503, "the server is shutting down", type="server_error"), metrics)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=replayssm.__version__)
 
     def card() -> ModelCard:
         return ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)
@@ -189,10 +280,17 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
         except ValueError as exc:  # the engine's own checks (prompt length, params) are user errors
             param = getattr(exc, "param", None)  # InputError: "prompt" or "stop"
             raise APIError(400, str(exc), param=handler.prompt_param if param == "prompt" else param) from exc
+        state.track(group)
         if handler.stream:
             return streaming_response(state, group, handler.chunks)
-        if not await run_to_completion(state, group, request):
+        try:
+            listening = await run_to_completion(state, group, request)
+        finally:
+            state.release(group)
+        if not listening:
             return Response(status_code=499)  # nobody is listening; the status is for logs only
+        if not group.done:
+            raise APIError(503, "the server is shutting down; the request was stopped", type="server_error")
         return JSONResponse(handler.response(group.latest).model_dump())
 
     @app.post("/v1/completions")
@@ -206,5 +304,19 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: Serving
         req = await parse_body(request, ChatCompletionRequest)
         state.check_model(req.model)
         return await serve(request, ChatHandler, req)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        data = await parse_json(request)
+        chat = isinstance(data, dict) and "messages" in data
+        req = validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
+        state.check_model(req.model)
+        return JSONResponse((await asyncio.to_thread(tokenize, state, req)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        req = await parse_body(request, DetokenizeRequest)
+        state.check_model(req.model)
+        return JSONResponse(detokenize(state, req).model_dump())
 
     return app

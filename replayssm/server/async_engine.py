@@ -212,12 +212,19 @@ class RequestGroup:
         self.finished = [False] * len(request_ids)
         self._pending: set[int] = set()
         self._error: BaseException | None = None
+        self._stopped = False
         self._event = asyncio.Event()
         self._loop = loop
 
     @property
     def done(self) -> bool:
         return all(self.finished)
+
+    def stop(self) -> None:
+        """End `updates()` after the outputs already delivered (the server is shutting down); the
+        caller aborts the sub-requests in the engine."""
+        self._stopped = True
+        self._event.set()
 
     def sink(self, index: int) -> Sink:
         def deliver_threadsafe(item) -> None:
@@ -237,7 +244,7 @@ class RequestGroup:
         self._event.set()
 
     async def updates(self) -> AsyncIterator[list[int]]:
-        """Yield the indices with a new output, until every sub-request finished."""
+        """Yield the indices with a new output, until every sub-request finished or stop()."""
         while True:
             # Outputs may have arrived before the consumer started: drain before waiting.
             if self._error is not None:
@@ -245,7 +252,7 @@ class RequestGroup:
             if self._pending:
                 ready, self._pending = sorted(self._pending), set()
                 yield ready
-            elif self.done:
+            elif self.done or self._stopped:
                 return
             else:
                 await self._event.wait()

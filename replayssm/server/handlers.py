@@ -23,6 +23,11 @@ from replayssm.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     check_sampling,
     new_id,
     now_s,
@@ -34,6 +39,7 @@ from replayssm.server.serving import (
     chat_logprobs,
     completion_logprobs,
     sse,
+    token_strings,
     usage_of,
 )
 
@@ -52,6 +58,16 @@ class _Handler:
 
     def _token_ids(self, out, start: int = 0) -> list[int] | None:
         return out.tokens_since(start) if self.return_token_ids else None
+
+    def _stopped(self, group, tracker: DeltaTracker):
+        """(index, text offset, text delta, first unsent token, output or None) of every choice that
+        has not finished: after `updates()` ends, only a group the server stopped (shutdown) has one,
+        and each such choice gets a final event with finish_reason "abort"."""
+        for i, finished in enumerate(group.finished):
+            if not finished:
+                out, offset = group.latest[i], len(tracker.text[i])
+                delta, start = tracker.advance(i, out, flush=True) if out is not None else ("", 0)
+                yield i, offset, delta, start, out
 
     def _changed(self, tracker: DeltaTracker, index: int, out) -> tuple[str, int, bool]:
         """(text delta, first new token, whether anything is worth sending for this choice)."""
@@ -106,6 +122,10 @@ class CompletionHandler(_Handler):
                         finish_reason=out.finish_reason if out.finished else None,
                         token_ids=self._token_ids(out, start))
                     yield sse(self._envelope([choice]))
+        for i, offset, delta, start, out in self._stopped(group, tracker):
+            yield sse(self._envelope([CompletionChoice(
+                index=i, text=delta, logprobs=out and completion_logprobs(self.tokenizer, out, start, offset),
+                finish_reason="abort", token_ids=out and self._token_ids(out, start))]))
         if self.include_usage:
             yield sse(self._envelope([], usage_of(self.engine_requests, group.latest)))
 
@@ -131,6 +151,7 @@ class ChatHandler(_Handler):
                            param="response_format")
         check_sampling(req, max_tokens)
         messages = [m.as_template_dict() for m in req.messages]
+        state.check_size(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = state.tokenizer.apply_chat_template(messages) if state.tokenizer is not None else None
         except ValueError as exc:
@@ -171,5 +192,45 @@ class ChatHandler(_Handler):
                         logprobs=chat_logprobs(self.tokenizer, out, start),
                         finish_reason=out.finish_reason if out.finished else None,
                         token_ids=self._token_ids(out, start)))
+        for i, _, delta, start, out in self._stopped(group, tracker):
+            yield self._chunk(ChatChunkChoice(
+                index=i, delta=ChatDelta(content=delta or None),
+                logprobs=out and chat_logprobs(self.tokenizer, out, start), finish_reason="abort",
+                token_ids=out and self._token_ids(out, start)))
         if self.include_usage:
             yield self._chunk(None, usage_of(self.engine_requests, group.latest))
+
+
+def tokenize(state, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    """POST /tokenize: a prompt, or chat messages rendered by the chat template, to token ids.
+    `token_strs` holds each token's decoded text."""
+    if isinstance(req, TokenizeChatRequest):
+        if req.continue_final_message:
+            raise APIError(400, "continue_final_message is not supported", param="continue_final_message")
+        messages = [m.as_template_dict() for m in req.messages]
+        state.check_size(sum(len(m["content"]) for m in messages), "messages")
+        if state.tokenizer is None:
+            raise APIError(400, f"{state.model_name} has no tokenizer", param="messages")
+        try:
+            text = state.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from exc
+        if text is None:
+            raise APIError(400, "this model has no chat template", param="messages")
+        ids = state.encode(text, "messages", add_special_tokens=req.add_special_tokens)
+    else:
+        ids = state.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
+    strs = token_strings(state.tokenizer, ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+
+def detokenize(state, req: DetokenizeRequest) -> DetokenizeResponse:
+    """POST /detokenize: token ids back to text, special tokens included (a prompt may hold them)."""
+    if state.tokenizer is None:
+        raise APIError(400, f"{state.model_name} has no tokenizer", param="tokens")
+    vocab = state.tokenizer.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"tokens must be ids in [0, {vocab}), got {bad[:5]}", param="tokens")
+    return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens, skip_special_tokens=False))

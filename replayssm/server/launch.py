@@ -3,7 +3,7 @@
 `build_app` wires an engine into an app (loop thread + metrics observer); `BackgroundServer`
 runs that app on a thread (tests, benchmarks, notebooks); `serve_main` is the CLI entry:
 
-    replayssm serve --model demo --device cpu --port 8000
+    replayssm serve demo --device cpu --port 8000
     curl localhost:8000/v1/completions -H 'content-type: application/json' \
         -d '{"model": "demo-v1-seed0", "prompt": "Hello", "max_tokens": 8}'
 """
@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import threading
 import time
 
 from replayssm.config_flags import add_engine_args, engine_kwargs
 
+API_KEY_ENV = "REPLAYSSM_API_KEY"
+UVICORN_GRACE_S = 5  # uvicorn's own wait for connections once the app has drained
 
-def build_app(engine, served_model_name: str | None = None):
-    """(app, started EngineLoop) serving `engine` under `served_model_name` (default engine.model_name)."""
+
+def build_app(engine, served_model_name: str | None = None, **access):
+    """(app, started EngineLoop) serving `engine` under `served_model_name` (default engine.model_name);
+    `access`: the API key and CORS options of `gate.add_gate`."""
     # fastapi & co. load here, not at import: the CLI imports this module for every subcommand.
     from replayssm.server.api import create_app
     from replayssm.server.async_engine import EngineLoop
@@ -29,21 +35,29 @@ def build_app(engine, served_model_name: str | None = None):
     metrics = ServingMetrics(lambda: engine_loop.metrics_snapshot)
     engine_loop.observer = metrics  # set before start(): the loop thread is its only caller
     engine_loop.start()
-    app = create_app(engine_loop, served_model_name or engine.model_name, metrics)
+    app = create_app(engine_loop, served_model_name or engine.model_name, metrics, **access)
     return app, engine_loop
 
 
+def make_server(app, host: str, port: int, log_level: str, shutdown_timeout: float):
+    """A uvicorn server for `app` that drains it on SIGINT / SIGTERM (gate.DrainingServer)."""
+    import uvicorn
+
+    from replayssm.server.gate import DrainingServer
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                            timeout_graceful_shutdown=UVICORN_GRACE_S)
+    return DrainingServer(config, app.state.server, shutdown_timeout)
+
+
 class BackgroundServer:
-    """uvicorn on a daemon thread; port 0 picks a free port (read it from `.port` after start())."""
+    """uvicorn on a daemon thread; port 0 picks a free port (read it from `.port` after start()).
+    `server.handle_exit(signal.SIGTERM, None)` drains it as the signal would."""
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, served_model_name: str | None = None,
-                 log_level: str = "warning"):
-        import uvicorn
-
-        self.app, self.engine_loop = build_app(engine, served_model_name)
-        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, lifespan="off",
-                                timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+                 log_level: str = "warning", shutdown_timeout: float = 10.0, **access):
+        self.app, self.engine_loop = build_app(engine, served_model_name, **access)
+        self.server = make_server(self.app, host, port, log_level, shutdown_timeout)
         self.host = host
         self.port = port
         self._thread = threading.Thread(target=self.server.run, name="replayssm-uvicorn", daemon=True)
@@ -91,9 +105,25 @@ def _within(cast: type, low: float, high: float = float("inf")):
     return parse
 
 
+def _string_list(text: str) -> list[str]:
+    """An argparse type: a JSON list of strings (vLLM's spelling, '["*"]') or comma-separated words."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a list of strings, got {text}")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """`serve` flags: --host/--port/--served-model-name/--log-level/--seed plus every engine flag."""
-    add_engine_args(parser)
+    """`serve` flags: the model (positional or --model), --host/--port/--served-model-name/--log-level/
+    --seed, access (--api-key, CORS) plus every engine flag."""
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                        help="checkpoint directory or 'demo', the same as --model")
+    add_engine_args(parser, model_required=False)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind, 0.0.0.0 for every interface (default: 127.0.0.1)")
@@ -104,10 +134,48 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0,
                        help="engine seed: demo weights and the seeds of requests that give none (default: 0)")
     group.add_argument("--shutdown-timeout", type=_within(float, 0), default=10.0,
-                       help="on SIGINT / SIGTERM, seconds to let running requests finish before their "
-                       "connections are closed (default: 10)")
+                       help="on SIGINT / SIGTERM new requests get 503 and running ones this many seconds "
+                       "to finish; then streams end with finish_reason 'abort' and [DONE], other requests "
+                       "with a 503 (default: 10)")
     group.add_argument("--log-level", default="info", help="uvicorn log level (default: info)",
                        choices=["critical", "error", "warning", "info", "debug"])
+    access = parser.add_argument_group("access")
+    access.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                        f"(default: ${API_KEY_ENV}, else no key)")
+    access.add_argument("--allowed-origins", type=_string_list, default=None,
+                        help="CORS: origins browsers may call from, a JSON list or comma-separated, e.g. "
+                        "'[\"*\"]' (default: CORS off)")
+    access.add_argument("--allowed-methods", type=_string_list, default=None,
+                        help="CORS: allowed methods (default: all; needs --allowed-origins)")
+    access.add_argument("--allowed-headers", type=_string_list, default=None,
+                        help="CORS: allowed request headers (default: all; needs --allowed-origins)")
+    access.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: allow cookies and credentials (needs --allowed-origins)")
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """The model to serve, given positionally or as --model (both is fine only when they agree)."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two different models: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag if args.model_tag is not None else args.model
+    if not model:
+        raise ValueError("no model: replayssm serve MODEL (a checkpoint directory or 'demo')")
+    return model
+
+
+def access_options(args: argparse.Namespace) -> dict:
+    """`add_gate`'s keyword arguments from the flags; the key comes from the environment when the flag
+    is absent (an empty variable means no key)."""
+    if args.api_key == "":
+        raise ValueError("--api-key must not be empty")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    cors = {"allowed_methods": args.allowed_methods, "allowed_headers": args.allowed_headers,
+            "allow_credentials": args.allow_credentials}
+    if not args.allowed_origins and any(cors.values()):
+        flags = ", ".join("--" + k.replace("_", "-") for k, v in cors.items() if v)
+        raise ValueError(f"{flags} needs --allowed-origins (CORS is off without it)")
+    return {"api_key": api_key, "allowed_origins": args.allowed_origins, **cors}
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -146,16 +214,17 @@ def freeze_heap() -> int:
 def serve_main(args: argparse.Namespace) -> int:
     """Build the engine from parsed flags, start its loop, and serve until interrupted."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:  # the CLI turns ValueError into a one-line message
         raise ValueError("serve needs the server extra: pip install -e '.[server]'") from exc
 
+    args.model = resolve_model(args)
+    access = access_options(args)
     engine = build_engine(args)
-    app, engine_loop = build_app(engine, args.served_model_name)
+    app, engine_loop = build_app(engine, args.served_model_name, **access)
     freeze_heap()  # the engine serves until the process exits
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        make_server(app, args.host, args.port, args.log_level, args.shutdown_timeout).run()
     finally:
         engine_loop.shutdown()
     return 0

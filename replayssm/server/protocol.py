@@ -8,6 +8,7 @@ live in `check_sampling` so that each error names the offending parameter, as Op
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -273,3 +274,78 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a prompt (vLLM's field names)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """POST /tokenize with chat messages, rendered by the checkpoint's chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template spells out BOS and the like itself
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+# A lone surrogate reaches a parsed body only through a JSON escape (raw UTF-8 cannot encode one), so
+# bodies without such an escape skip the walk over every string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_text(body: bytes, data: Any) -> None:
+    """Raise a 400 naming the first string of `data` (parsed from `body`) that is not valid Unicode:
+    a lone surrogate such as "\\ud800" cannot be encoded, so a tokenizer or a response would fail on it."""
+    if _SURROGATE_ESCAPE.search(body) is None:
+        return
+    path = _unencodable(data, ())
+    if path is not None:
+        where = ".".join(str(p) for p in path) or "body"
+        raise APIError(400, f"{where}: text is not valid Unicode (a lone surrogate such as \\ud800); "
+                       "send UTF-8 text", param=where if path else None)
+
+
+def _unencodable(value: Any, path: tuple) -> tuple | None:
+    """The path of the first string in `value` that UTF-8 cannot encode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _unencodable(key, ()) is not None:
+            return path  # a bad key: name the object that holds it
+        found = _unencodable(item, (*path, key))
+        if found is not None:
+            return found
+    return None

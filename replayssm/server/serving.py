@@ -108,10 +108,12 @@ class DeltaTracker:
         return max((n for s in self.stop for n in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:n])), default=0)
 
-    def advance(self, index: int, out) -> tuple[str, int]:
-        """New text to send since the last call and the token offset it starts from."""
+    def advance(self, index: int, out, flush: bool = False) -> tuple[str, int]:
+        """New text to send since the last call and the token offset it starts from; `flush` sends
+        a held-back tail too (the choice ends here without finishing)."""
         sent = self.text[index]
-        visible = out.text if out.finished else out.text[: len(out.text) - self._held_back(out.text)]
+        whole = out.finished or flush
+        visible = out.text if whole else out.text[: len(out.text) - self._held_back(out.text)]
         delta = visible[len(sent):] if visible.startswith(sent) else ""
         start = self.tokens[index]
         self.text[index] = sent + delta
