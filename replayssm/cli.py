@@ -250,9 +250,12 @@ SUBCOMMANDS: dict[str, Handler] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from replayssm import __version__
+
     parser = argparse.ArgumentParser(
         prog="replayssm", description="Serve hybrid SSM language models with ReplaySSM."
     )
+    parser.add_argument("--version", action="version", version=f"replayssm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_args, _) in SUBCOMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))
