@@ -55,6 +55,8 @@ class Admission:
 
     async def wait_idle(self, timeout: float) -> bool:
         """True once nothing is in flight, False if `timeout` seconds pass first."""
+        if self._idle.is_set():
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
@@ -129,7 +131,9 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
-        """The signal handler (main thread, maybe inside the event loop's own code: hand off to it)."""
+        """The signal handler (main thread, maybe inside the event loop's own code: hand off to it).
+        First signal: drain. Second: end open requests now and exit once their last events are out.
+        Any later one is uvicorn's (a second SIGINT while exiting forces the exit)."""
         if self._loop is None or self.should_exit:
             super().handle_exit(sig, frame)
         elif not self.drain_requested:
@@ -137,6 +141,7 @@ class DrainingServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._begin_drain)
         else:
             self._loop.call_soon_threadsafe(self.state.stop_open)
+            self.should_exit = True
 
     def _begin_drain(self) -> None:
         self._drain = asyncio.ensure_future(self.state.drain(self.shutdown_timeout))

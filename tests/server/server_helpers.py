@@ -74,4 +74,8 @@ BAD_REQUESTS = [
      {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages.0.content"),
     ("unknown route", "/v1/nothing", {}, 404, None),
+    # A lone surrogate is valid JSON but not text any tokenizer or response encoder takes.
+    ("lone surrogate", "/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800"}', 400, "prompt"),
+    ("lone surrogate in chat", "/v1/chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages.0.content"),
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -54,7 +55,8 @@ def free_port() -> int:
 
 def test_serve_process_answers_and_exits_cleanly(tmp_path):
     """`python -m replayssm serve --model demo` answers the openai client; SIGTERM stops it cleanly,
-    within --shutdown-timeout even with a long stream still running (uvicorn alone waits for it)."""
+    within --shutdown-timeout even with a long stream still running (uvicorn alone waits for it), and
+    that stream ends with a finish_reason "abort" event and [DONE], not a cut connection."""
     port = free_port()
     env = {**os.environ, "REPLAYSSM_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "replayssm", "serve", "--model", "demo", "--device", "cpu",
@@ -79,24 +81,27 @@ def test_serve_process_answers_and_exits_cleanly(tmp_path):
                                             extra_body={"ignore_eos": True})
             assert res.usage.completion_tokens == 3 and res.choices[0].finish_reason == "length"
         # A stream of 8,000 tokens (a minute or more here) is open when the signal comes.
-        first = threading.Event()
+        first, lines = threading.Event(), []
 
         def consume() -> None:
             body = dict(model=model, prompt="Hi", max_tokens=8000, stream=True, ignore_eos=True)
-            try:
-                with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as res:
-                    for _ in res.iter_lines():
-                        first.set()
-            except httpx.RemoteProtocolError:  # the server closing the stream at shutdown: the point
-                pass
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as res:
+                for line in res.iter_lines():
+                    lines.append(line)
+                    first.set()
 
-        threading.Thread(target=consume, daemon=True).start()
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
         assert first.wait(60)
     finally:
         stopped = time.monotonic()
         proc.terminate()
         output, _ = proc.communicate(timeout=30)
     assert time.monotonic() - stopped < 10, output
+    reader.join(10)
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", lines[-4:]
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught so the parent sees it.
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in output, output
 
@@ -108,15 +113,14 @@ def test_serve_freezes_the_heap_before_serving(monkeypatch):
     import gc
     import types
 
-    import uvicorn
-
     from replayssm.server import launch
 
     seen = {}
     loop = types.SimpleNamespace(shutdown=lambda: seen.setdefault("shutdown", True))
+    server = types.SimpleNamespace(run=lambda: seen.setdefault("frozen", gc.get_freeze_count()))
     monkeypatch.setattr(launch, "build_engine", lambda args: "engine")
-    monkeypatch.setattr(launch, "build_app", lambda engine, name: ("app", loop))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("frozen", gc.get_freeze_count()))
+    monkeypatch.setattr(launch, "build_app", lambda engine, name, **access: ("app", loop))
+    monkeypatch.setattr(launch, "make_server", lambda app, *args: server)
     gc.unfreeze()
     try:
         assert launch.serve_main(parse("serve", "--model", "demo")) == 0

@@ -108,6 +108,19 @@ def test_openai_client_completions_chat_streaming_usage(real):
     assert_no_leaks(server)
 
 
+def test_tokenize_detokenize_with_the_checkpoint_tokenizer(real):
+    """/tokenize gives the engine tokenizer's ids (BOS included); /detokenize turns them back into the
+    prompt, special tokens spelled out."""
+    server, _, _, ref = real
+    text = ref["text_prompt"]
+    res = httpx.post(server.base_url + "/tokenize", json={"model": "tiny", "prompt": text}, timeout=30).json()
+    tokenizer = server.engine_loop.engine.tokenizer
+    assert res["tokens"] == tokenizer.encode(text) and res["count"] == len(res["tokens"])
+    assert res["max_model_len"] == 128
+    back = httpx.post(server.base_url + "/detokenize", json={"tokens": res["tokens"]}, timeout=30).json()
+    assert back == {"prompt": tokenizer.bos_token + text}
+
+
 def test_bad_input_then_good_request(real):
     """On the real engine too, every bad request gets its 4xx with an OpenAI error body; serving goes on."""
     server, _, _, _ = real
