@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,10 @@ MAX_LOGPROBS = 20
 # OpenAI's bounds on a logit_bias value and on presence/frequency penalties.
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
+# generation_config.json fields that set a sampling default, as SamplingParams names them.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "repetition_penalty": "repetition_penalty", "min_p": "min_p",
+                       "max_new_tokens": "max_tokens"}
 
 
 def _is_int(v: Any) -> bool:
@@ -156,3 +162,23 @@ class SamplingParams:
     def processed(self) -> bool:
         """True when `apply_logits_processors` changes this request's logits on some step."""
         return self.penalized or self.logit_bias is not None or self.min_tokens > 0
+
+
+def read_generation_defaults(model_dir: str) -> dict[str, Any]:
+    """The sampling defaults of model_dir/generation_config.json as SamplingParams keywords (temperature,
+    top_p, top_k, repetition_penalty, min_p; max_new_tokens as max_tokens); {} without the file.
+    Other fields (do_sample included) are not read, as in vLLM. ValueError for a value SamplingParams
+    refuses."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if raw.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    return defaults

@@ -60,6 +60,9 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.max_model_len = setup.max_model_len
         self.model_name = setup.model_name
+        # The checkpoint's generation_config.json sampling defaults (SamplingParams field names): what a
+        # request that leaves a field unset gets (LLM.generate without params, the server).
+        self.generation_defaults = dict(setup.generation_defaults)
         self.output = OutputProcessor(self.tokenizer, set(setup.eos_token_ids), self.max_model_len)
         self.scheduler = Scheduler(
             setup.block_pool,
