@@ -91,8 +91,8 @@ class SchedulerConfig:
         if self.max_model_len is None:
             return max_position_embeddings
         if self.max_model_len > max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{max_position_embeddings}")
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_position_embeddings}")
         return self.max_model_len
 
 

@@ -176,7 +176,8 @@ def read_generation_defaults(model_dir: str) -> dict[str, Any]:
         raw = json.load(f)
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object")
-    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if raw.get(theirs) is not None}
+    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
+                if raw.get(theirs) is not None}
     try:
         SamplingParams(**defaults)
     except ValueError as exc:

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from replayssm.engine.logits_inputs import build_logits_processors
 from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.scheduler import ScheduledChunk
-from replayssm.engine.logits_inputs import build_logits_processors
 from replayssm.ops.sampling import SamplingTensors, apply_logits_processors, sample, token_logprobs, top_pairs
 
 

@@ -149,7 +149,8 @@ class LLMEngine:
         if params.min_tokens:
             eos = () if params.ignore_eos else self.output.eos_token_ids
             vocab = self.model_config.vocab_size
-            request.min_tokens_stop_ids = sorted(t for t in {*eos, *(params.stop_token_ids or ())} if t < vocab)
+            stop_ids = {*eos, *(params.stop_token_ids or ())}
+            request.min_tokens_stop_ids = sorted(t for t in stop_ids if t < vocab)
         self._arrivals += 1
         self._requests[request_id] = request
         self.output.add(request)

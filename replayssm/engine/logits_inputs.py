@@ -116,8 +116,8 @@ def build_logits_processors(requests: list[Request], vocab_size: int, device: to
         if use_rep:
             prompt = torch.zeros(num_owners, vocab_size, dtype=torch.bool, device=device)
             prompt[t["prompt_u"], t["prompt_t"]] = True
-            proc.repetition_penalty, proc.seen = t["rep"], (prompt[t["owner"]] & t["has_history"][:, None]) | \
-                (counts > 0)
+            proc.repetition_penalty = t["rep"]
+            proc.seen = (prompt[t["owner"]] & t["has_history"][:, None]) | (counts > 0)
     if bias_r:
         proc.bias = (t["bias_r"], t["bias_t"], t["bias_v"])
     if ban_r:

@@ -133,8 +133,9 @@ class ChatHandler(_Handler):
         check_sampling(req, max_tokens)
         messages = [m.as_template_dict() for m in req.messages]
         try:
-            kwargs = req.chat_template_kwargs or {}
-            text = state.tokenizer.apply_chat_template(messages, **kwargs) if state.tokenizer is not None else None
+            kwargs = req.chat_template_kwargs or {}  # extra template variables
+            tok = state.tokenizer
+            text = None if tok is None else tok.apply_chat_template(messages, **kwargs)
         except ValueError as exc:
             raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from exc
         if text is None:

@@ -90,7 +90,8 @@ def sampling_fields(req: SamplingRequest, defaults: dict) -> dict:
         stop=[req.stop] if isinstance(req.stop, str) else req.stop, ignore_eos=req.ignore_eos,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         logit_bias=logit_bias_ids(req), min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
-        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens)
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens)
     return chosen
 
 

@@ -22,8 +22,8 @@ import torch
 
 from replayssm.config import EngineConfig
 from replayssm.engine.host_pack import HostPack
-from replayssm.engine.request import Request
 from replayssm.engine.logits_inputs import build_logits_processors
+from replayssm.engine.request import Request
 from replayssm.ops.sampling import apply_logits_processors, token_logprobs, top_pairs
 from replayssm.sampling_params import GREEDY_EPS
 from replayssm.speculative.proposer import Drafts, Proposer

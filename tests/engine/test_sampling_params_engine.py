@@ -18,7 +18,9 @@ def ckpt(tmp_path_factory):
 
 
 def make_llm(path, **kw):
-    return LLM(path, runner_cls=FakeRunner, **{"device": "cpu", "max_model_len": 96, "kv_block_size": 4, **kw})
+    return LLM(
+        path, runner_cls=FakeRunner, **{"device": "cpu", "max_model_len": 96, "kv_block_size": 4, **kw}
+    )
 
 
 def reference(prompt: list[int], p: SamplingParams) -> list[int]:
@@ -44,9 +46,17 @@ def reference(prompt: list[int], p: SamplingParams) -> list[int]:
 
 CASES = [
     SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.8, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=1.5, presence_penalty=0.5, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=0.9, frequency_penalty=0.7,
-                   logit_bias={5: 2.0, 6: -3.0}, ignore_eos=True),
+    SamplingParams(
+        temperature=0.0, max_tokens=24, frequency_penalty=1.5, presence_penalty=0.5, ignore_eos=True
+    ),
+    SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        repetition_penalty=0.9,
+        frequency_penalty=0.7,
+        logit_bias={5: 2.0, 6: -3.0},
+        ignore_eos=True,
+    ),
     SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, logit_bias={EOS: 100.0}),
     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),  # no processor, in the same batch
 ]
@@ -71,34 +81,60 @@ def test_min_tokens_defers_stop_strings(ckpt):
     """A stop string cannot end generation before min_tokens tokens exist."""
     llm = make_llm(ckpt)
     p = [5, 9, 13]
-    full = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    full = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     stop = full.text[:2]
-    early = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]),
-                         use_tqdm=False)[0]
-    late = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop],
-                                            min_tokens=8), use_tqdm=False)[0]
+    early = llm.generate(
+        [p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0]
+    late = llm.generate(
+        [p],
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop], min_tokens=8),
+        use_tqdm=False,
+    )[0]
     assert early.finish_reason == "stop" and len(early.token_ids) < 8
-    assert len(late.token_ids) >= 8 and late.token_ids[:len(early.token_ids)] == early.token_ids
+    assert len(late.token_ids) >= 8 and late.token_ids[: len(early.token_ids)] == early.token_ids
 
 
 def test_include_stop_str_in_output(ckpt):
     """include_stop_str_in_output keeps the matched stop string, and a stop token's text."""
     llm = make_llm(ckpt)
     p = [5, 9, 13]
-    full = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    full = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     stop = full.text[3:5]
     cut = full.text.index(stop)
-    kept, dropped = (llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop],
-                                                      include_stop_str_in_output=inc), use_tqdm=False)[0]
-                     for inc in (True, False))
-    assert kept.text == full.text[:cut + len(stop)] and dropped.text == full.text[:cut]
+    kept, dropped = (
+        llm.generate(
+            [p],
+            SamplingParams(
+                temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=inc
+            ),
+            use_tqdm=False,
+        )[0]
+        for inc in (True, False)
+    )
+    assert kept.text == full.text[: cut + len(stop)] and dropped.text == full.text[:cut]
     ids, decode = full.token_ids, llm.tokenizer.decode
-    tok = next(t for i, t in enumerate(ids) if t not in ids[:i] and decode(ids[:i + 1]) != decode(ids[:i]))
-    kept, dropped = (llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
-                                                      stop_token_ids=[tok], include_stop_str_in_output=inc),
-                                  use_tqdm=False)[0] for inc in (True, False))
+    tok = next(t for i, t in enumerate(ids) if t not in ids[:i] and decode(ids[: i + 1]) != decode(ids[:i]))
+    kept, dropped = (
+        llm.generate(
+            [p],
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=20,
+                ignore_eos=True,
+                stop_token_ids=[tok],
+                include_stop_str_in_output=inc,
+            ),
+            use_tqdm=False,
+        )[0]
+        for inc in (True, False)
+    )
     first = full.token_ids.index(tok)
-    assert kept.token_ids == dropped.token_ids == full.token_ids[:first + 1]
+    assert kept.token_ids == dropped.token_ids == full.token_ids[: first + 1]
     assert kept.text.startswith(dropped.text) and kept.text != dropped.text
 
 

@@ -23,7 +23,9 @@ def _decoder(k: int) -> SpecDecoder:
 
 
 def _reference(logits_j: torch.Tensor, seq: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:
-    x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([seq]), logits_j.double()[None])[0]
+    x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([seq]), logits_j.double()[None])[
+        0
+    ]
     count = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=V).double()
     return x - p.frequency_penalty * count
 
@@ -41,9 +43,15 @@ def test_greedy_verify_takes_the_processed_argmax_per_position():
         r.output_token_ids.extend(torch.randint(0, V, (3,), generator=g).tolist())
         reqs.append(r)
         # Drafts: the raw argmax (which the penalties may reject) or a random token.
-        raw = logits[i * (K + 1):i * (K + 1) + K].argmax(-1).tolist()
-        drafts.append(Drafts([t if torch.rand((), generator=g) < 0.7 else int(torch.randint(0, V, (), generator=g))
-                              for t in raw]))
+        raw = logits[i * (K + 1) : i * (K + 1) + K].argmax(-1).tolist()
+        drafts.append(
+            Drafts(
+                [
+                    t if torch.rand((), generator=g) < 0.7 else int(torch.randint(0, V, (), generator=g))
+                    for t in raw
+                ]
+            )
+        )
     emitted, _, _ = _decoder(K).verify(logits, [i * (K + 1) for i in range(b)], reqs, drafts)
     num_rejected = 0
     for i, (r, d) in enumerate(zip(reqs, drafts)):
@@ -82,8 +90,15 @@ def test_random_verify_draws_from_the_processed_distribution():
 @pytest.mark.parametrize("replayssm", [True, False])
 def test_greedy_spec_with_processors_equals_plain(replayssm):
     """ngram speculation with penalties, logit_bias and min_tokens gives plain decoding's tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.4,
-                            presence_penalty=0.2, logit_bias={7: 1.5}, min_tokens=4)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=20,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+        logit_bias={7: 1.5},
+        min_tokens=4,
+    )
     plain = generate(make_llm(), params)
     llm = make_llm(replayssm=replayssm, replay_window=8, num_speculative_tokens=3, speculative_method="ngram")
     assert generate(llm, params) == plain
