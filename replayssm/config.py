@@ -77,7 +77,7 @@ class SchedulerConfig:
         512, "token budget of one engine step (prefill chunks + decode tokens)"
     )
     max_model_len: int | None = _doc(
-        None, "longest prompt + output (default: the model's max_position_embeddings)"
+        None, "longest prompt + output, at most the model's max_position_embeddings (the default)"
     )
 
     def __post_init__(self) -> None:
