@@ -115,7 +115,8 @@ def build_logits_processors(requests: list[Request], vocab_size: int, device: to
             proc.frequency_penalty, proc.presence_penalty, proc.output_counts = t["freq"], t["pres"], counts
         if use_rep:
             prompt = torch.zeros(num_owners, vocab_size, dtype=torch.bool, device=device)
-            prompt[t["prompt_u"], t["prompt_t"]] = True
+            seen = torch.ones_like(t["prompt_t"], dtype=torch.bool)
+            prompt.index_put_((t["prompt_u"], t["prompt_t"]), seen)
             proc.repetition_penalty = t["rep"]
             proc.seen = (prompt[t["owner"]] & t["has_history"][:, None]) | (counts > 0)
     if bias_r:
