@@ -77,13 +77,23 @@ class SchedulerConfig:
         512, "token budget of one engine step (prefill chunks + decode tokens)"
     )
     max_model_len: int | None = _doc(
-        None, "longest prompt + output (default: the model's max_position_embeddings)"
+        None, "longest prompt + output, at most the model's max_position_embeddings (the default)"
     )
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 2, allow_none=True)
+
+    def resolved_max_model_len(self, max_position_embeddings: int) -> int:
+        """max_model_len, or the model's max_position_embeddings when unset; a ValueError past them
+        (positions the model was never trained on)."""
+        if self.max_model_len is None:
+            return max_position_embeddings
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_position_embeddings}")
+        return self.max_model_len
 
 
 SPEC_METHODS = ("ngram", "mtp", "draft", "synthetic")

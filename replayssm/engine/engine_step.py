@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from replayssm.engine.logits_inputs import build_logits_processors
 from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.scheduler import ScheduledChunk
-from replayssm.ops.sampling import SamplingTensors, sample, token_logprobs, top_pairs
+from replayssm.ops.sampling import SamplingTensors, apply_logits_processors, sample, token_logprobs, top_pairs
 
 
 @dataclass
@@ -130,20 +131,35 @@ def build_row(chunk: ScheduledChunk, drafts: Any, replayssm: bool) -> ScheduledR
     )
 
 
-def sample_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Any, Any]:
+def sample_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk],
+                  fed: tuple[torch.Tensor, list[int | None]] | None = None) -> tuple[torch.Tensor, Any, Any]:
     """(tokens (b,), their logprobs (b,) or None, and (ids, logprobs) (b, n) of the n most likely
-    tokens when a request wants n > 0 alternatives, else None) for the rows' last logits."""
+    tokens when a request wants n > 0 alternatives, else None) for the rows' last logits.
+
+    The tokens come from the processed logits (`apply_logits_processors`), the logprobs from the raw
+    ones. fed: (device tokens, per row the index of its last input token there), for rows whose last
+    token the host has not read back yet (the penalties count it)."""
     reqs = [c.request for c in chunks]
+    temperature, top_k, top_p, min_p, seeds = [], [], [], [], []
+    for r in reqs:
+        p = r.params
+        temperature.append(p.temperature)
+        top_k.append(p.top_k)
+        top_p.append(p.top_p)
+        min_p.append(p.min_p)
+        seeds.append(r.seed)
     params = SamplingTensors.build(
-        temperature=[r.params.temperature for r in reqs],
-        top_k=[r.params.top_k for r in reqs],
-        top_p=[r.params.top_p for r in reqs],
-        seeds=[r.seed for r in reqs],
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seeds=seeds,
         positions=[c.start + c.num_tokens for c in chunks],  # the sampled token's position
         vocab_size=logits.shape[-1],
         device=logits.device,
+        min_p=min_p,
     )
-    tokens = sample(logits, params)
+    processors = build_logits_processors(reqs, logits.shape[-1], logits.device, fed=fed)
+    tokens = sample(apply_logits_processors(logits, processors), params)
     asked = [r.params.top_logprobs for r in reqs if r.params.logprobs is not None]
     if not asked:
         return tokens, None, None

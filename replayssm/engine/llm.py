@@ -32,7 +32,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs come back in prompt
-        order. One SamplingParams applies to all prompts, or pass one per prompt."""
+        order. One SamplingParams applies to all prompts, or pass one per prompt; without any, the
+        checkpoint's generation_config.json sampling defaults apply (`LLMEngine.generation_defaults`)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -40,7 +41,7 @@ class LLM:
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = SamplingParams(**self.engine.generation_defaults)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")

@@ -60,6 +60,9 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.max_model_len = setup.max_model_len
         self.model_name = setup.model_name
+        # The checkpoint's generation_config.json sampling defaults (SamplingParams field names): what a
+        # request that leaves a field unset gets (LLM.generate without params, the server).
+        self.generation_defaults = dict(setup.generation_defaults)
         self.output = OutputProcessor(self.tokenizer, set(setup.eos_token_ids), self.max_model_len)
         self.scheduler = Scheduler(
             setup.block_pool,
@@ -107,6 +110,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("prompt is empty", "prompt")
             if self.tokenizer is None:
                 raise InputError(f"{self.model_name} has no tokenizer.json: pass prompts as token-id lists",
                                  "prompt")
@@ -125,6 +130,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise InputError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
                              f"room to generate", "prompt")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias is not None and max(params.logit_bias) >= vocab:
+            raise InputError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
+                             "logit_bias")
         if params.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
                              "stop")
@@ -137,6 +146,11 @@ class LLMEngine:
         ids = self.prepare_prompt(prompt, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(request_id, ids, params, seed=seed, arrival=self._arrivals)
+        if params.min_tokens:
+            eos = () if params.ignore_eos else self.output.eos_token_ids
+            vocab = self.model_config.vocab_size
+            stop_ids = {*eos, *(params.stop_token_ids or ())}
+            request.min_tokens_stop_ids = sorted(t for t in stop_ids if t < vocab)
         self._arrivals += 1
         self._requests[request_id] = request
         self.output.add(request)
@@ -247,8 +261,9 @@ class LLMEngine:
         if sampled:
             # A device index (pinned, asynchronous): a Python list index would copy and sync.
             rows_idx = to_device(sample_rows, torch.int64, logits.device)
+            fed = None if feed is None else (feed[0], [feed[1][i] for i in sampled])
             step.tokens, step.logprobs, step.top = sample_chunks(logits[rows_idx],
-                                                                 [chunks[i] for i in sampled])
+                                                                 [chunks[i] for i in sampled], fed)
         args = ([offsets[i] for i in verified], [chunks[i].request for i in verified],
                 [drafts[i] for i in verified])
         if verified and defer_verify:

@@ -89,10 +89,12 @@ def make_output(r: Request) -> RequestOutput:
 class OutputProcessor:
     """Appends each sampled token to its request and decides whether the request is done.
 
-    Order of checks for a new token: stop strings (the text is cut before the match), then
-    eos (unless ignore_eos) and stop_token_ids ("stop"), then max_tokens and max_model_len
-    ("length"). Stopping tokens stay in token_ids; special tokens are left out of the text
-    when skip_special_tokens is set.
+    Order of checks for a new token: stop strings (the text is cut before the match, or after it
+    with include_stop_str_in_output), then eos (unless ignore_eos) and stop_token_ids ("stop"; the
+    stopping token's text is left out unless include_stop_str_in_output), then max_tokens and
+    max_model_len ("length"). Before params.min_tokens tokens exist only the "length" checks apply.
+    Stopping tokens stay in token_ids; special tokens are left out of the text when
+    skip_special_tokens is set.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int], max_model_len: int) -> None:
@@ -120,29 +122,31 @@ class OutputProcessor:
             r.output_logprobs.append(logprob)
         if p.top_logprobs:
             r.output_top_logprobs.append(top[: p.top_logprobs])
+        may_stop = len(r.output_token_ids) >= p.min_tokens
+        stop_token = may_stop and ((not p.ignore_eos and token in self.eos_token_ids) or bool(
+            p.stop_token_ids and token in p.stop_token_ids))
         detok = self._detokenizers.get(r.request_id)
-        if detok is not None:
+        if detok is not None and (not stop_token or p.include_stop_str_in_output):
             new_text = detok.add(token)
             r.text += new_text
-            if p.stop and new_text and self._cut_at_stop_string(r, len(new_text)):
+            if p.stop and may_stop and new_text and self._cut_at_stop_string(r, len(new_text)):
                 return "stop"
-        reason = None
-        if (not p.ignore_eos and token in self.eos_token_ids) or (
-            p.stop_token_ids and token in p.stop_token_ids
-        ):
-            reason = "stop"
-        elif len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason == "length" and detok is not None:
-            r.text += detok.flush()  # an incomplete trailing character shows as U+FFFD
-        return reason
+        if stop_token:
+            return "stop"
+        if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            if detok is not None:
+                r.text += detok.flush()  # an incomplete trailing character shows as U+FFFD
+            return "length"
+        return None
 
     @staticmethod
     def _cut_at_stop_string(r: Request, new_len: int) -> bool:
-        """Cut the text before the first stop string that the new text completes."""
+        """Cut the text before (include_stop_str_in_output: after) the first stop string that the new
+        text completes."""
         longest = max(len(s) for s in r.params.stop)
         window_start = max(0, len(r.text) - new_len - longest + 1)
-        hits = [i for s in r.params.stop if (i := r.text.find(s, window_start)) >= 0]
+        hits = [(i, i + len(s)) for s in r.params.stop if (i := r.text.find(s, window_start)) >= 0]
         if hits:
-            r.text = r.text[: min(hits)]
+            start, end = min(hits)
+            r.text = r.text[: end if r.params.include_stop_str_in_output else start]
         return bool(hits)

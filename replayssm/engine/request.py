@@ -65,6 +65,14 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    # Tokens the sampler masks until params.min_tokens are generated: eos (unless ignore_eos) and
+    # stop_token_ids (LLMEngine.add_request fills it).
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
+    # params.processed, read per step by the sampler (a field read, not a property call, per row).
+    processed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.processed = self.params.processed
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from replayssm.cache.prefix_pools import CachingBlockPool, CachingSlotPool
 from replayssm.cache.slot_pool import SlotPool
 from replayssm.config import EngineConfig
 from replayssm.engine.tokenizer import Tokenizer, load_tokenizer, read_eos_token_ids
+from replayssm.sampling_params import read_generation_defaults
 
 CPU_DEFAULT_BUDGET = 1 << 30  # 1 GiB; the planner still caps it at what max_num_seqs requests need
 
@@ -31,6 +32,7 @@ class RunnerSetup:
     block_pool: BlockPool
     slot_pool: SlotPool
     prefix_cache: PrefixCache | None = None
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def resolve_model_dir(model: str, need_weights: bool = True) -> str:
@@ -88,7 +90,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
 
         # Process-wide, like every torch thread setting: the engine owns its process's host loop.
         torch.set_num_threads(config.host_threads)
-    max_model_len = config.scheduler.max_model_len or model_config.max_model_len
+    max_model_len = config.scheduler.resolved_max_model_len(model_config.max_model_len)
     cache, spec = config.cache, config.spec
     sizes = dict(
         dtype=dtype,
@@ -169,4 +171,5 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         block_pool=block_pool,
         slot_pool=slot_pool,
         prefix_cache=prefix,
+        generation_defaults=read_generation_defaults(model_dir),
     )

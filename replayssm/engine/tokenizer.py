@@ -91,9 +91,11 @@ class Tokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str | None:
-        """Render chat messages to a prompt string; None when the checkpoint has no template."""
+        """Render chat messages to a prompt string; None when the checkpoint has no template. kwargs:
+        extra template variables (e.g. enable_thinking); they cannot replace messages, bos_token or
+        eos_token (the fallback renderer ignores them)."""
         if self.chat_template is None:
             return None
         if self.chat_template_renderer == "jinja2":
@@ -104,7 +106,9 @@ class Tokenizer:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
+            reserved = ("messages", "add_generation_prompt", "bos_token", "eos_token")
             return env.from_string(self.chat_template).render(
+                **{k: v for k, v in kwargs.items() if k not in reserved},
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

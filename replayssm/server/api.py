@@ -59,6 +59,8 @@ class ServerState:
         self.engine = AsyncEngine(engine_loop)
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
+        # generation_config.json sampling defaults for fields a request leaves unset (LLMEngine).
+        self.generation_defaults = dict(getattr(engine, "generation_defaults", {}))
         self.model_name = served_model_name
         self.metrics = metrics
         self.created = now_s()

@@ -97,7 +97,8 @@ class CompletionHandler(_Handler):
         prompts = [state.encode(p, "prompt") for p in req.prompts()]
         self.engine_requests = build_requests(
             req, self.id, prompts, req.max_tokens, state.max_model_len,
-            default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs, param="prompt")
+            default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs, param="prompt",
+            defaults=state.generation_defaults)
 
     def _envelope(self, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -153,7 +154,9 @@ class ChatHandler(_Handler):
         messages = [m.as_template_dict() for m in req.messages]
         state.check_size(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = state.tokenizer.apply_chat_template(messages) if state.tokenizer is not None else None
+            kwargs = req.chat_template_kwargs or {}  # extra template variables
+            tok = state.tokenizer
+            text = None if tok is None else tok.apply_chat_template(messages, **kwargs)
         except ValueError as exc:
             raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from exc
         if text is None:
@@ -163,7 +166,7 @@ class ChatHandler(_Handler):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.engine_requests = build_requests(
             req, self.id, [ids], max_tokens, state.max_model_len,
-            default_max_tokens=None, logprobs=logprobs, param="messages")
+            default_max_tokens=None, logprobs=logprobs, param="messages", defaults=state.generation_defaults)
 
     def _chunk(self, choice: ChatChunkChoice | None, usage=None) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,

@@ -60,9 +60,12 @@ class SamplingRequest(_Request):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # extension: 0 or -1 disables top-k
+    # None: the checkpoint's generation_config.json default, else OpenAI's (SamplingParams').
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension: 0 or -1 disables top-k
+    min_p: float | None = None  # extension (vLLM)
+    repetition_penalty: float | None = None  # extension (vLLM)
     n: int = 1
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -72,7 +75,12 @@ class SamplingRequest(_Request):
     return_token_ids: bool = False  # extension: choices carry the generated token ids
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {token id as a string: bias in [-100, 100]}
+    # Extensions (vLLM's names and meanings): see SamplingParams.
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     user: str | None = None
 
 
@@ -130,6 +138,18 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM)
+
+
+def logit_bias_ids(req: SamplingRequest) -> dict[int, float] | None:
+    """logit_bias with its keys (token ids sent as JSON strings) as ints; APIError naming logit_bias."""
+    if not req.logit_bias:
+        return None
+    try:
+        return {int(k): v for k, v in req.logit_bias.items()}
+    except ValueError:
+        raise APIError(400, f"logit_bias keys must be token ids, got {list(req.logit_bias)[:5]}",
+                       param="logit_bias") from None
 
 
 def check_sampling(req: SamplingRequest, max_tokens: int | None) -> None:
@@ -138,19 +158,10 @@ def check_sampling(req: SamplingRequest, max_tokens: int | None) -> None:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
-    if not 0.0 <= req.temperature <= 2.0:
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
-    if not 0.0 < req.top_p <= 1.0:
-        raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
-    if req.top_k < -1:
-        raise APIError(400, f"top_k must be -1 or 0 (off) or at least 1, got {req.top_k}", param="top_k")
-    # Accepted at their no-op values so that clients sending defaults work; anything else would be
-    # silently ignored, so it is refused.
-    if req.presence_penalty != 0.0 or req.frequency_penalty != 0.0:
-        raise APIError(400, "presence_penalty and frequency_penalty are not supported",
-                       param="presence_penalty")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    # The other sampling fields are range-checked by SamplingParams (serving.build_requests), whose
+    # errors name the field.
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4 or any(s == "" for s in stops):
         raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")

@@ -7,7 +7,7 @@ counts in `usage` count each prompt once, however many choices it has.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pydantic import BaseModel
 
@@ -21,6 +21,7 @@ from replayssm.server.protocol import (
     SamplingRequest,
     TopLogprob,
     Usage,
+    logit_bias_ids,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -40,13 +41,19 @@ class EngineRequests:
 def build_requests(
     req: SamplingRequest, base_id: str, prompts: list[list[int]], max_tokens: int | None,
     max_model_len: int, *, default_max_tokens: int | None, logprobs: int | None, param: str,
+    defaults: dict | None = None,
 ) -> EngineRequests:
     """Check lengths against the context window and fan prompts out n times into engine requests.
 
-    `default_max_tokens=None` means "the rest of the context window" (the chat default)."""
+    `default_max_tokens=None` means "the rest of the context window" (the chat default). defaults:
+    SamplingParams keywords for the fields the request leaves unset (the checkpoint's
+    generation_config.json; its max_tokens replaces default_max_tokens)."""
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request",
                        param="n")
+    defaults = defaults or {}
+    default_max_tokens = defaults.get("max_tokens", default_max_tokens)
+    sampling = sampling_fields(req, defaults)
     requests = []
     for p, ids in enumerate(prompts):
         room = max_model_len - len(ids)
@@ -59,15 +66,33 @@ def build_requests(
         for j in range(req.n):
             # Distinct seeds per choice: n identical samples would defeat the point of n.
             seed = None if req.seed is None else req.seed + j
-            stop = [req.stop] if isinstance(req.stop, str) else req.stop
             try:
-                params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                        seed=seed, max_tokens=limit, stop=stop, ignore_eos=req.ignore_eos,
-                                        logprobs=logprobs)
+                params = SamplingParams(**sampling, seed=seed, max_tokens=limit, logprobs=logprobs)
             except ValueError as exc:
-                raise APIError(400, str(exc)) from exc
+                field = str(exc).split(" ", 1)[0]
+                raise APIError(400, str(exc), param=field if field in SAMPLING_FIELDS else None) from exc
             requests.append((f"{base_id}-{p * req.n + j}", ids, params, len(ids)))
     return EngineRequests(base_id, requests, [len(ids) for ids in prompts], req.n)
+
+
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+# Request fields that take the checkpoint's default when unset, with OpenAI's default otherwise.
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_fields(req: SamplingRequest, defaults: dict) -> dict:
+    """The request's SamplingParams keywords but seed, max_tokens and logprobs; unset ones come from
+    `defaults`, else SamplingParams' own."""
+    chosen = {name: getattr(req, name) if getattr(req, name) is not None else defaults.get(name)
+              for name in _DEFAULTED}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    chosen.update(
+        stop=[req.stop] if isinstance(req.stop, str) else req.stop, ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        logit_bias=logit_bias_ids(req), min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens)
+    return chosen
 
 
 def sse(payload: BaseModel) -> str:

@@ -22,8 +22,9 @@ import torch
 
 from replayssm.config import EngineConfig
 from replayssm.engine.host_pack import HostPack
+from replayssm.engine.logits_inputs import build_logits_processors
 from replayssm.engine.request import Request
-from replayssm.ops.sampling import token_logprobs, top_pairs
+from replayssm.ops.sampling import apply_logits_processors, token_logprobs, top_pairs
 from replayssm.sampling_params import GREEDY_EPS
 from replayssm.speculative.proposer import Drafts, Proposer
 from replayssm.speculative.stats import SpecStats
@@ -120,11 +121,20 @@ class SpecDecoder:
             seeds=pack.add([((r.seed + (1 << 63)) % (1 << 64)) - (1 << 63) for r in requests], i64),
             positions=pack.add([r.num_tokens for r in requests], i64),
         )
+        use_min_p = any(x.min_p > 0.0 for x in p)
+        if use_min_p:
+            parts["min_p"] = pack.add([float(x.min_p) for x in p], f32)
         if any(f >= 0 for f in forced):
             parts["forced"] = pack.add(forced, i64)
         sent = pack.send(logits.device)
         up = {name: sent[i] for name, i in parts.items()}
         padded = logits[up["rows"]]  # (b, K+1, V); positions past a row's drafts repeat its last logit
+        processed = padded
+        if any(r.processed for r in requests):
+            # Row (i, j) predicts the token after drafts i[:j]: the penalties count those drafts.
+            proc = build_logits_processors([r for r in requests for _ in range(K + 1)], V, logits.device,
+                                           extra=[list(d.tokens[:j]) for d in drafts for j in range(K + 1)])
+            processed = apply_logits_processors(padded.view(b * (K + 1), V), proc).view(b, K + 1, V)
         tokens = up["tokens"]
         probs = None
         if any(d.probs is not None for d in drafts):
@@ -134,12 +144,13 @@ class SpecDecoder:
                 probs[i, :n] = d.probs if d.probs is not None else \
                     torch.nn.functional.one_hot(tokens[i, :n], V).float()
         out, acc = rejection_sample(
-            padded, tokens, up["num"], probs, up["temperature"], up["top_k"], up["top_p"], up["seeds"],
+            processed, tokens, up["num"], probs, up["temperature"], up["top_k"], up["top_p"], up["seeds"],
             up["positions"], forced=up.get("forced"),
             # Known here, so the sampler reads nothing back (and skips the softmax when all greedy).
             all_greedy=all(x.temperature < GREEDY_EPS for x in p),
             any_top_k=any(k < V for k in top_k),
             any_top_p=any(x.top_p < 1.0 for x in p),
+            min_p=up.get("min_p"),
         )
         asked = [x.top_logprobs for x in p if x.logprobs is not None]
         if not asked:

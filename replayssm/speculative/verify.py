@@ -5,11 +5,15 @@ index ``position + j``) and the drafts d_1 .. d_k:
 
     greedy (temperature 0): accept d_j while d_j == argmax(logits_{j-1}); the next token is the
         argmax at the first mismatch (or the bonus argmax at k): exactly plain greedy decoding.
-    random: p_j = target distribution (temperature, top-k, top-p), q_j = draft distribution
+    random: p_j = target distribution (temperature, top-k, top-p, min-p), q_j = draft distribution
         (one-hot for deterministic drafters). Accept d_j with probability min(1, p(d_j)/q(d_j));
         at the first rejection m sample from normalize(max(0, p_m - q_m)); on full acceptance
         sample the bonus token from p_k. The emitted tokens are distributed exactly as plain
         sampling from p (Leviathan et al. / Chen et al. speculative sampling).
+
+The logits come in processed (`apply_logits_processors`: penalties, logit_bias, min_tokens, each
+verify position with its own history, drafts before it included), so greedy takes the processed
+argmax and p is the processed distribution, as plain decoding would draw from.
 
 All random draws are counter-based: a pure function of (request seed, sequence index), so the
 result never depends on which other requests share the batch.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from replayssm.ops.sampling import apply_top_k_top_p, uniform_noise
+from replayssm.ops.sampling import apply_min_p, apply_top_k_top_p, uniform_noise
 from replayssm.sampling_params import GREEDY_EPS
 
 # Seed salts: the acceptance coin and the draft draw must be independent of the Gumbel noise
@@ -35,16 +39,19 @@ def salted(seeds: torch.Tensor, salt: int) -> torch.Tensor:
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, *, any_top_k: bool | None = None,
-                 any_top_p: bool | None = None) -> torch.Tensor:
+                 any_top_p: bool | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Sampling distribution per row. logits (n, V) fp32; temperature, top_p (n,) fp32 (> 0);
-    top_k (n,) int64 (V = off). any_top_k / any_top_p: whether some row truncates, when the
-    caller knows it on the host (None: read from the device, a host sync). Returns probs (n, V) fp32."""
+    top_k (n,) int64 (V = off); min_p (n,) fp32 or None (off for every row). any_top_k / any_top_p:
+    whether some row truncates, when the caller knows it on the host (None: read from the device,
+    a host sync). Returns probs (n, V) fp32."""
     scaled = logits / temperature[:, None]
     V = logits.shape[-1]
     use_k = bool((top_k < V).any()) if any_top_k is None else any_top_k
     use_p = bool((top_p < 1.0).any()) if any_top_p is None else any_top_p
     if use_k or use_p:
         scaled = apply_top_k_top_p(scaled, top_k if use_k else None, top_p if use_p else None)
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
     return scaled.softmax(dim=-1)
 
 
@@ -69,13 +76,15 @@ def rejection_sample(
     all_greedy: bool = False,
     any_top_k: bool | None = None,
     any_top_p: bool | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify padded draft rows.
 
     logits (b, K+1, V) fp32: row i's positions j <= num_drafts[i] are real; drafts (b, K) int64
     (entries past num_drafts ignored); num_drafts (b,) int64 in [0, K]; draft_probs (b, K, V) or
     None (drafts are deterministic: q = one-hot); temperature, top_p (b,) fp32; top_k (b,) int64
-    (V = off); seeds (b,) int64; positions (b,) int64: sequence index of the token logit 0 predicts.
+    (V = off); seeds (b,) int64; positions (b,) int64: sequence index of the token logit 0 predicts;
+    min_p (b,) fp32 or None (off for every row).
     forced (b,) int64 or None: rows with forced[i] >= 0 accept exactly that many drafts whatever
     the target says (synthetic benchmarks only; their output is not the model's).
 
@@ -96,7 +105,8 @@ def rejection_sample(
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = target_probs(logits.reshape(b * K1, V), safe_t.repeat_interleave(K1),
                          top_k.repeat_interleave(K1), top_p.repeat_interleave(K1), any_top_k=any_top_k,
-                         any_top_p=any_top_p).reshape(b, K1, V)
+                         any_top_p=any_top_p,
+                         min_p=None if min_p is None else min_p.repeat_interleave(K1)).reshape(b, K1, V)
     d = drafts.clamp(0, V - 1)
     p_d = probs[:, :K].gather(-1, d[..., None]).squeeze(-1)  # (b, K)
     q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.gather(-1, d[..., None]).squeeze(-1)

@@ -60,7 +60,7 @@ def test_serve_process_answers_and_exits_cleanly(tmp_path):
     port = free_port()
     env = {**os.environ, "REPLAYSSM_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "replayssm", "serve", "--model", "demo", "--device", "cpu",
-           "--port", str(port), "--max-model-len", "8192", "--max-num-seqs", "4", "--log-level", "warning",
+           "--port", str(port), "--max-model-len", "2048", "--max-num-seqs", "4", "--log-level", "warning",
            "--shutdown-timeout", "1"]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -80,11 +80,11 @@ def test_serve_process_answers_and_exits_cleanly(tmp_path):
             res = client.completions.create(model=model, prompt="Hi", max_tokens=3, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert res.usage.completion_tokens == 3 and res.choices[0].finish_reason == "length"
-        # A stream of 8,000 tokens (a minute or more here) is open when the signal comes.
+        # A stream of 2,000 tokens (long enough here) is open when the signal comes.
         first, lines = threading.Event(), []
 
         def consume() -> None:
-            body = dict(model=model, prompt="Hi", max_tokens=8000, stream=True, ignore_eos=True)
+            body = dict(model=model, prompt="Hi", max_tokens=2000, stream=True, ignore_eos=True)
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as res:
                 for line in res.iter_lines():
                     lines.append(line)
