@@ -130,13 +130,15 @@ class LLMEngine:
                              "stop")
         return ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError (and adds nothing) for bad input."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    parent_id: str | None = None) -> None:
+        """Queue a request; raises ValueError (and adds nothing) for bad input. parent_id: the client
+        request it belongs to, for the scheduler's fair share between client requests."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.prepare_prompt(prompt, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        request = Request(request_id, ids, params, seed=seed, arrival=self._arrivals)
+        request = Request(request_id, ids, params, seed=seed, arrival=self._arrivals, parent_id=parent_id)
         self._arrivals += 1
         self._requests[request_id] = request
         self.output.add(request)

@@ -81,7 +81,8 @@ class EngineLoop:
 
     def add_group(self, requests: list[tuple[str, Any, Any, int]],
                   sinks: list[Sink]) -> concurrent.futures.Future:
-        """Add (request_id, prompt, params, num_prompt_tokens) requests all or nothing.
+        """Add (request_id, prompt, params, num_prompt_tokens) requests all or nothing, as one client
+        request: the scheduler shares admission fairly between groups (the first id names the group).
 
         The future resolves once the engine accepted every request, or fails with the engine's
         ValueError (after aborting the ones already added)."""
@@ -172,7 +173,7 @@ class EngineLoop:
             for (request_id, prompt, params, num_prompt_tokens), sink in zip(requests, sinks):
                 if request_id in self._sinks:
                     raise ValueError(f"request_id {request_id!r} is already running")
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, parent_id=requests[0][0])
                 added.append(request_id)
                 self._sinks[request_id] = sink
                 if self.observer:
