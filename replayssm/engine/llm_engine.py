@@ -409,12 +409,18 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, Any]:
         """Counters since start plus current occupancy and the cache plan."""
         m: dict[str, Any] = self.metrics.as_dict()
+        slots = self.scheduler.slot_pool
         m.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.scheduler.block_pool.num_used,
+            kv_blocks_free=self.scheduler.block_pool.num_free,
             num_kv_blocks=self.plan.num_kv_blocks,
             num_slots=self.plan.num_slots,
+            # Used: held by requests (live and draft slots) or checkpoints being written; free excludes
+            # cached prefix checkpoints (prefix_checkpoints_cached), which are evicted on demand.
+            num_slots_used=slots.num_slots - slots.num_free - getattr(slots, "num_cached", 0),
+            num_slots_free=slots.num_free,
             slots_per_request=self.plan.slots_per_request,
             num_requests_fit=self.plan.num_requests_fit,
             cache_bytes=self.plan.total_bytes,

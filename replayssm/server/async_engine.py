@@ -39,6 +39,12 @@ class LoopObserver(Protocol):
     def step_done(self, outputs: list, now: float) -> None: ...
 
 
+# get_metrics() keys that describe what the engine holds now (the rest are counters and the plan):
+# they read 0 once the loop has stopped, so a dead engine's gauges do not show stale work.
+OCCUPANCY_KEYS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "num_slots_used",
+                  "num_slots_free", "kv_blocks_cached", "prefix_checkpoints_cached")
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down, or a step raised)."""
 
@@ -137,6 +143,8 @@ class EngineLoop:
             self.error = exc
         finally:
             self._stopping.set()
+            self.metrics_snapshot = {**self.metrics_snapshot,
+                                     **{k: 0 for k in OCCUPANCY_KEYS if k in self.metrics_snapshot}}
             self._fail_everything(self.error or EngineDeadError("engine loop shut down"))
 
     def _apply_commands(self, block: bool) -> None:
