@@ -1,4 +1,4 @@
-"""Command line: ``replayssm generate | serve | bench``.
+"""Command line: ``replayssm generate | serve | bench [serve]``.
 
 Engine flags and their defaults come from the config dataclasses' fields (config_flags.py), so
 the CLI and the Python API cannot drift apart; a bad value raises the dataclass's ValueError,
@@ -165,9 +165,62 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-prefill", action="store_true",
                         help="instead of the modes: profile one prefix-hit prefill step of mode (c) ON "
                         "against OFF's prefill of the same prompt into e2e-prefill-profile.{json,md}")
+    what = "online benchmark of a running server (OpenAI API): throughput, TTFT / ITL / E2E percentiles"
+    modes = parser.add_subparsers(dest="bench_mode", metavar="{serve}", help=f"serve: {what}")
+    add_bench_serve_args(modes.add_parser("serve", help=what, description=what))
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    import os
+
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="the server (default: http://127.0.0.1:8000)")
+    parser.add_argument("--model", default=None, help="model name to ask for (default: the server's first)")
+    parser.add_argument("--endpoint", default="/v1/completions",
+                        help="/v1/completions or /v1/chat/completions (default: /v1/completions)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="sent as a bearer token (default: $OPENAI_API_KEY, else none)")
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests to send (default: 100)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="Poisson arrivals per second; inf sends all at once (default: inf)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight at once (default: no limit)")
+    parser.add_argument("--dataset", default="random", choices=("random", "random-text"),
+                        help="random token ids, or random words (default: random)")
+    parser.add_argument("--input-len", default="128",
+                        help="prompt length N, or LO:HI drawn uniformly; tokens, or words with random-text "
+                        "(default: 128)")
+    parser.add_argument("--output-len", default="128",
+                        help="max_tokens N or LO:HI drawn uniformly, generated in full (ignore_eos) "
+                        "(default: 128)")
+    parser.add_argument("--token-ids", default="4:99",
+                        help="range LO:HI of random prompt token ids (default: 4:99, inside every vocabulary "
+                        "of at least 100 tokens)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals (default: 0)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    parser.add_argument("--out", default=None,
+                        help="write serve.{json,md,png} into this directory (default: print only)")
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    bench = _load_benchmark("bench_serve")
+    w = bench.ServeWorkload(
+        base_url=args.base_url.rstrip("/"), model=args.model, endpoint=args.endpoint, dataset=args.dataset,
+        num_prompts=args.num_prompts, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+        input_len=bench.parse_range(args.input_len, "--input-len"),
+        output_len=bench.parse_range(args.output_len, "--output-len"),
+        token_ids=bench.parse_range(args.token_ids, "--token-ids", low=0), temperature=args.temperature,
+        seed=args.seed, api_key=args.api_key, timeout_s=args.timeout)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    doc = bench.main(w, args.out, ["replayssm", *args.argv], log=log)
+    print(bench.render(doc), end="")
+    return 0 if doc["completed"] else 1
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_mode", None) == "serve":
+        return run_bench_serve(args)
     import torch
 
     bench, report = _load_benchmark("bench_e2e"), _load_benchmark("report_e2e")

@@ -20,6 +20,7 @@ collective raises; NCCL collectives give up after `timeout_s`.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import socket
 import sys
@@ -35,6 +36,8 @@ import torch.distributed as dist
 START_TIMEOUT_S = 300.0  # a spawned worker must import torch and reach the rendezvous by then
 COLLECTIVE_TIMEOUT_S = 600.0
 _CONTROL_TIMEOUT = timedelta(days=30)  # workers wait here between engine steps
+
+logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -84,6 +87,20 @@ class TPGroup:
             dist.broadcast_object_list([message], src=0, group=self.control)
         except RuntimeError as e:
             raise self.dead_worker_error(e) from e
+
+    def release(self, owner: object) -> None:
+        """The workers drop `owner`'s shards; idempotent, and never raises. A broken group (a worker
+        gone) holds nothing worth releasing: it is shut down instead, so the next LLM starts a
+        fresh one."""
+        if self.owner is not owner:
+            return
+        self.owner = None
+        try:
+            self.send(("release",))
+        except RuntimeError as e:
+            logger.warning("closing on a broken tensor-parallel group; shutting it down: %s", e)
+            if _GROUP is self:
+                shutdown()
 
     def gather_status(self) -> list[str | None]:
         """Every worker's answer to the last 'init' (None = ok, else its traceback)."""

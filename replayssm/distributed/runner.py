@@ -93,9 +93,9 @@ class TPModelRunner:
         self._mirror("copy_slots", (src, dst), {})
 
     def close(self) -> None:
-        """Free this runner on every rank; the worker processes stay for the next LLM in this process."""
-        if self.group is not None and self.group.owner is self:
-            self.group.owner = None
-            self.group.send(("release",))
+        """Free this runner on every rank; the worker processes stay for the next LLM in this process.
+        Idempotent; on a broken group it shuts the group down instead of raising (TPGroup.release)."""
+        if self.group is not None:
+            self.group.release(self)
         self.group = None
         self.local = None

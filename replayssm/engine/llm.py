@@ -24,6 +24,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs), runner_cls=runner_cls)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._closed = False
 
     def generate(
         self,
@@ -67,8 +68,11 @@ class LLM:
         return [finished[rid] for rid in ids]
 
     def close(self) -> None:
-        """Free the engine (with tensor_parallel_size > 1: the workers' shards); also on ``with`` exit."""
-        self.engine.close()
+        """Free the engine (with tensor_parallel_size > 1: the workers' shards); also on ``with`` exit.
+        Idempotent: a second call does nothing."""
+        if not self._closed:
+            self._closed = True
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -139,13 +139,15 @@ class LLMEngine:
                              "stop")
         return ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError (and adds nothing) for bad input."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    parent_id: str | None = None) -> None:
+        """Queue a request; raises ValueError (and adds nothing) for bad input. parent_id: the client
+        request it belongs to, for the scheduler's fair share between client requests."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.prepare_prompt(prompt, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        request = Request(request_id, ids, params, seed=seed, arrival=self._arrivals)
+        request = Request(request_id, ids, params, seed=seed, arrival=self._arrivals, parent_id=parent_id)
         if params.min_tokens:
             eos = () if params.ignore_eos else self.output.eos_token_ids
             vocab = self.model_config.vocab_size
@@ -422,12 +424,18 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, Any]:
         """Counters since start plus current occupancy and the cache plan."""
         m: dict[str, Any] = self.metrics.as_dict()
+        slots = self.scheduler.slot_pool
         m.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.scheduler.block_pool.num_used,
+            kv_blocks_free=self.scheduler.block_pool.num_free,
             num_kv_blocks=self.plan.num_kv_blocks,
             num_slots=self.plan.num_slots,
+            # Used: held by requests (live and draft slots) or checkpoints being written; free excludes
+            # cached prefix checkpoints (prefix_checkpoints_cached), which are evicted on demand.
+            num_slots_used=slots.num_slots - slots.num_free - getattr(slots, "num_cached", 0),
+            num_slots_free=slots.num_free,
             slots_per_request=self.plan.slots_per_request,
             num_requests_fit=self.plan.num_requests_fit,
             cache_bytes=self.plan.total_bytes,

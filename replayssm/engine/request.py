@@ -58,6 +58,9 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     group: int = 0  # which of two interleaved request groups steps it (Scheduler.schedule(group))
+    # The client request it belongs to (one HTTP request's prompts x n choices): the scheduler shares
+    # admission fairly between parents. None: the shared group of requests added without one.
+    parent_id: str | None = None
     text: str = ""
     # Prefix caching: hashes of the full blocks of known tokens (tokens never change, so these
     # survive preemption), how many of block_table's blocks carry theirs, and the prompt tokens

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from replayssm.cache.block_pool import BlockPool
 from replayssm.cache.prefix_cache import PrefixCache
 from replayssm.cache.slot_pool import SlotPool
 from replayssm.engine.request import Request, RequestStatus
+from replayssm.engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -52,12 +53,19 @@ class Scheduler:
        newest running request is preempted by recompute (memory freed, back to the front
        of the waiting queue) until the blocks fit; the oldest request is never preempted
        for a younger one, so it always progresses.
-    2. If nothing was preempted, waiting requests are admitted in arrival order while the
-       budget, ``max_num_seqs``, a free slot group and KV blocks for their first chunk allow.
+    2. If nothing was preempted for memory, waiting requests are admitted while the budget,
+       ``max_num_seqs``, a free slot group and KV blocks for their first chunk allow, in fair
+       order between client requests (``WaitingQueue.next_fair``: the parent running the fewest
+       first; arrival order within one).
        With a prefix cache, an admitted request (new or resumed) starts after its longest
        cached prefix: it shares those KV blocks and gets the prefix's checkpoint copied into
        its live slot. Cached entries count as free memory (they are evicted LRU on demand).
     Running requests stay sorted by arrival, so "newest" means latest arrival.
+    Fair share: before 1., when every seat is taken and a parent holds more than its share of the
+    seats (max_num_seqs / parents with work) and at least two more than the waiting parent that
+    runs the fewest, its newest running request is preempted (one per step), so a request of many
+    choices hands seats to requests that arrive after it within a few steps instead of after all
+    its choices finished. The two-seat margin makes the moves converge (no ping-pong).
     Speculative decoding: a decode request also gets up to ``num_lookahead_tokens`` positions
     of budget and KV blocks for its drafts (fewer only near max_model_len or out of budget).
     """
@@ -82,8 +90,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
+        self.num_running_by_parent: dict[Hashable, int] = {}  # running requests per parent_id
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -110,6 +119,11 @@ class Scheduler:
         return max(0, min(room, budget - 1))
 
     def _release(self, request: Request) -> None:
+        left = self.num_running_by_parent[request.parent_id] - 1
+        if left:
+            self.num_running_by_parent[request.parent_id] = left
+        else:
+            del self.num_running_by_parent[request.parent_id]
         self.block_pool.free(request.block_table)
         self.slot_pool.free(request.slots)
         request.block_table = []
@@ -141,6 +155,14 @@ class Scheduler:
                 self.running.remove(victim)
             return victim
 
+        victim = self.fair_share_victim(mine)
+        if victim is not None:
+            mine.remove(victim)
+            if mine is not self.running:
+                self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        num_fair = len(out.preempted)  # fairness preemptions do not stop admission; memory ones do
         i = 0
         while i < len(mine) and budget > 0:
             request = mine[i]
@@ -164,13 +186,13 @@ class Scheduler:
         seats = -(-self.max_num_seqs // 2)
         while (
             self.waiting
-            and not out.preempted
+            and len(out.preempted) == num_fair
             and budget > 0
             and len(self.running) < self.max_num_seqs
             and (group is None or len(mine) < seats)
             and self.slot_pool.can_allocate()
         ):
-            request = self.waiting[0]
+            request = self.waiting.next_fair(self.num_running_by_parent)
             hit = self.prefix_cache.match(request) if self.prefix_cache else None
             if hit:
                 self.prefix_cache.acquire(hit)  # nothing of the hit may be evicted below
@@ -181,7 +203,9 @@ class Scheduler:
                 if hit:
                     self.prefix_cache.release(hit)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            self.num_running_by_parent[request.parent_id] = self.num_running_by_parent.get(request.parent_id,
+                                                                                           0) + 1
             request.slots = self.slot_pool.allocate()
             request.block_table = cached + self.block_pool.allocate(need)
             request.num_computed_tokens = start
@@ -200,8 +224,28 @@ class Scheduler:
 
     def could_admit(self) -> bool:
         """Whether a waiting request may be admitted by the next `schedule()` (a seat and a slot
-        group are free); False guarantees it would not be."""
-        return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.slot_pool.can_allocate()
+        group are free, or a fair-share preemption frees one); False guarantees it would not be."""
+        if not self.waiting:
+            return False
+        seat = len(self.running) < self.max_num_seqs and self.slot_pool.can_allocate()
+        return seat or self.fair_share_victim(self.running) is not None
+
+    def fair_share_victim(self, candidates: list[Request]) -> Request | None:
+        """The running request (among `candidates`) to preempt so that a waiting parent gets a seat,
+        or None: only when no seat is free, and only from the parent running the most, if that is
+        more than its share and at least two more than the waiting parent running the fewest."""
+        if not self.waiting or (len(self.running) < self.max_num_seqs and self.slot_pool.can_allocate()):
+            return None
+        counts = self.num_running_by_parent
+        if not counts:
+            return None
+        head = self.waiting.next_fair(counts)
+        top = max(counts, key=counts.__getitem__)
+        parents = set(counts).union(self.waiting.parents())
+        share = -(-self.max_num_seqs // len(parents))
+        if counts[top] <= share or counts[top] < counts.get(head.parent_id, 0) + 2:
+            return None
+        return next((r for r in reversed(candidates) if r.parent_id == top), None)
 
     def copies_done(self, out: SchedulerOutput) -> None:
         """The runner copied every hit checkpoint of ``out``: unpin them (evictable again)."""
@@ -232,5 +276,9 @@ class Scheduler:
         cached = getattr(self.slot_pool, "num_cached", 0)
         assert held_slots + lent_slots == self.slot_pool.num_slots - self.slot_pool.num_free - cached
         assert all(not r.block_table and not r.slots for r in self.waiting)
+        per_parent: dict[Hashable, int] = {}
+        for r in self.running:
+            per_parent[r.parent_id] = per_parent.get(r.parent_id, 0) + 1
+        assert per_parent == self.num_running_by_parent, "running counts per parent are off"
         for r in self.running:
             assert len(r.block_table) * self.kv_block_size >= r.num_computed_tokens

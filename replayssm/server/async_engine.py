@@ -39,6 +39,12 @@ class LoopObserver(Protocol):
     def step_done(self, outputs: list, now: float) -> None: ...
 
 
+# get_metrics() keys that describe what the engine holds now (the rest are counters and the plan):
+# they read 0 once the loop has stopped, so a dead engine's gauges do not show stale work.
+OCCUPANCY_KEYS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "num_slots_used",
+                  "num_slots_free", "kv_blocks_cached", "prefix_checkpoints_cached")
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down, or a step raised)."""
 
@@ -81,7 +87,8 @@ class EngineLoop:
 
     def add_group(self, requests: list[tuple[str, Any, Any, int]],
                   sinks: list[Sink]) -> concurrent.futures.Future:
-        """Add (request_id, prompt, params, num_prompt_tokens) requests all or nothing.
+        """Add (request_id, prompt, params, num_prompt_tokens) requests all or nothing, as one client
+        request: the scheduler shares admission fairly between groups (the first id names the group).
 
         The future resolves once the engine accepted every request, or fails with the engine's
         ValueError (after aborting the ones already added)."""
@@ -136,6 +143,8 @@ class EngineLoop:
             self.error = exc
         finally:
             self._stopping.set()
+            self.metrics_snapshot = {**self.metrics_snapshot,
+                                     **{k: 0 for k in OCCUPANCY_KEYS if k in self.metrics_snapshot}}
             self._fail_everything(self.error or EngineDeadError("engine loop shut down"))
 
     def _apply_commands(self, block: bool) -> None:
@@ -172,7 +181,7 @@ class EngineLoop:
             for (request_id, prompt, params, num_prompt_tokens), sink in zip(requests, sinks):
                 if request_id in self._sinks:
                     raise ValueError(f"request_id {request_id!r} is already running")
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, parent_id=requests[0][0])
                 added.append(request_id)
                 self._sinks[request_id] = sink
                 if self.observer:

@@ -3,7 +3,9 @@
 `ServingMetrics` is the EngineLoop observer: the loop thread calls it with every step's outputs,
 so time-to-first-token and inter-token latency are measured where tokens appear, not where a
 slow HTTP client reads them. Engine counters (running/waiting, prefix-cache hits, speculative
-acceptance, preemptions) are read at scrape time from the loop's last get_metrics() snapshot.
+acceptance, preemptions) and occupancy (KV blocks, Mamba slots) are read at scrape time from the
+loop's last get_metrics() snapshot; once the loop stops, the occupancy gauges read 0. The names
+map onto vLLM's dashboard metrics as the table in docs/metrics.md says.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "num_running": ("replayssm_num_requests_running", "gauge", "Requests in the running batch"),
     "num_waiting": ("replayssm_num_requests_waiting", "gauge", "Requests waiting to be scheduled"),
     "kv_blocks_used": ("replayssm_kv_blocks_used", "gauge", "KV cache blocks in use"),
+    "kv_blocks_free": ("replayssm_kv_blocks_free", "gauge", "KV cache blocks free (cached prefix blocks not "
+                       "counted)"),
     "num_kv_blocks": ("replayssm_kv_blocks", "gauge", "KV cache blocks in the pool"),
+    "num_slots_used": ("replayssm_mamba_slots_used", "gauge", "Mamba state slots held by requests or "
+                       "checkpoints being written"),
+    "num_slots_free": ("replayssm_mamba_slots_free", "gauge", "Mamba state slots free (cached prefix "
+                       "checkpoints not counted)"),
+    "num_slots": ("replayssm_mamba_slots", "gauge", "Mamba state slots in the pool"),
     "num_preemptions": _counter("num_preemptions", "Requests preempted (dropped and recomputed)"),
     "prefix_cache_hit_tokens": _counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache"),
     "prefix_cache_query_tokens": _counter("prefix_cache_query_tokens", "Prompt tokens looked up"),
@@ -57,12 +66,16 @@ class EngineStatsCollector(Collector):
         self._snapshot = snapshot
 
     def collect(self) -> Iterator:
-        for key, value in sorted(self._snapshot().items()):
+        snap = self._snapshot()
+        for key, value in sorted(snap.items()):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             name, kind, doc = ENGINE_METRICS.get(key, (f"replayssm_engine_{key}", "gauge", f"engine {key}"))
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, doc, value=value)
+        if snap.get("num_kv_blocks"):
+            yield GaugeMetricFamily("replayssm_kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1",
+                                    value=snap.get("kv_blocks_used", 0) / snap["num_kv_blocks"])
 
 
 class ServingMetrics:

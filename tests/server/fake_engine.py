@@ -98,7 +98,7 @@ class FakeEngine:
         self.num_steps = 0
         self.num_aborted = 0
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, parent_id=None) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InputError("prompt must be non-empty", "prompt")
