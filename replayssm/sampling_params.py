@@ -30,6 +30,8 @@ class SamplingParams:
         (None for the first one), computed during prefill, and when > 0 (at most MAX_LOGPROBS) the
         `prompt_logprobs` most likely tokens at each of those positions with theirs.
     skip_special_tokens: drop special tokens (eos, bos, pad) from the returned text.
+    structured: constrain the output to a grammar, one key of {"json": schema}, {"json_object": True}
+        or {"regex": pattern} (engine/structured.py; needs the `structured` extra).
     """
 
     temperature: float = 1.0
@@ -43,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
@@ -74,6 +77,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(self, name) or 0) > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
+        if self.structured is not None:
+            from replayssm.engine.structured import check_structured  # imports torch: only when asked
+
+            object.__setattr__(self, "structured", check_structured(self.structured))
 
     @property
     def top_logprobs(self) -> int:

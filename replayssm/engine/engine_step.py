@@ -20,6 +20,7 @@ import torch
 
 from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.scheduler import ScheduledChunk
+from replayssm.engine.structured import mask_logits
 from replayssm.ops.sampling import SamplingTensors, sample, token_logprobs, top_pairs
 
 
@@ -143,7 +144,7 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[t
         vocab_size=logits.shape[-1],
         device=logits.device,
     )
-    tokens = sample(logits, params)
+    tokens = sample(mask_logits(logits, reqs), params)  # logprobs below stay the model's own
     asked = [r.params.top_logprobs for r in reqs if r.params.logprobs is not None]
     if not asked:
         return tokens, None, None

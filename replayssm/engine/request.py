@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from replayssm.sampling_params import SamplingParams
 
@@ -65,6 +66,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    grammar: Any = None  # structured output: the matcher following the output (engine/structured.py)
 
     @property
     def num_tokens(self) -> int:

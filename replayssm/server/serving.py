@@ -40,6 +40,7 @@ class EngineRequests:
 def build_requests(
     req: SamplingRequest, base_id: str, prompts: list[list[int]], max_tokens: int | None,
     max_model_len: int, *, default_max_tokens: int | None, logprobs: int | None, param: str,
+    structured: dict | None = None,
 ) -> EngineRequests:
     """Check lengths against the context window and fan prompts out n times into engine requests.
 
@@ -63,7 +64,7 @@ def build_requests(
             try:
                 params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                         seed=seed, max_tokens=limit, stop=stop, ignore_eos=req.ignore_eos,
-                                        logprobs=logprobs)
+                                        logprobs=logprobs, structured=structured)
             except ValueError as exc:
                 raise APIError(400, str(exc)) from exc
             requests.append((f"{base_id}-{p * req.n + j}", ids, params, len(ids)))
