@@ -128,10 +128,14 @@ def test_speculative_outputs_follow_the_spec(spec_llm, kind):
     assert spec_llm.get_metrics()["spec_draft_tokens"] > before  # verify steps did run
 
 
-def test_speculative_greedy_equals_plain_greedy(llm):
+@pytest.mark.parametrize("interleave", [False, True])
+def test_speculative_greedy_equals_plain_greedy(llm, interleave):
     """Greedy structured decoding with n-gram drafts emits exactly plain greedy structured decoding's
-    tokens (the verify masks follow the drafts and roll back)."""
-    spec = LLM("demo", **ENGINE, num_speculative_tokens=3, speculative_method="ngram")
+    tokens (the verify masks follow the drafts and roll back), also with two interleaved request
+    groups whose verify steps read back one turn later."""
+    spec = LLM("demo", **ENGINE, num_speculative_tokens=3, speculative_method="ngram",
+               async_scheduling=interleave)
+    assert spec.engine.interleave == interleave
     for kind in ("json_schema", "regex"):
         got = spec.generate(PROMPTS, params(kind, 0.0), use_tqdm=False)
         want = llm.generate(PROMPTS, params(kind, 0.0), use_tqdm=False)
