@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 # Below this temperature a request is sampled greedily (dividing logits by ~0 overflows).
 GREEDY_EPS = 1e-5
 # The most alternatives `logprobs` may ask for per token (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
+# The kinds of SamplingParams.structured (engine/structured.py follows them).
+STRUCTURED_KINDS = ("json", "json_object", "regex")
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,6 @@ class SamplingParams:
             if (getattr(self, name) or 0) > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
         if self.structured is not None:
-            from replayssm.engine.structured import check_structured  # imports torch: only when asked
-
             object.__setattr__(self, "structured", check_structured(self.structured))
 
     @property
@@ -91,3 +93,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when this request takes the argmax (temperature ~ 0)."""
         return self.temperature < GREEDY_EPS
+
+
+def check_structured(value: Any, name: str = "structured") -> dict[str, Any]:
+    """SamplingParams.structured normalized to one key: {"json": schema as JSON text},
+    {"json_object": True} or {"regex": pattern}; raises ValueError naming the field `name`."""
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURED_KINDS:
+        raise ValueError(f"{name} must be an object with exactly one key of {list(STRUCTURED_KINDS)}, "
+                         f"got {value!r}")
+    (kind, spec), = value.items()
+    if kind == "json_object":
+        if spec is not True:
+            raise ValueError(f"{name}['json_object'] must be true, got {spec!r}")
+        return {kind: True}
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise ValueError(f"{name}['regex'] must be a non-empty string, got {spec!r}")
+        return {kind: spec}
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}['json'] is not valid JSON: {exc}") from exc
+    if not isinstance(spec, (dict, bool)):
+        raise ValueError(f"{name}['json'] must be a JSON schema (an object), got {spec!r}")
+    return {kind: json.dumps(spec)}

@@ -29,7 +29,6 @@ and a model cannot spend its budget on an unbounded run of spaces and newlines.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from dataclasses import dataclass
@@ -39,32 +38,7 @@ import torch
 
 from replayssm.engine.request import InputError
 
-KINDS = ("json", "json_object", "regex")
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-
-
-def check_structured(value: Any, name: str = "structured") -> dict[str, Any]:
-    """SamplingParams.structured normalized to one key: {"json": schema as JSON text},
-    {"json_object": True} or {"regex": pattern}; raises ValueError naming the field `name`."""
-    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in KINDS:
-        raise ValueError(f"{name} must be an object with exactly one key of {list(KINDS)}, got {value!r}")
-    (kind, spec), = value.items()
-    if kind == "json_object":
-        if spec is not True:
-            raise ValueError(f"{name}['json_object'] must be true, got {spec!r}")
-        return {kind: True}
-    if kind == "regex":
-        if not isinstance(spec, str) or not spec:
-            raise ValueError(f"{name}['regex'] must be a non-empty string, got {spec!r}")
-        return {kind: spec}
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name}['json'] is not valid JSON: {exc}") from exc
-    if not isinstance(spec, (dict, bool)):
-        raise ValueError(f"{name}['json'] must be a JSON schema (an object), got {spec!r}")
-    return {kind: json.dumps(spec)}
 
 
 class StructuredOutputs:
@@ -100,7 +74,7 @@ class StructuredOutputs:
             return self._compiler
 
     def compile(self, spec: dict[str, Any]) -> Any:
-        """The compiled grammar of a normalized spec (`check_structured`); raises InputError
+        """The compiled grammar of a normalized spec (`sampling_params.check_structured`); raises InputError
         (param "structured") for a schema or regex the compiler refuses."""
         compiler = self._get_compiler()
         (kind, value), = spec.items()
@@ -127,7 +101,7 @@ def tokenizer_info(xgrammar: Any, tokenizer: Any, vocab_size: int, eos_token_ids
     vocabulary type detected as xgrammar does for Hugging Face fast tokenizers."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = tokenizer._tok
+    tok = tokenizer.backend
     detected = xgrammar.TokenizerInfo.from_huggingface(
         PreTrainedTokenizerFast(tokenizer_object=tok), vocab_size=vocab_size, stop_token_ids=eos_token_ids)
     vocab = [""] * vocab_size

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from replayssm.engine.structured import check_structured
+from replayssm.sampling_params import check_structured
 from replayssm.server.async_engine import AsyncEngine, EngineDeadError, EngineLoop, RequestGroup
 from replayssm.server.handlers import ChatHandler, CompletionHandler
 from replayssm.server.metrics import ServingMetrics

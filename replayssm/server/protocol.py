@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from replayssm.sampling_params import check_structured
+
 # OpenAI caps n at 128; a larger fan-out would only let one request starve the others.
 MAX_N = 128
 
@@ -178,8 +180,6 @@ def structured_of(req: SamplingRequest) -> tuple[dict[str, Any] | None, str]:
         return {"json": schema}, "response_format"
     if req.structured_outputs is None:
         return None, "structured_outputs"
-    from replayssm.engine.structured import check_structured
-
     try:
         return check_structured(req.structured_outputs, "structured_outputs"), "structured_outputs"
     except ValueError as exc:
