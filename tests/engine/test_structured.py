@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 from replayssm import LLM, SamplingParams
 from replayssm.engine.structured import (
@@ -225,3 +226,23 @@ def test_verify_masks_follow_drafts_and_roll_back(llm):
     # Back at "a": the matcher accepts "b", "c" and then only the end-of-sequence token.
     assert r.grammar.accept_token(enc("b")[0]) and r.grammar.accept_token(enc("c")[0])
     assert r.grammar.accept_token(2) and r.grammar.is_terminated()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_plain_and_interleaved_speculative():
+    """On CUDA (async scheduling, graph replay): structured outputs follow their spec beside free rows,
+    plain and with interleaved n-gram verify steps; the free rows keep their own outputs, and alone
+    they still launch steps ahead."""
+    kw = dict(ENGINE, device="cuda", cuda_graphs=True)
+    plain = LLM("demo", **kw)
+    spec = LLM("demo", **kw, num_speculative_tokens=3, speculative_method="ngram")
+    assert plain.engine.async_scheduling and spec.engine.interleave
+    for llm in (plain, spec):
+        free = llm.generate(PROMPTS, params(None, 1.0, seed=10), use_tqdm=False)
+        for kind, temperature in (("json_schema", 0.0), ("regex", 1.0), ("json_object", 1.0)):
+            outs = llm.generate(PROMPTS * 2, params(kind, temperature) + params(None, 1.0, seed=10),
+                                use_tqdm=False)
+            check_outputs(kind, outs[: len(PROMPTS)])
+            assert [o.token_ids for o in outs[len(PROMPTS):]] == [o.token_ids for o in free]
+    assert plain.get_metrics()["num_ahead_steps"] > 0
