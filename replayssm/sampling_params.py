@@ -27,6 +27,8 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+# The kinds of SamplingParams.structured (engine/structured.py follows them).
+STRUCTURED_KINDS = ("json", "json_object", "regex")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class SamplingParams:
     The logits go through: repetition penalty, frequency and presence penalties, logit_bias, the
     min_tokens mask (`apply_logits_processors`); then greedy rows take the argmax, random rows
     apply temperature, top-k, top-p, min-p (transformers' order) and draw.
+    structured: constrain the output to a grammar, one key of {"json": schema}, {"json_object": True}
+        or {"regex": pattern} (engine/structured.py; needs the `structured` extra).
     """
 
     temperature: float = 1.0
@@ -84,6 +88,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not self.temperature >= 0.0:
@@ -128,6 +133,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
             if (value or 0) > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}")
+        if self.structured is not None:
+            object.__setattr__(self, "structured", check_structured(self.structured))
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -183,3 +190,27 @@ def read_generation_defaults(model_dir: str) -> dict[str, Any]:
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
     return defaults
+
+def check_structured(value: Any, name: str = "structured") -> dict[str, Any]:
+    """SamplingParams.structured normalized to one key: {"json": schema as JSON text},
+    {"json_object": True} or {"regex": pattern}; raises ValueError naming the field `name`."""
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURED_KINDS:
+        raise ValueError(f"{name} must be an object with exactly one key of {list(STRUCTURED_KINDS)}, "
+                         f"got {value!r}")
+    (kind, spec), = value.items()
+    if kind == "json_object":
+        if spec is not True:
+            raise ValueError(f"{name}['json_object'] must be true, got {spec!r}")
+        return {kind: True}
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise ValueError(f"{name}['regex'] must be a non-empty string, got {spec!r}")
+        return {kind: spec}
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}['json'] is not valid JSON: {exc}") from exc
+    if not isinstance(spec, (dict, bool)):
+        raise ValueError(f"{name}['json'] must be a JSON schema (an object), got {spec!r}")
+    return {kind: json.dumps(spec)}

@@ -21,6 +21,7 @@ import torch
 from replayssm.engine.logits_inputs import build_logits_processors
 from replayssm.engine.model_runner import ScheduledRow
 from replayssm.engine.scheduler import ScheduledChunk
+from replayssm.engine.structured import mask_logits
 from replayssm.ops.sampling import SamplingTensors, apply_logits_processors, sample, token_logprobs, top_pairs
 
 
@@ -159,7 +160,8 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk],
         min_p=min_p,
     )
     processors = build_logits_processors(reqs, logits.shape[-1], logits.device, fed=fed)
-    tokens = sample(apply_logits_processors(logits, processors), params)
+    # The processed, then grammar-masked logits are sampled; logprobs below stay the model's own.
+    tokens = sample(mask_logits(apply_logits_processors(logits, processors), reqs), params)
     asked = [r.params.top_logprobs for r in reqs if r.params.logprobs is not None]
     if not asked:
         return tokens, None, None

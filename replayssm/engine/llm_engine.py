@@ -21,6 +21,7 @@ from replayssm.engine.output import OutputProcessor, RequestOutput, make_output
 from replayssm.engine.request import InputError, Request
 from replayssm.engine.runner_setup import RunnerSetup, build_runner
 from replayssm.engine.scheduler import ScheduledChunk, Scheduler
+from replayssm.engine.structured import StructuredOutputs, accept_token
 from replayssm.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class LLMEngine:
         # request that leaves a field unset gets (LLM.generate without params, the server).
         self.generation_defaults = dict(setup.generation_defaults)
         self.output = OutputProcessor(self.tokenizer, set(setup.eos_token_ids), self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, setup.eos_token_ids)
         self.scheduler = Scheduler(
             setup.block_pool,
             setup.slot_pool,
@@ -137,6 +139,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
                              "stop")
+        if params.structured is not None:
+            self.structured.compile(params.structured)  # a bad schema or regex is refused here
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -153,6 +157,8 @@ class LLMEngine:
             vocab = self.model_config.vocab_size
             stop_ids = {*eos, *(params.stop_token_ids or ())}
             request.min_tokens_stop_ids = sorted(t for t in stop_ids if t < vocab)
+        if params.structured is not None:
+            request.grammar = self.structured.matcher(params.structured)
         self._arrivals += 1
         self._requests[request_id] = request
         self.output.add(request)
@@ -296,6 +302,9 @@ class LLMEngine:
                 or len(prev.sampled) != len(prev.chunks)):
             return None
         alive = [(j, c) for j, c in enumerate(prev.chunks) if not c.request.finished]
+        # A grammar's next mask needs prev's tokens on the host.
+        if any(c.request.grammar is not None for _, c in alive):
+            return None
         if len(alive) != len(self.scheduler.running) or len(alive) > self.scheduler.max_num_batched_tokens:
             return None
         bs = self.scheduler.kv_block_size
@@ -370,6 +379,8 @@ class LLMEngine:
             for j, t in enumerate(toks):
                 reason = self.output.append_token(r, t, lps[j] if lps is not None else None,
                                                     tops[j] if tops is not None else None)
+                if r.grammar is not None and accept_token(r.grammar, t) and reason is None:
+                    reason = "stop"  # the grammar ended (end-of-sequence accepted, also with ignore_eos)
                 self.metrics.generation_tokens += 1
                 if reason is not None:
                     # Tokens after a stop are dropped: computed positions end before the last token.

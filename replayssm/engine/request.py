@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from replayssm.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.processed = self.params.processed
+    grammar: Any = None  # structured output: the matcher following the output (engine/structured.py)
 
     @property
     def num_tokens(self) -> int:

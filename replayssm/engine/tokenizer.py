@@ -76,6 +76,11 @@ class Tokenizer:
         return template if isinstance(template, str) else None
 
     @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` of tokenizer.json (structured output reads its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

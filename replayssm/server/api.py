@@ -24,6 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import replayssm
+from replayssm.sampling_params import check_structured
 from replayssm.server.async_engine import AsyncEngine, EngineDeadError, EngineLoop, RequestGroup
 from replayssm.server.gate import Admission, add_gate
 from replayssm.server.handlers import ChatHandler, CompletionHandler, detokenize, tokenize
@@ -58,6 +59,7 @@ class ServerState:
         engine = engine_loop.engine
         self.engine = AsyncEngine(engine_loop)
         self.tokenizer = engine.tokenizer
+        self.structured = getattr(engine, "structured", None)  # the grammar compiler (engine/structured.py)
         self.max_model_len = int(engine.max_model_len)
         # generation_config.json sampling defaults for fields a request leaves unset (LLMEngine).
         self.generation_defaults = dict(getattr(engine, "generation_defaults", {}))
@@ -73,6 +75,16 @@ class ServerState:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
+
+    def compile_structured(self, spec: dict | None, param: str) -> dict | None:
+        """Compile a request's grammar in the handler's worker thread (the engine thread then finds it
+        cached); returns spec. A schema or regex the compiler refuses is a 400 naming `param`."""
+        if spec is not None and self.structured is not None:
+            try:
+                self.structured.compile(check_structured(spec))
+            except ValueError as exc:
+                raise APIError(400, str(exc), param=param) from exc
+        return spec
 
     def encode(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt (the engine range-checks token-id prompts itself)."""

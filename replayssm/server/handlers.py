@@ -31,6 +31,7 @@ from replayssm.server.protocol import (
     check_sampling,
     new_id,
     now_s,
+    structured_of,
 )
 from replayssm.server.serving import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -94,11 +95,12 @@ class CompletionHandler(_Handler):
             raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}",
                            param="logprobs")
         check_sampling(req, req.max_tokens)
+        structured = state.compile_structured(*structured_of(req))
         prompts = [state.encode(p, "prompt") for p in req.prompts()]
         self.engine_requests = build_requests(
             req, self.id, prompts, req.max_tokens, state.max_model_len,
             default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs, param="prompt",
-            defaults=state.generation_defaults)
+            defaults=state.generation_defaults, structured=structured)
 
     def _envelope(self, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -147,10 +149,8 @@ class ChatHandler(_Handler):
                                f"got {req.top_logprobs}", param="top_logprobs")
         if req.tools or req.tool_choice not in (None, "none"):
             raise APIError(400, "tools and tool_choice are not supported", param="tools")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported",
-                           param="response_format")
         check_sampling(req, max_tokens)
+        structured = state.compile_structured(*structured_of(req))
         messages = [m.as_template_dict() for m in req.messages]
         state.check_size(sum(len(m["content"]) for m in messages), "messages")
         try:
@@ -166,7 +166,8 @@ class ChatHandler(_Handler):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.engine_requests = build_requests(
             req, self.id, [ids], max_tokens, state.max_model_len,
-            default_max_tokens=None, logprobs=logprobs, param="messages", defaults=state.generation_defaults)
+            default_max_tokens=None, logprobs=logprobs, param="messages",
+            defaults=state.generation_defaults, structured=structured)
 
     def _chunk(self, choice: ChatChunkChoice | None, usage=None) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,

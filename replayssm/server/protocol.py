@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from replayssm.sampling_params import check_structured
+
 # OpenAI caps n at 128; a larger fan-out would only let one request starve the others.
 MAX_N = 128
 
@@ -82,6 +84,9 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    # Extension, vLLM's spelling: {"regex": ...}, {"json": schema} or {"json_object": true}.
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -137,7 +142,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM)
 
 
@@ -165,6 +169,33 @@ def check_sampling(req: SamplingRequest, max_tokens: int | None) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4 or any(s == "" for s in stops):
         raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
+
+
+def structured_of(req: SamplingRequest) -> tuple[dict[str, Any] | None, str]:
+    """SamplingParams.structured for the request's response_format or structured_outputs (None:
+    free text), and the field it came from; raises APIError naming that field."""
+    fmt = req.response_format
+    kind = None if fmt is None else fmt.get("type")
+    if fmt is not None and kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, 'response_format type must be "text", "json_object" or "json_schema", '
+                       f"got {kind!r}", param="response_format")
+    if kind in ("json_object", "json_schema") and req.structured_outputs is not None:
+        raise APIError(400, "set response_format or structured_outputs, not both", param="structured_outputs")
+    if kind == "json_object":
+        return {"json_object": True}, "response_format"
+    if kind == "json_schema":
+        schema = fmt.get("json_schema")
+        schema = schema.get("schema") if isinstance(schema, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, 'response_format of type "json_schema" needs json_schema.schema, an object',
+                           param="response_format")
+        return {"json": schema}, "response_format"
+    if req.structured_outputs is None:
+        return None, "structured_outputs"
+    try:
+        return check_structured(req.structured_outputs, "structured_outputs"), "structured_outputs"
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="structured_outputs") from exc
 
 
 # Ids need only be unique per server; one random prefix plus a counter avoids an

@@ -42,6 +42,7 @@ def build_requests(
     req: SamplingRequest, base_id: str, prompts: list[list[int]], max_tokens: int | None,
     max_model_len: int, *, default_max_tokens: int | None, logprobs: int | None, param: str,
     defaults: dict | None = None,
+    structured: dict | None = None,
 ) -> EngineRequests:
     """Check lengths against the context window and fan prompts out n times into engine requests.
 
@@ -67,7 +68,8 @@ def build_requests(
             # Distinct seeds per choice: n identical samples would defeat the point of n.
             seed = None if req.seed is None else req.seed + j
             try:
-                params = SamplingParams(**sampling, seed=seed, max_tokens=limit, logprobs=logprobs)
+                params = SamplingParams(**sampling, seed=seed, max_tokens=limit, logprobs=logprobs,
+                                        structured=structured)
             except ValueError as exc:
                 field = str(exc).split(" ", 1)[0]
                 raise APIError(400, str(exc), param=field if field in SAMPLING_FIELDS else None) from exc

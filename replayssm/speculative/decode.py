@@ -24,6 +24,7 @@ from replayssm.config import EngineConfig
 from replayssm.engine.host_pack import HostPack
 from replayssm.engine.logits_inputs import build_logits_processors
 from replayssm.engine.request import Request
+from replayssm.engine.structured import verify_masks
 from replayssm.ops.sampling import apply_logits_processors, token_logprobs, top_pairs
 from replayssm.sampling_params import GREEDY_EPS
 from replayssm.speculative.proposer import Drafts, Proposer
@@ -109,6 +110,9 @@ class SpecDecoder:
         # torch.tensor(..., device=cuda) would wait for the forward).
         pad = [(*d.tokens, *[0] * (K - n)) for d, n in zip(drafts, lens)]
         forced = [-1 if d.forced_accepted is None else d.forced_accepted for d in drafts]
+        masks = verify_masks(requests, drafts, K, V)  # None: no structured row
+        if masks is not None:  # a forced row accepts no draft its grammar refuses
+            forced = [f if f < 0 else min(f, n) for f, n in zip(forced, masks.num_valid)]
         pack = HostPack()
         parts = dict(
             rows=pack.add([o + min(j, n) for o, n in zip(offsets, lens) for j in range(K + 1)], i64,
@@ -143,8 +147,9 @@ class SpecDecoder:
                 n = len(d.tokens)
                 probs[i, :n] = d.probs if d.probs is not None else \
                     torch.nn.functional.one_hot(tokens[i, :n], V).float()
+        target = processed if masks is None else masks.apply(processed)  # logprobs below stay the model's own
         out, acc = rejection_sample(
-            processed, tokens, up["num"], probs, up["temperature"], up["top_k"], up["top_p"], up["seeds"],
+            target, tokens, up["num"], probs, up["temperature"], up["top_k"], up["top_p"], up["seeds"],
             up["positions"], forced=up.get("forced"),
             # Known here, so the sampler reads nothing back (and skips the softmax when all greedy).
             all_greedy=all(x.temperature < GREEDY_EPS for x in p),

@@ -158,7 +158,8 @@ def test_spec_decoder_passes_host_flags(monkeypatch):
     dec.stats = SimpleNamespace(record=lambda *a: None)
     logits = torch.randn(7, V)
     for params, greedy in ((SamplingParams(temperature=0.0), True), (SamplingParams(temperature=0.7), False)):
-        reqs = [SimpleNamespace(params=params, seed=11 + i, num_tokens=9, processed=False) for i in range(2)]
+        reqs = [SimpleNamespace(params=params, seed=11 + i, num_tokens=9, processed=False, grammar=None)
+                for i in range(2)]
         emitted, _, _ = dec.verify(logits, [0, 4], reqs, [Drafts([1, 2, 3]), Drafts([4, 5])])
         assert seen["all_greedy"] is greedy and seen["any_top_k"] is False and seen["any_top_p"] is False
         assert 1 <= len(emitted[0]) <= 4 and 1 <= len(emitted[1]) <= 3
