@@ -89,6 +89,9 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         # Process-wide, like every torch thread setting: the engine owns its process's host loop.
         torch.set_num_threads(config.host_threads)
     max_model_len = config.scheduler.max_model_len or model_config.max_model_len
+    if model_config.rope_theta > 0 and max_model_len > model_config.max_model_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{model_config.max_model_len} (its rotary positions end there)")
     cache, spec = config.cache, config.spec
     sizes = dict(
         dtype=dtype,
