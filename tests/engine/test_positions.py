@@ -157,6 +157,14 @@ def test_engine_paths_equal_plain_greedy(kw):
     assert generate(make_llm(**kw)) == reference()
 
 
+def test_preempted_requests_restart_at_position_zero():
+    """Too few KV blocks for the three requests: preempted ones recompute from position 0 and still
+    give the plain tokens."""
+    llm = make_llm(num_kv_blocks=24)
+    assert generate(llm) == reference()
+    assert llm.get_metrics()["num_preemptions"] > 0
+
+
 @pytest.mark.parametrize("replayssm", [True, False])
 def test_prefix_hits_equal_plain_greedy(replayssm):
     """Prompts sharing a long prefix with one already served start from a cached checkpoint (their
