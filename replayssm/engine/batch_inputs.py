@@ -37,6 +37,7 @@ class BatchInputs:
     attn: AttentionMetadata
     mamba: MambaMetadata
     logit_index: torch.Tensor  # (num_logits_total,) int64 packed positions, in the engine's row order
+    positions: torch.Tensor  # (T,) int64 absolute position of each packed token in its request
     prefill: list[RowView]
     decode: list[RowView]  # engine decode rows first, then forced rows
     row_offsets: dict[int, int] | None = None  # engine row index -> its first packed token
@@ -62,6 +63,7 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
     decode = [r for r in rows if r.decode and not r.forced] + [r for r in rows if r.forced]
     ordered = prefill + decode
     ids: list[int] = []
+    positions: list[int] = []
     slot_mapping: list[int] = []
     cu_q, context_lens = [0], []
     offset_of: dict[int, int] = {}
@@ -71,7 +73,9 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
         offset_of[r.index] = len(ids)
         ids.extend(r.token_ids)
         table = r.block_table
-        for pos in range(r.start_pos, r.start_pos + len(r.token_ids)):
+        span = range(r.start_pos, r.start_pos + len(r.token_ids))
+        positions.extend(span)
+        for pos in span:
             slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
         cu_q.append(len(ids))
         context_lens.append(r.start_pos + len(r.token_ids))
@@ -85,7 +89,8 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
             tables = tables[torch.tensor([position[id(r)] for r in ordered])]
     pack = HostPack()
     i64, i32 = torch.int64, torch.int32
-    parts = dict(ids=pack.add(ids, i64), slot_mapping=pack.add(slot_mapping, i64), cu_q=pack.add(cu_q, i32),
+    parts = dict(ids=pack.add(ids, i64), positions=pack.add(positions, i64),
+                 slot_mapping=pack.add(slot_mapping, i64), cu_q=pack.add(cu_q, i32),
                  tables=pack.add(flat if tables is None else tables, i32, (len(ordered), max_blocks)),
                  context_lens=pack.add(context_lens, i32))
 
@@ -142,4 +147,4 @@ def build_inputs(rows: list[RowView], *, block_size: int, device: torch.device,
         publish_len=t.get("publish_len"),
         publish_dst=t.get("publish_dst"),
     )
-    return BatchInputs(t["ids"], attn, mamba, t["logit_index"], prefill, decode, offset_of)
+    return BatchInputs(t["ids"], attn, mamba, t["logit_index"], t["positions"], prefill, decode, offset_of)

@@ -9,6 +9,8 @@ context); the Mamba mixers split the packed tokens at `num_prefill_tokens`:
     mamba prefill:  varlen conv + chunked scan over the prefill rows (prefill_cu_seqlens)
     mamba decode:   rows padded to a (num_decode_rows, decode_q) grid; decode_token_index maps
                     packed decode tokens into that grid (None when every row has decode_q tokens)
+    positions:      each token's absolute position in its request, start_pos + offset in the row
+                    (rotary attention; the same position that addresses its K/V slot)
 """
 
 from __future__ import annotations
@@ -68,3 +70,6 @@ class ForwardContext:
     replayssm: bool
     window: int
     rand_seed: int  # base seed of this step's stochastic rounding; layer l uses rand_seed + l
+    # (T,) int64: absolute 0-based position of each packed token in its request (cached prefix
+    # included): a decode row with c computed tokens and k drafts holds c, c + 1, ..., c + k.
+    positions: torch.Tensor | None = None

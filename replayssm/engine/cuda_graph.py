@@ -6,10 +6,12 @@ captured lazily the first time a step needs it, all over ONE set of static input
 sized for the largest bucket and one shared memory pool. A step of b <= B rows copies its
 inputs into rows [0, b) and turns rows [b, B) into padding:
 
-    row i < b (real)      token ids, slot_mapping, block table, context_len, slot (, dst slots)
-    row i >= b (padding)  slot -1 (Mamba ops touch nothing), dst -1, context_len q, every
-                          block-table entry and slot_mapping -> the reserved dummy KV block
-                          (num_kv_blocks: one block past the engine's, so no real K/V is written)
+    row i < b (real)      token ids, positions, slot_mapping, block table, context_len, slot
+                          (, dst slots)
+    row i >= b (padding)  slot -1 (Mamba ops touch nothing), dst -1, context_len q, positions 0
+                          (in every rotary table), every block-table entry and slot_mapping ->
+                          the reserved dummy KV block (num_kv_blocks: one block past the
+                          engine's, so no real K/V is written)
 
 The graph computes logits for all B*q positions; the step keeps the rows `logit_index` names
 (and the real rows' hidden states, which the MTP drafter reads).
@@ -73,6 +75,7 @@ class CudaGraphRunner:
         self.width = runner.num_kv_blocks  # a row never holds more blocks than exist
         i32 = dict(dtype=torch.int32, device=dev)
         self.input_ids = torch.zeros(B * Q, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(B * Q, dtype=torch.int64, device=dev)
         self.pad_mapping = (dummy_block * bs + torch.arange(B * Q, device=dev) % bs).long()
         self.slot_mapping = self.pad_mapping.clone()
         self.block_tables = torch.full((B, self.width), dummy_block, **i32)
@@ -98,7 +101,8 @@ class CudaGraphRunner:
                               num_decode_rows=B, decode_q=q, decode_slots=self.slots[:B],
                               decode_token_index=None, decode_dst_slots=self.dst[q][:B] if has_dst else None)
         return ForwardContext(attn=attn, mamba=mamba, kv_cache=r.kv_cache, mamba_cache=r.mamba_cache,
-                              replayssm=r.replayssm, window=r.window, rand_seed=0)
+                              replayssm=r.replayssm, window=r.window, rand_seed=0,
+                              positions=self.positions[:B * q])
 
     def _forward(self, B: int, q: int, has_dst: bool) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.runner.model
@@ -127,6 +131,7 @@ class CudaGraphRunner:
         self.context_lens[b:B].fill_(q)
         self.block_tables[b:B, : -(-q // self.runner.kv_block_size)].fill_(self.dummy_block)
         self.slot_mapping[b * q:B * q].copy_(self.pad_mapping[b * q:B * q])
+        self.positions[b * q:B * q].zero_()
         if q in self.dst:
             self.dst[q][b:B].fill_(-1)
 
@@ -163,6 +168,7 @@ class CudaGraphRunner:
         graph, logits, hidden = self.graphs[key]
         attn = batch.attn
         self.input_ids[:b * q].copy_(batch.input_ids)
+        self.positions[:b * q].copy_(batch.positions)
         self.slot_mapping[:b * q].copy_(attn.slot_mapping)
         self.block_tables[:b, :attn.block_tables.shape[1]].copy_(attn.block_tables)
         self.context_lens[:b].copy_(attn.context_lens)

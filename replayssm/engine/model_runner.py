@@ -218,7 +218,7 @@ class ModelRunner:
         self._reset_cursors([d for v in views for _, d in v.checkpoints or ()])
         ctx = ForwardContext(attn=batch.attn, mamba=batch.mamba, kv_cache=self.kv_cache,
                              mamba_cache=self.mamba_cache, replayssm=self.replayssm, window=self.window,
-                             rand_seed=self.next_seed())
+                             rand_seed=self.next_seed(), positions=batch.positions)
         replayed = self.graphs.run(batch) if self.graphs is not None else None
         if replayed is not None:
             logits, hidden = replayed
@@ -400,7 +400,8 @@ class ModelRunner:
     @property
     def _limits(self) -> RowLimits:
         return RowLimits(self.num_slots, self.num_kv_blocks, self.kv_block_size, self.q_max,
-                         self.max_num_seqs, self.max_num_batched_tokens, self.replayssm)
+                         self.max_num_seqs, self.max_num_batched_tokens, self.replayssm,
+                         self.model_config.max_model_len if self.model_config.rope_theta > 0 else None)
 
     def _check_slot(self, slot: object, name: str) -> None:
         check_slot(slot, name, self.num_slots)

@@ -23,6 +23,7 @@ class RowLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     replayssm: bool
+    max_position: int | None = None  # rotary models: positions must stay below it (None: unbounded)
 
 
 def check_slot(slot: object, name: str, num_slots: int) -> None:
@@ -47,6 +48,9 @@ def view_row(i: int, r: Any, lim: RowLimits, check_blocks: bool = True) -> RowVi
     if len(r.block_table) * lim.kv_block_size < r.start_pos + q:
         raise ValueError(f"rows[{i}].block_table covers {len(r.block_table) * lim.kv_block_size} "
                          f"tokens, needs {r.start_pos + q}")
+    if lim.max_position is not None and r.start_pos + q > lim.max_position:
+        raise ValueError(f"rows[{i}] reaches position {r.start_pos + q - 1}, past the rotary table of "
+                         f"max_position_embeddings={lim.max_position}")
     # min/max run in C: a Python loop over every id costs ~3 ms per step at 256 rows x 66 blocks.
     if check_blocks and r.block_table and (min(r.block_table) < 0 or max(r.block_table) >= lim.num_kv_blocks):
         raise ValueError(f"rows[{i}].block_table has ids outside [0, {lim.num_kv_blocks})")

@@ -60,6 +60,10 @@ class ModelConfig:
     num_key_value_heads: int = 0
     head_dim: int = 0
     attention_bias: bool = False
+    # Rotary position embedding of the attention layers: rope_theta 0 = none; rotary_dim 0 = head_dim
+    # (fewer: partial rotary on the first rotary_dim channels of each head)
+    rope_theta: float = 0.0
+    rotary_dim: int = 0
     # Dense MLP (relu2 for Nemotron-H)
     intermediate_size: int = 0
     mlp_bias: bool = False
@@ -96,6 +100,10 @@ class ModelConfig:
         if self.num_attention_layers and self.num_attention_heads % max(self.num_key_value_heads, 1):
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.rope_theta > 0 and self.num_attention_layers and (
+                self.rotary_dim < 0 or self.rotary_dim > self.head_dim or self.rotary_dim % 2):
+            raise ValueError(f"rotary_dim={self.rotary_dim} (head_dim * partial_rotary_factor) must be even "
+                             f"and at most head_dim={self.head_dim}")
         if self.mlp_act not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_hidden_act {self.mlp_act!r} is not one of {MLP_ACTIVATIONS}")
         if MOE in self.layer_types and self.num_experts % self.n_group:

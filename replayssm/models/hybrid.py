@@ -19,6 +19,7 @@ from replayssm.models.layers.mamba2 import Mamba2Mixer
 from replayssm.models.layers.mlp import MLP as DenseMLP
 from replayssm.models.layers.mlp import MoE
 from replayssm.models.layers.norm import RMSNorm
+from replayssm.models.layers.rotary import rotary_for
 from replayssm.models.layers.vocab import VocabParallelEmbedding, parallel_logits
 
 
@@ -43,7 +44,7 @@ class HybridBlock(nn.Module):
         if kind == MAMBA:
             self.mixer = Mamba2Mixer(cfg, index_of_kind, tp=tp, **kw)
         elif kind == ATTENTION:
-            self.mixer = Attention(local, index_of_kind, **kw)
+            self.mixer = Attention(local, index_of_kind, rotary=rotary_for(cfg, device), **kw)
         elif kind == MLP:
             self.mixer = DenseMLP(cfg.hidden_size, local.intermediate_size, cfg.mlp_act, cfg.mlp_bias, **kw)
         else:

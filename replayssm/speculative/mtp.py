@@ -49,7 +49,7 @@ class MTPProposer(Proposer):
                  for i, (start, toks, _, table) in enumerate(rows)]
         batch = build_inputs(views, block_size=self.block_size, device=self.device, baseline=False)
         ctx = ForwardContext(attn=batch.attn, mamba=batch.mamba, kv_cache=self.kv, mamba_cache=None,
-                             replayssm=True, window=1, rand_seed=0)
+                             replayssm=True, window=1, rand_seed=0, positions=batch.positions)
         hidden = torch.cat([h for _, _, h, _ in rows])
         out = self.mtp(self.target.embeddings(batch.input_ids), hidden, ctx)[batch.logit_index]
         lm = self.target.lm_head

@@ -1,7 +1,9 @@
-"""Nemotron-H attention: GQA projections over the paged KV cache, no positional encoding.
+"""Attention of the hybrids: GQA projections over the paged KV cache, optionally rotary.
 
-Nemotron-H attention layers carry no rotary embedding (the Mamba layers supply position), so
-positions never enter this layer; only the cache addressing does.
+Nemotron-H attention layers carry no positional encoding (the Mamba layers supply position);
+RoPE hybrids (Bamba, Falcon-H1) pass a `RotaryEmbedding`, which turns q and k by each token's
+absolute position (`ctx.positions`) before k enters the cache, so cached keys stay rotated by
+the position they were computed at.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ import torch
 from torch import nn
 
 from replayssm.models.config import ModelConfig
+from replayssm.models.layers.rotary import RotaryEmbedding
 from replayssm.ops.attention import paged_attention, store_kv
 
 
 class Attention(nn.Module):
     """x (T, hidden) -> (T, hidden); stores this step's K/V, then attends causally over the cache."""
 
-    def __init__(self, cfg: ModelConfig, attn_index: int, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, attn_index: int, *, rotary: RotaryEmbedding | None = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
         self.attn_index = attn_index  # which KV cache pair of the model this layer owns
         self.num_heads = cfg.num_attention_heads
@@ -27,12 +31,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, **kw)
+        self.rotary = rotary
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(ctx.positions, q, k)
         k_cache, v_cache = ctx.kv_cache.layer(self.attn_index)
         md = ctx.attn
         store_kv(k, v, k_cache, v_cache, md.slot_mapping)
