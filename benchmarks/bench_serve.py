@@ -7,7 +7,8 @@
 Arrivals are a Poisson process of `--request-rate` requests/s (inf: all at once), optionally capped at
 `--max-concurrency` requests in flight. Each request streams (`stream_options.include_usage`), with
 `ignore_eos` so it generates exactly its sampled output length. Per request the client records the
-time of every streamed chunk that carries text: TTFT is send to first chunk, ITL the gaps between
+time of every streamed chunk that carries new tokens (text or, with `return_token_ids`, their ids):
+TTFT is send to first chunk, ITL the gaps between
 chunks (a chunk may carry several tokens, as with speculative decoding), E2E send to the last event,
 TPOT (E2E - TTFT) / (output tokens - 1). Throughputs are over the whole run, first send to last
 response. Prompts are random token ids (`--dataset random`, exact lengths) or random words
@@ -117,7 +118,9 @@ def make_prompts(w: ServeWorkload) -> list[tuple[Any, int, int]]:
 
 def _body(w: ServeWorkload, model: str, prompt: Any, max_tokens: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "temperature": w.temperature, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True},
+            # Every new token is an event even before it has visible text (or with no tokenizer at all).
+            "return_token_ids": True}
     if w.endpoint == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -125,11 +128,13 @@ def _body(w: ServeWorkload, model: str, prompt: Any, max_tokens: int) -> dict:
     return body
 
 
-def _chunk_text(event: dict) -> str:
-    text = ""
+def _carries_tokens(event: dict) -> bool:
+    """Whether a streamed event brings new output: text, or token ids (`return_token_ids`)."""
     for choice in event.get("choices") or []:
-        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    return text
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or choice.get("token_ids") or delta.get("token_ids"):
+            return True
+    return False
 
 
 async def send(client: httpx.AsyncClient, w: ServeWorkload, model: str, prompt: Any, n_in: int,
@@ -159,7 +164,7 @@ async def send(client: httpx.AsyncClient, w: ServeWorkload, model: str, prompt: 
                 if event.get("usage"):
                     result.prompt_tokens = event["usage"].get("prompt_tokens")
                     result.output_tokens = event["usage"].get("completion_tokens") or 0
-                if _chunk_text(event):
+                if _carries_tokens(event):
                     now = time.perf_counter()
                     chunks += 1
                     if last is None:
