@@ -204,3 +204,10 @@ def test_missing_tensor_is_named(tmp_path):
     save_file(weights, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"layers\.3\.block_sparse_moe\.experts\.down_proj"):
         load_model(tmp_path)
+
+
+def test_tp2_gives_transformers_tokens(granite):
+    """Tensor parallelism over 2 ranks (gloo): mixers split by heads, feed-forward replicated; same tokens."""
+    path, _, prompts, hf = granite
+    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
+        assert _tokens(llm, prompts) == hf
