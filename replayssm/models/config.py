@@ -16,18 +16,13 @@ from typing import Any
 
 import torch
 
-MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
-LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE)
+from replayssm.models.config_fields import ATTENTION, LAYER_TYPES, MAMBA, MLP, MOE
+from replayssm.models.config_fields import dtype_of as _dtype
+from replayssm.models.config_fields import eos_ids as _eos
+from replayssm.models.config_fields import field as _field
+from replayssm.models.config_fields import layer_list as _layer_list
+from replayssm.models.config_two_part import GRANITE, two_part_fields
 
-# Every spelling of a Nemotron-H layer kind across transformers versions and remote code.
-_LAYER_NAMES = {
-    "M": MAMBA, "mamba": MAMBA, "linear_attention": MAMBA,
-    "*": ATTENTION, "attention": ATTENTION, "full_attention": ATTENTION,
-    "-": MLP, "mlp": MLP,
-    "E": MOE, "moe": MOE,
-}
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-GRANITE = "GraniteMoeHybridForCausalLM"
 TWO_PART_ARCHITECTURES = (GRANITE,)
 ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES)
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu")
@@ -185,50 +180,6 @@ class ModelConfig:
         return _parse(raw, str(file))
 
 
-def _field(raw: dict, source: str, *names: str, default: Any = ..., kind: type = int) -> Any:
-    """The first present field among `names` (aliases across versions), type-checked."""
-    for name in names:
-        if raw.get(name) is not None:
-            value = raw[name]
-            if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if kind is int and isinstance(value, bool):
-                raise ValueError(f"{source}: field {name!r} must be an integer, got {value!r}")
-            if not isinstance(value, kind):
-                raise ValueError(f"{source}: field {name!r} must be {kind.__name__}, got {value!r}")
-            return value
-    if default is ...:
-        raise ValueError(f"{source}: missing field {names[0]!r}")
-    return default
-
-
-def _layer_list(value: Any, source: str, name: str) -> tuple[str, ...]:
-    items = list(value) if isinstance(value, (list, str)) else None
-    if not items:
-        raise ValueError(f"{source}: field {name!r} must be a non-empty list or pattern, got {value!r}")
-    unknown = [t for t in items if t not in _LAYER_NAMES]
-    if unknown:
-        raise ValueError(f"{source}: field {name!r} has unknown layer types {sorted(set(unknown))}")
-    return tuple(_LAYER_NAMES[t] for t in items)
-
-
-def _dtype(raw: dict, source: str) -> torch.dtype:
-    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"{source}: field 'dtype' must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
-
-
-def _eos(raw: dict, source: str) -> tuple[int, ...]:
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        return ()
-    ids = eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"{source}: field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
-    return tuple(ids)
-
-
 def _parse(raw: dict, source: str) -> ModelConfig:
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs:
@@ -237,9 +188,7 @@ def _parse(raw: dict, source: str) -> ModelConfig:
     if arch not in ARCHITECTURES:
         raise ValueError(f"{source}: field 'architectures' names {arch!r}; supported: {ARCHITECTURES}")
     if arch in TWO_PART_ARCHITECTURES:
-        from replayssm.models.config_two_part import parse_two_part
-
-        return parse_two_part(raw, source, arch)
+        return ModelConfig(**two_part_fields(raw, source, arch))
     f = lambda *names, **kw: _field(raw, source, *names, **kw)  # noqa: E731
     if f("mamba_hidden_act", "hidden_act", default="silu", kind=str) != "silu":
         raise ValueError(f"{source}: field 'mamba_hidden_act' must be 'silu'")

@@ -1,4 +1,4 @@
-"""config.json of the two-part hybrid families -> ModelConfig (see models/two_part.py for the math).
+"""config.json of the two-part hybrid families -> ModelConfig fields (models/two_part.py has the math).
 
 Granite 4.0-H (`GraniteMoeHybridForCausalLM`): `layer_types` names each layer's mixer (mamba or
 attention, in any spelling transformers accepts); every layer then runs the shared gated MLP,
@@ -11,23 +11,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from replayssm.models.config import (
-    ATTENTION,
-    GRANITE,
-    MAMBA,
-    MLP,
-    MOE,
-    ModelConfig,
-    _dtype,
-    _eos,
-    _field,
-    _layer_list,
-)
+from replayssm.models.config_fields import ATTENTION, MAMBA, MLP, MOE
+from replayssm.models.config_fields import dtype_of as _dtype
+from replayssm.models.config_fields import eos_ids as _eos
+from replayssm.models.config_fields import field as _field
+from replayssm.models.config_fields import layer_list as _layer_list
+
+GRANITE = "GraniteMoeHybridForCausalLM"
 
 
-def parse_two_part(raw: dict, source: str, arch: str) -> ModelConfig:
+def two_part_fields(raw: dict, source: str, arch: str) -> dict[str, Any]:
+    """ModelConfig keyword arguments for a two-part architecture's config.json."""
     assert arch == GRANITE, arch
-    return _parse_granite(raw, source)
+    return _granite(raw, source)
 
 
 def _common(raw: dict, source: str, arch: str) -> dict[str, Any]:
@@ -108,7 +104,7 @@ def _check_time_step_limit(value: Any, source: str) -> None:
         raise ValueError(f"{source}: field 'time_step_limit' must be [0.0, inf] (no clamp), got {value!r}")
 
 
-def _parse_granite(raw: dict, source: str) -> ModelConfig:
+def _granite(raw: dict, source: str) -> dict[str, Any]:
     f = lambda *names, **kw: _field(raw, source, *names, **kw)  # noqa: E731
     position = raw.get("position_embedding_type")
     if position not in (None, "nope"):
@@ -124,7 +120,7 @@ def _parse_granite(raw: dict, source: str) -> ModelConfig:
         num_experts=experts, num_experts_per_tok=f("num_experts_per_tok"),
         moe_intermediate_size=f("intermediate_size"), moe_shared_intermediate_size=shared,
     ) if experts else {}
-    return ModelConfig(
+    return dict(
         **common,
         **moe,
         ffn_types=(MOE if experts else MLP,) * len(common["layer_types"]),
