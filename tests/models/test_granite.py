@@ -211,3 +211,14 @@ def test_tp2_gives_transformers_tokens(granite):
     path, _, prompts, hf = granite
     with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
         assert _tokens(llm, prompts) == hf
+
+
+def test_tight_memory_preempts_with_transformers_tokens(granite):
+    """20 KV blocks of 4 tokens for 4 requests of up to 65 tokens, prefix caching on: requests are
+    preempted and resumed, and the tokens are still transformers'."""
+    path, _, prompts, hf = granite
+    llm = LLM(path, device="cpu", max_model_len=72, kv_block_size=4, num_kv_blocks=20, num_slots=8,
+              max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=True,
+              prefix_checkpoint_interval=4)
+    assert _tokens(llm, prompts) == hf
+    assert llm.get_metrics()["num_preemptions"] > 0
