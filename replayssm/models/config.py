@@ -85,8 +85,6 @@ class ModelConfig:
     # the feed-forward ffn_types[i] (mlp or moe), each pre-normed with its own residual. Empty for
     # one-part layers (one mixer per layer).
     ffn_types: tuple[str, ...] = ()
-    # Feed-forward act(gate) * up, gate and up stacked in one projection (Granite's input_linear)
-    mlp_gated: bool = False
     router: str = "sigmoid_grouped"
     # muP multipliers (Granite): embeddings are scaled by embedding_multiplier, every sub-block
     # output by residual_multiplier before its residual add, logits divided by logits_scaling;

@@ -80,7 +80,6 @@ def _common(raw: dict, source: str, arch: str) -> dict[str, Any]:
         head_dim=head_dim,
         attention_bias=f("attention_bias", default=False, kind=bool),
         mlp_act="silu",
-        mlp_gated=True,
         eos_token_ids=_eos(raw, source),
         bos_token_id=f("bos_token_id", default=None),
     )

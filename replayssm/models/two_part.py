@@ -14,7 +14,7 @@ Mamba-2 mixers own the caches and ReplaySSM, unchanged), `compute_logits`. Our m
 follow the checkpoint's except the mixer (`mamba` / `self_attn` -> `mixer`) and the top level
 (`embed_tokens` -> `embeddings`, `norm` -> `norm_f`); `checkpoint_name` maps them.
 Under tensor parallelism the mixers hold their rank's shard and the block all-reduces their
-output; the feed-forward is replicated on every rank (no sharding rules for it yet).
+output; the feed-forward is replicated on every rank, so its output needs no all-reduce.
 """
 
 from __future__ import annotations

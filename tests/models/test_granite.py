@@ -88,7 +88,7 @@ def test_published_config_fields():
     """granite-4.0-h-small's config.json: Mamba/attention mixers, MoE + shared MLP per layer, multipliers."""
     cfg = ModelConfig.from_hf(PUBLISHED_SMALL)
     assert cfg.layer_types.count(ATTENTION) == 4 and cfg.layer_types.count(MAMBA) == 36
-    assert cfg.ffn_types == (MOE,) * 40 and cfg.router == "softmax_topk" and cfg.mlp_gated
+    assert cfg.ffn_types == (MOE,) * 40 and cfg.router == "softmax_topk"
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (72, 10, 768)
     assert cfg.intermediate_size == cfg.moe_shared_intermediate_size == 1536
     mamba = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups)

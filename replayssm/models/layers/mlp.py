@@ -6,7 +6,7 @@ on scores + e_score_correction_bias restricted to the best `topk_group` of `n_gr
 optionally normalized, times `routed_scaling_factor`; routed experts are up -> act -> down
 with no gate; shared experts see the block input; an optional latent projection wraps the
 routed experts only. Granite's routing (`SoftmaxTopkRouter`) and gated experts
-(`Experts(gated=True)`) are here too; its MoE block is in models/two_part.py.
+(`Experts(gated_act=True)`) are here too; its MoE block is in models/two_part.py.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def gated(act):
 class Experts(nn.Module):
     """Routed experts as stacked weights: up_proj (E, I, in), down_proj (E, in, I).
 
-    gated: up_proj (E, 2I, in) holds rows [gate | up] and the expert computes act(gate) * up
+    gated_act: up_proj (E, 2I, in) holds rows [gate | up] and the expert computes act(gate) * up
     (Granite's input_linear).
     """
 
