@@ -1,8 +1,10 @@
 """End-to-end engine benchmark: ``replayssm bench`` (or ``python3 benchmarks/bench_e2e.py``).
 
-Model: a Nemotron-H-8B-shaped config (hidden 4096, the 52-layer M/-/* pattern) with seeded
-random bf16 weights made on the device (``load_format="dummy"``: only a config.json is
-written), fp32 Mamba state, W=16. Every mode runs its settings in OFF, ON, ON, OFF order in
+Model: a Nemotron-H-8B-shaped config (hidden 4096, the 52-layer M/-/* pattern; or, with
+``--model-shape granite-4.0-h-small``, the published Granite 4.0-H Small: 40 layers of Mamba-2 or
+attention each followed by 72-expert MoE + shared MLP, 32B parameters) with seeded random bf16
+weights made on the device (``load_format="dummy"``: only a config.json is written), fp32 Mamba
+state, W=16. Every mode runs its settings in OFF, ON, ON, OFF order in
 one process, so ON/OFF ratios come from one run with drift cancelled:
 
     (a) decode   OFF = ReplaySSM off, ON = ReplaySSM on; short prompts, long outputs
@@ -56,6 +58,32 @@ TINY = {
     "intermediate_size": 96, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "moe_shared_expert_intermediate_size": 32, "max_position_embeddings": 4096, "dtype": "float32",
 }
+# ibm-granite/granite-4.0-h-small's config.json (the fields that shape the model).
+GRANITE_4_H_SMALL = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "vocab_size": 100352,
+    "hidden_size": 4096, "num_hidden_layers": 40,
+    "layer_types": (["mamba"] * 5 + ["attention"] + ["mamba"] * 4) * 4,
+    "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+    "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "attention_bias": False, "hidden_act": "silu",
+    "num_local_experts": 72, "num_experts_per_tok": 10, "intermediate_size": 768,
+    "shared_intermediate_size": 1536, "embedding_multiplier": 12, "residual_multiplier": 0.22,
+    "attention_multiplier": 0.0078125, "logits_scaling": 16, "position_embedding_type": "nope",
+    "normalization_function": "rmsnorm", "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    "max_position_embeddings": 131072, "bos_token_id": 100257, "eos_token_id": 100257, "dtype": "bfloat16",
+}
+# The same structure at toy size for the CPU smoke run.
+TINY_GRANITE = {
+    **GRANITE_4_H_SMALL, "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "mamba"], "mamba_n_heads": 8, "mamba_d_head": 16,
+    "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 16, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+    "shared_intermediate_size": 48, "attention_multiplier": 0.0625, "max_position_embeddings": 4096,
+    "dtype": "float32",
+}
+# --model-shape: (full shape, its CPU smoke twin); the first is the default.
+MODEL_SHAPES = {"nemotron-h-8b": (NEMOTRON_H_8B, TINY),
+                "granite-4.0-h-small": (GRANITE_4_H_SMALL, TINY_GRANITE)}
 ORDER = ("off", "on", "on", "off")
 ACCEPTANCE_LENGTH = 3.1151
 TARGETS = {"a": 1.45, "b": 2.2, "c": 0.88}
@@ -123,15 +151,22 @@ def warmup_sizes(w: Workload) -> Workload:
                                turn_output=min(w.turn_output, cut))
 
 
-def h200_workload(scale: float = 1.0) -> Workload:
-    return Workload(NEMOTRON_H_8B, "cuda", "bfloat16").scaled(scale)
+def _shape(name: str) -> tuple[dict, dict]:
+    if name not in MODEL_SHAPES:
+        raise ValueError(f"--model-shape must be one of {sorted(MODEL_SHAPES)}, got {name!r}")
+    return MODEL_SHAPES[name]
 
 
-def quick_workload() -> Workload:
+def h200_workload(scale: float = 1.0, model_shape: str = "nemotron-h-8b") -> Workload:
+    return Workload(_shape(model_shape)[0], "cuda", "bfloat16").scaled(scale)
+
+
+def quick_workload(model_shape: str = "nemotron-h-8b") -> Workload:
     """The CPU smoke run: every mode's code path on a tiny model, one spec batch, no warm-ups (nothing
     to compile on the CPU), outputs just past one replay window so ring flushes run."""
-    return Workload(TINY, "cpu", "float32", decode_batch=4, decode_prompt=5, decode_output=6,
-                    spec_batches=(4,), spec_prompt=5, spec_output=6, spec_max_num_batched_tokens=64,
+    return Workload(_shape(model_shape)[1], "cpu", "float32", decode_batch=4, decode_prompt=5,
+                    decode_output=6, spec_batches=(4,), spec_prompt=5, spec_output=6,
+                    spec_max_num_batched_tokens=64,
                     conversations=2, shared_context=24, turns=2, turn_input=6, turn_output=3,
                     max_num_batched_tokens=64, kv_block_size=4, window=4, warmup=False, smoke=True)
 

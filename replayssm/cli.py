@@ -128,6 +128,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke run of the code paths: a tiny model and workload, about 20 s; "
                         "its numbers are not a speed measurement")
+    parser.add_argument("--model-shape", default="nemotron-h-8b",
+                        help="published model shape, dummy weights: nemotron-h-8b (default) or "
+                        "granite-4.0-h-small (32B MoE; with --quick, a toy model of the same structure)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")
     parser.add_argument("--modes", default="abc",
@@ -229,9 +232,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if not args.modes or set(args.modes) - set("abc"):
         raise ValueError(f"--modes must be letters among a, b, c, got {args.modes!r}")
     if args.quick:
-        workload = bench.quick_workload().scaled(args.scale)
+        workload = bench.quick_workload(args.model_shape).scaled(args.scale)
     elif torch.cuda.is_available():
-        workload = bench.h200_workload(args.scale)
+        workload = bench.h200_workload(args.scale, args.model_shape)
     else:
         raise ValueError("the full benchmark needs a CUDA GPU; use --quick for the CPU smoke run")
     sizes = {f: getattr(args, f) for f in ("shared_context", "turns", "turn_input", "turn_output")}

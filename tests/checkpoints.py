@@ -21,6 +21,8 @@ import torch
 # Every layer kind, two attention layers, two MoE layers, Mamba layers at both ends. Given as
 # the pattern string, which every transformers version accepts (M mamba, * attention, - mlp, E moe).
 NEMOTRON_H_PATTERN = "M*EM-*ME"
+# Granite 4.0-H: Mamba and attention mixers (each layer then runs its MoE + shared MLP).
+GRANITE_LAYERS = ["mamba", "attention", "mamba", "mamba", "attention", "mamba"]
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -133,13 +135,41 @@ def tiny_mamba2(path: str | Path, seed: int = 0, max_shard_size: str | None = No
     return model
 
 
+def tiny_granite_hybrid(path: str | Path, seed: int = 0, **overrides):
+    """Write a tiny GraniteMoeHybridForCausalLM to `path`; returns the transformers model (eval, fp32).
+
+    Scaled down from ibm-granite/granite-4.0-h-small with every structural field kept: Mamba and
+    attention layers, 2 Mamba groups, GQA, routed experts (softmax top-2) plus the shared MLP, tied
+    embeddings, NoPE, and muP multipliers that are not 1 (attention_multiplier is not
+    head_dim ** -0.5). `num_local_experts=0` gives the dense (granite-4.0-h-micro) layout.
+    """
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    fields = dict(
+        vocab_size=256, hidden_size=64, layer_types=GRANITE_LAYERS, num_hidden_layers=len(GRANITE_LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=48,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+        logits_scaling=4.0, position_embedding_type="nope", tie_word_embeddings=True, rms_norm_eps=1e-5,
+        max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    )
+    fields.update(overrides)
+    config = GraniteMoeHybridConfig(**fields)
+    torch.manual_seed(seed)
+    model = GraniteMoeHybridForCausalLM(config).eval()
+    _randomize(model, seed)
+    model.save_pretrained(str(path))
+    return model
+
+
 @functools.cache
 def cached_checkpoint(kind: str, seed: int = 0, **overrides) -> tuple[str, torch.nn.Module]:
     """Write a tiny checkpoint once per test process; returns (directory, transformers model).
 
-    kind: "nemotron_h" or "mamba2". The directory is removed at exit; do not modify it.
+    kind: "nemotron_h", "mamba2" or "granite_hybrid". The directory is removed at exit; do not modify it.
     """
-    makers = {"nemotron_h": tiny_nemotron_h, "mamba2": tiny_mamba2}
+    makers = {"nemotron_h": tiny_nemotron_h, "mamba2": tiny_mamba2, "granite_hybrid": tiny_granite_hybrid}
     if kind not in makers:
         raise ValueError(f"kind must be one of {sorted(makers)}, got {kind!r}")
     root = tempfile.mkdtemp(prefix=f"replayssm-{kind}-")

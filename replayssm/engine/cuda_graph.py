@@ -31,7 +31,6 @@ import torch
 
 from replayssm.engine.batch_inputs import BatchInputs
 from replayssm.engine.context import AttentionMetadata, ForwardContext, MambaMetadata
-from replayssm.models.config import MOE
 
 Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]  # graph, its logits and hidden outputs
 # Mamba metadata a graph step may carry; any other field (e.g. prefill publication) must be None.
@@ -54,7 +53,7 @@ def graphs_supported(runner) -> str | None:
         return "CUDA graphs need state_dtype float32 (rounding seeds would freeze in the graph)"
     if getattr(getattr(runner, "tp", None), "size", 1) > 1:
         return "CUDA graphs are not wired for tensor parallelism"
-    if MOE in runner.model_config.layer_types and runner.dtype != torch.bfloat16:
+    if runner.model_config.has_moe and runner.dtype != torch.bfloat16:
         return "CUDA graphs with MoE layers need bfloat16 (the sync-free grouped GEMM)"
     try:
         import triton  # noqa: F401  (the graph path needs the Triton decode kernels)

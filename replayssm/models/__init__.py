@@ -9,6 +9,7 @@ from replayssm.models.config import ModelConfig
 MODEL_REGISTRY = {
     "NemotronHForCausalLM": ("replayssm.models.hybrid", "HybridForCausalLM"),
     "Mamba2ForCausalLM": ("replayssm.models.hybrid", "HybridForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("replayssm.models.two_part", "TwoPartForCausalLM"),
 }
 
 

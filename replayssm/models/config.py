@@ -3,7 +3,8 @@
 Every model, cache and planner reads these plain fields, never the raw HF dict. Supported
 architectures: `NemotronHForCausalLM` (Mamba-2 + attention + MLP + MoE layers, any
 transformers version: `layers_block_type` or `hybrid_override_pattern`, legacy and current
-layer names) and `Mamba2ForCausalLM` (pure Mamba-2).
+layer names), `Mamba2ForCausalLM` (pure Mamba-2), and the two-part families read by
+config_two_part.py: `GraniteMoeHybridForCausalLM` (Granite 4.0-H).
 """
 
 from __future__ import annotations
@@ -15,19 +16,19 @@ from typing import Any
 
 import torch
 
-MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
-LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE)
+from replayssm.models.config_fields import ATTENTION, LAYER_TYPES, MAMBA, MLP, MOE
+from replayssm.models.config_fields import dtype_of as _dtype
+from replayssm.models.config_fields import eos_ids as _eos
+from replayssm.models.config_fields import field as _field
+from replayssm.models.config_fields import layer_list as _layer_list
+from replayssm.models.config_two_part import GRANITE, two_part_fields
 
-# Every spelling of a Nemotron-H layer kind across transformers versions and remote code.
-_LAYER_NAMES = {
-    "M": MAMBA, "mamba": MAMBA, "linear_attention": MAMBA,
-    "*": ATTENTION, "attention": ATTENTION, "full_attention": ATTENTION,
-    "-": MLP, "mlp": MLP,
-    "E": MOE, "moe": MOE,
-}
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM")
+TWO_PART_ARCHITECTURES = (GRANITE,)
+ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES)
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu")
+# MoE routers: Nemotron-H's sigmoid scores with grouped top-k and a correction bias; Granite's
+# softmax over the top-k router logits.
+ROUTERS = ("sigmoid_grouped", "softmax_topk")
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,18 @@ class ModelConfig:
     # Multi-token prediction (loaded later; recorded now)
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()
+    # Two-part layers (Granite 4.0-H): layer i is mixer layer_types[i] (mamba or attention), then
+    # the feed-forward ffn_types[i] (mlp or moe), each pre-normed with its own residual. Empty for
+    # one-part layers (one mixer per layer).
+    ffn_types: tuple[str, ...] = ()
+    router: str = "sigmoid_grouped"
+    # muP multipliers (Granite): embeddings are scaled by embedding_multiplier, every sub-block
+    # output by residual_multiplier before its residual add, logits divided by logits_scaling;
+    # attention_scale is the softmax scale (0: head_dim ** -0.5).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float = 0.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -106,9 +119,32 @@ class ModelConfig:
                              f"and at most head_dim={self.head_dim}")
         if self.mlp_act not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_hidden_act {self.mlp_act!r} is not one of {MLP_ACTIVATIONS}")
+        if self.architecture in TWO_PART_ARCHITECTURES:
+            if set(self.layer_types) - {MAMBA, ATTENTION}:
+                raise ValueError(f"layer_types of {self.architecture} must be mamba or attention, "
+                                 f"got {sorted(set(self.layer_types))}")
+            if len(self.ffn_types) != len(self.layer_types) or set(self.ffn_types) - {MLP, MOE}:
+                raise ValueError(f"ffn_types must give mlp or moe for each of the {self.num_layers} layers, "
+                                 f"got {self.ffn_types}")
+        elif self.ffn_types:
+            raise ValueError(f"ffn_types is for two-part architectures {TWO_PART_ARCHITECTURES}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router {self.router!r} is not one of {ROUTERS}")
+        if self.has_moe and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the "
+                             f"{self.num_experts} experts")
         if MOE in self.layer_types and self.num_experts % self.n_group:
             raise ValueError(f"n_routed_experts={self.num_experts} is not a multiple of "
                              f"n_group={self.n_group}")
+
+    @property
+    def block_kinds(self) -> frozenset[str]:
+        """Every sub-block kind the model holds (mixers and feed-forwards)."""
+        return frozenset(self.layer_types) | frozenset(self.ffn_types)
+
+    @property
+    def has_moe(self) -> bool:
+        return MOE in self.block_kinds
 
     @property
     def num_layers(self) -> int:
@@ -150,50 +186,6 @@ class ModelConfig:
         return _parse(raw, str(file))
 
 
-def _field(raw: dict, source: str, *names: str, default: Any = ..., kind: type = int) -> Any:
-    """The first present field among `names` (aliases across versions), type-checked."""
-    for name in names:
-        if raw.get(name) is not None:
-            value = raw[name]
-            if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if kind is int and isinstance(value, bool):
-                raise ValueError(f"{source}: field {name!r} must be an integer, got {value!r}")
-            if not isinstance(value, kind):
-                raise ValueError(f"{source}: field {name!r} must be {kind.__name__}, got {value!r}")
-            return value
-    if default is ...:
-        raise ValueError(f"{source}: missing field {names[0]!r}")
-    return default
-
-
-def _layer_list(value: Any, source: str, name: str) -> tuple[str, ...]:
-    items = list(value) if isinstance(value, (list, str)) else None
-    if not items:
-        raise ValueError(f"{source}: field {name!r} must be a non-empty list or pattern, got {value!r}")
-    unknown = [t for t in items if t not in _LAYER_NAMES]
-    if unknown:
-        raise ValueError(f"{source}: field {name!r} has unknown layer types {sorted(set(unknown))}")
-    return tuple(_LAYER_NAMES[t] for t in items)
-
-
-def _dtype(raw: dict, source: str) -> torch.dtype:
-    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"{source}: field 'dtype' must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
-
-
-def _eos(raw: dict, source: str) -> tuple[int, ...]:
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        return ()
-    ids = eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"{source}: field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
-    return tuple(ids)
-
-
 def _parse(raw: dict, source: str) -> ModelConfig:
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs:
@@ -201,6 +193,8 @@ def _parse(raw: dict, source: str) -> ModelConfig:
     arch = archs[0]
     if arch not in ARCHITECTURES:
         raise ValueError(f"{source}: field 'architectures' names {arch!r}; supported: {ARCHITECTURES}")
+    if arch in TWO_PART_ARCHITECTURES:
+        return ModelConfig(**two_part_fields(raw, source, arch))
     f = lambda *names, **kw: _field(raw, source, *names, **kw)  # noqa: E731
     if f("mamba_hidden_act", "hidden_act", default="silu", kind=str) != "silu":
         raise ValueError(f"{source}: field 'mamba_hidden_act' must be 'silu'")

@@ -1,7 +1,8 @@
 """Load a Hugging Face checkpoint (config.json + safetensors, single file or sharded) into a model.
 
-Checkpoint names map one to one onto our modules after three normalizations, which cover the
-names written by every transformers version and by NVIDIA's remote code:
+Checkpoint names map one to one onto our modules. A model class may name its own mapping
+(`checkpoint_name`, e.g. models/two_part.py); the default covers the names written by every
+transformers version and by NVIDIA's remote code with three normalizations:
   - the `model.` or `backbone.` prefix is dropped; legacy Mamba-2 `embedding.` -> `embeddings.`;
   - per-expert MoE weights `experts.{e}.up_proj.weight` fill row e of the stacked `experts.up_proj`;
   - multi-token-prediction weights (`mtp.*`) are skipped here; the MTP drafter
@@ -145,5 +146,5 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         init_dummy_weights(model)
     else:
         read = _read_whole if tp.size == 1 else functools.partial(read_shard, config, tp)
-        load_weights(model, path, read=read)
+        load_weights(model, path, rename=getattr(model, "checkpoint_name", None), read=read)
     return model.eval().requires_grad_(False), config

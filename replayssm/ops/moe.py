@@ -2,8 +2,9 @@
 
     expert_mlp(x, up_proj, down_proj, group_ends, act) -> h
   x (M, in) the assignments' inputs, grouped by expert (expert 0's rows first); up_proj
-  (E, I, in), down_proj (E, in, I); group_ends (E,) int: cumulative row counts, expert e owns
-  rows [group_ends[e-1], group_ends[e]). Returns h (M, in) in x.dtype with
+  (E, I, in), down_proj (E, in, I) or, for a gated act that halves the width (act(gate) * up
+  with up_proj's rows [gate | up]), (E, in, I / 2); group_ends (E,) int: cumulative row counts,
+  expert e owns rows [group_ends[e-1], group_ends[e]). Returns h (M, in) in x.dtype with
   h[r] = down_proj[e] @ act(up_proj[e] @ x[r]).
 
 The group sizes depend on the routing, so a per-expert loop must read them on the host every
@@ -35,11 +36,12 @@ def expert_mlp(x: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor, 
     E, I, in_dim = up_proj.shape
     if x.dim() != 2 or x.shape[1] != in_dim:
         raise ValueError(f"x must be (M, {in_dim}), got {tuple(x.shape)}")
-    if down_proj.shape != (E, in_dim, I):
-        raise ValueError(f"down_proj must be ({E}, {in_dim}, {I}), got {tuple(down_proj.shape)}")
+    if down_proj.shape not in ((E, in_dim, I), (E, in_dim, I // 2)):
+        raise ValueError(f"down_proj must be ({E}, {in_dim}, {I}) or, gated, ({E}, {in_dim}, {I // 2}), "
+                         f"got {tuple(down_proj.shape)}")
     if group_ends.shape != (E,):
         raise ValueError(f"group_ends must be ({E},), got {tuple(group_ends.shape)}")
-    if _grouped_gemm_ok(x, up_proj):
+    if _grouped_gemm_ok(x, up_proj) and down_proj.shape[-1] % 8 == 0:
         ends = group_ends.to(torch.int32)
         h = torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=ends)
         return torch._grouped_mm(act(h), down_proj.transpose(-2, -1), offs=ends)

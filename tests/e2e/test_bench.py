@@ -224,3 +224,22 @@ def test_bench_quick_without_out_leaves_the_checkout_results_alone(tmp_path, cap
     assert json.loads((made / "e2e.json").read_text())["rows"]
     assert str(made) in capsys.readouterr().err
     assert (results.stat().st_mtime_ns if results.exists() else None) == before
+
+
+def test_bench_granite_model_shape(tmp_path, capsys):
+    """--model-shape granite-4.0-h-small runs the modes on a toy Granite 4.0-H (its config recorded); the
+    full shape builds as a 32B-parameter model; an unknown shape is refused naming the flag."""
+    from replayssm.cli import _load_benchmark
+    from replayssm.models.config import ModelConfig
+    from replayssm.models.dummy import parameter_bytes
+
+    assert main(["bench", "--quick", "--model-shape", "granite-4.0-h-small", "--modes", "ab",
+                 "--scale", "0.5", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["workload"]["config"]["architectures"] == ["GraniteMoeHybridForCausalLM"]
+    assert sorted({r["mode"] for r in doc["rows"]}) == ["a", "b"]
+    assert all(r["output_tokens"] > 0 for r in doc["rows"])
+    full = ModelConfig.from_hf(_load_benchmark("bench_e2e").GRANITE_4_H_SMALL)
+    assert 31e9 < parameter_bytes(full) / 2 < 33e9
+    assert main(["bench", "--quick", "--model-shape", "llama-7b", "--out", str(tmp_path / "x")]) == 2
+    assert "--model-shape must be one of" in capsys.readouterr().err

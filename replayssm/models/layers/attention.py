@@ -26,6 +26,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.scale = cfg.attention_scale or self.head_dim ** -0.5  # Granite: its attention_multiplier
         kw = dict(bias=cfg.attention_bias, device=device, dtype=dtype)
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, **kw)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
@@ -44,6 +45,6 @@ class Attention(nn.Module):
         md = ctx.attn
         store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.block_tables, md.context_lens,
-                            scale=self.head_dim ** -0.5, max_query_len=md.max_query_len,
+                            scale=self.scale, max_query_len=md.max_query_len,
                             max_context_len=md.max_context_len)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

@@ -5,7 +5,8 @@ on scores + e_score_correction_bias restricted to the best `topk_group` of `n_gr
 (a group scores as the sum of its two best experts), weights from the uncorrected scores,
 optionally normalized, times `routed_scaling_factor`; routed experts are up -> act -> down
 with no gate; shared experts see the block input; an optional latent projection wraps the
-routed experts only.
+routed experts only. Granite's routing (`SoftmaxTopkRouter`) and gated experts
+(`Experts(gated_act=True)`) are here too; its MoE block is in models/two_part.py.
 """
 
 from __future__ import annotations
@@ -65,16 +66,45 @@ class TopkRouter(nn.Module):
         return weights * self.scaling, ids
 
 
+class SoftmaxTopkRouter(nn.Module):
+    """Granite: the k largest router logits (fp32 from the model-dtype product), softmax over those k,
+    weights rounded to the model dtype as transformers does."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype))
+        self.top_k = cfg.num_experts_per_tok
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> (weights (T, k), expert ids (T, k) int64)."""
+        logits = F.linear(x, self.weight).float()
+        top, ids = logits.topk(self.top_k, dim=-1)
+        return top.softmax(dim=-1).to(x.dtype), ids
+
+
+def gated(act):
+    """act(gate) * up for h = [gate | up] along the last dimension."""
+    def gated_act(h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return act(gate) * up
+    return gated_act
+
+
 class Experts(nn.Module):
-    """Routed experts as stacked weights: up_proj (E, I, in), down_proj (E, in, I)."""
+    """Routed experts as stacked weights: up_proj (E, I, in), down_proj (E, in, I).
+
+    gated_act: up_proj (E, 2I, in) holds rows [gate | up] and the expert computes act(gate) * up
+    (Granite's input_linear).
+    """
 
     def __init__(self, num_experts: int, in_dim: int, intermediate: int, act: str, *,
-                 device=None, dtype=None) -> None:
+                 gated_act: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, in_dim, **kw))
+        rows = 2 * intermediate if gated_act else intermediate
+        self.up_proj = nn.Parameter(torch.empty(num_experts, rows, in_dim, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, in_dim, intermediate, **kw))
-        self.act = ACTIVATIONS[act]
+        self.act = gated(ACTIVATIONS[act]) if gated_act else ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, in); weights, ids (T, k). Weighted sum over each token's experts, accumulated in fp32.

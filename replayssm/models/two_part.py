@@ -1,0 +1,154 @@
+"""Two-part hybrid decoders (Granite 4.0-H): each layer is a mixer sub-block, then a feed-forward one.
+
+    h = embed(ids) * embedding_multiplier
+    per layer i:  h = h + residual_multiplier * mixer(input_layernorm(h))     Mamba-2 or attention
+                  h = h + residual_multiplier * ffn(post_attention_layernorm(h))
+    logits = lm_head(norm_f(h)) / logits_scaling
+
+Granite's ffn is its shared gated MLP, plus the routed experts (softmax top-k router) when the
+config has any. Attention has no positional encoding and takes attention_multiplier as its
+softmax scale. Norms cast before the weight, as transformers' GraniteMoeHybridRMSNorm does.
+
+The engine sees the same interface as models/hybrid.py: `layers[i].kind` and `.mixer` (the
+Mamba-2 mixers own the caches and ReplaySSM, unchanged), `compute_logits`. Our module names
+follow the checkpoint's except the mixer (`mamba` / `self_attn` -> `mixer`) and the top level
+(`embed_tokens` -> `embeddings`, `norm` -> `norm_f`); `checkpoint_name` maps them.
+Under tensor parallelism the mixers hold their rank's shard and the block all-reduces their
+output; the feed-forward is replicated on every rank, so its output needs no all-reduce.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.distributed.sharding import local_config
+from replayssm.models.config import ATTENTION, MAMBA, MOE, ModelConfig
+from replayssm.models.layers.attention import Attention
+from replayssm.models.layers.mamba2 import Mamba2Mixer
+from replayssm.models.layers.mlp import ACTIVATIONS, Experts, SoftmaxTopkRouter
+from replayssm.models.layers.norm import RMSNorm
+from replayssm.models.layers.vocab import VocabParallelEmbedding, parallel_logits
+
+# Checkpoint name (after the `model.` prefix) -> ours; the first matching rule applies, once.
+_RENAMES = (
+    (re.compile(r"^embed_tokens\."), "embeddings."),
+    (re.compile(r"^norm\."), "norm_f."),
+    (re.compile(r"^(layers\.\d+)\.(?:mamba|self_attn)\."), r"\1.mixer."),
+    # Granite's published MoE names, and the ones transformers 5 uses in memory.
+    (re.compile(r"\.block_sparse_moe\.(?:input_linear\.weight|experts\.gate_up_proj)$"),
+     ".block_sparse_moe.experts.up_proj"),
+    (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".block_sparse_moe.experts.down_proj"),
+    (re.compile(r"\.block_sparse_moe\.router\.layer\.weight$"), ".block_sparse_moe.router.weight"),
+)
+
+
+def checkpoint_name(key: str) -> str:
+    """Checkpoint tensor name -> our parameter name."""
+    key = key.removeprefix("model.")
+    for pattern, repl in _RENAMES:
+        new, n = pattern.subn(repl, key)
+        if n:
+            return new
+    return key
+
+
+class GatedMLP(nn.Module):
+    """Granite's shared MLP: output_linear(act(gate) * up), input_linear's rows [gate | up]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.input_linear = nn.Linear(hidden_size, 2 * intermediate_size, **kw)
+        self.output_linear = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        return self.output_linear(self.act(gate) * up)
+
+
+class GraniteMoE(nn.Module):
+    """Routed experts of one Granite layer (the shared MLP is the block's `shared_mlp`)."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.router = SoftmaxTopkRouter(cfg, device=device, dtype=dtype)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.mlp_act,
+                               gated_act=True, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        return self.experts(x, weights, ids)
+
+
+class TwoPartBlock(nn.Module):
+    """h <- h + m * mixer(norm(h)); h <- h + m * ffn(norm(h)) (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, ffn_kind: str, index_of_kind: int, *, device=None,
+                 dtype=None, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.kind = kind
+        self.tp = tp
+        self.residual_multiplier = cfg.residual_multiplier
+        kw = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(cfg, index_of_kind, tp=tp, **kw)
+        else:
+            assert kind == ATTENTION, kind
+            self.mixer = Attention(local_config(cfg, tp.size), index_of_kind, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
+        self.shared_mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, **kw)
+        self.block_sparse_moe = GraniteMoE(cfg, **kw) if ffn_kind == MOE else None
+
+    def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
+        m = self.residual_multiplier
+        h = h + self.tp.all_reduce(self.mixer(self.input_layernorm(h), ctx)) * m
+        x = self.post_attention_layernorm(h)
+        y = self.shared_mlp(x)
+        if self.block_sparse_moe is not None:
+            y = self.block_sparse_moe(x) + y
+        return h + y * m
+
+
+class TwoPartForCausalLM(nn.Module):
+    """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them."""
+
+    checkpoint_name = staticmethod(checkpoint_name)
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.dtype = dtype or cfg.dtype
+        kw = dict(device=device, dtype=self.dtype)
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, **kw)
+        counts = {MAMBA: 0, ATTENTION: 0}
+        blocks = []
+        for kind, ffn_kind in zip(cfg.layer_types, cfg.ffn_types):
+            blocks.append(TwoPartBlock(cfg, kind, ffn_kind, counts[kind], tp=tp, **kw))
+            counts[kind] += 1
+        self.layers = nn.ModuleList(blocks)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
+        rows = self.embeddings.weight.shape[0]  # this rank's vocab rows
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, **kw)
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """input_ids (T,) int64 -> final hidden states (T, hidden) before the final norm."""
+        h = self.embeddings(input_ids) * self.config.embedding_multiplier
+        for block in self.layers:
+            h = block(h, ctx)
+        return h
+
+    def compute_logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """h (n, hidden) -> logits (n, vocab) / logits_scaling, divided in the weight's dtype as
+        transformers does; fp32 (fp32=False: the weight's dtype)."""
+        weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
+        logits = parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp, fp32=False)
+        logits = logits / self.config.logits_scaling
+        return logits.float() if fp32 else logits

@@ -1,0 +1,261 @@
+"""Granite 4.0-H (GraniteMoeHybridForCausalLM) on the engine, against transformers on tiny checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from checkpoints import cached_checkpoint, hf_greedy, random_prompts
+from conftest import requires_cuda
+from safetensors.torch import load_file, save_file
+
+from replayssm import LLM, SamplingParams
+from replayssm.engine.model_runner import ModelRunner, ScheduledRow
+from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
+from replayssm.models.loader import load_model, load_weights
+from replayssm.models.two_part import TwoPartForCausalLM
+
+# Tokens stay diverse under tied embeddings when the residual branch outweighs the embedding.
+MULTIPLIERS = dict(embedding_multiplier=0.5, residual_multiplier=1.5)
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+# The fields of ibm-granite/granite-4.0-h-small's config.json that shape the model.
+PUBLISHED_SMALL = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+    "attention_bias": False, "attention_dropout": 0.0, "attention_multiplier": 0.0078125,
+    "bos_token_id": 100257, "eos_token_id": 100257, "pad_token_id": 100256, "embedding_multiplier": 12,
+    "hidden_act": "silu", "hidden_size": 4096, "init_method": "mup", "intermediate_size": 768,
+    "layer_types": (["mamba"] * 5 + ["attention"] + ["mamba"] * 4) * 4,
+    "logits_scaling": 16, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_d_conv": 4,
+    "mamba_d_head": 64, "mamba_d_state": 128, "mamba_expand": 2, "mamba_n_groups": 1, "mamba_n_heads": 128,
+    "mamba_proj_bias": False, "max_position_embeddings": 131072, "normalization_function": "rmsnorm",
+    "num_attention_heads": 32, "num_experts_per_tok": 10, "num_hidden_layers": 40, "num_key_value_heads": 8,
+    "num_local_experts": 72, "output_router_logits": False, "position_embedding_type": "nope",
+    "residual_multiplier": 0.22, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000,
+    "router_aux_loss_coef": 0.0, "shared_intermediate_size": 1536, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 100352,
+}
+
+
+def _checkpoint(**overrides):
+    return cached_checkpoint("granite_hybrid", **{**MULTIPLIERS, **overrides})
+
+
+def _prompts():
+    return random_prompts((5, 17, 33, 9), seed=1234)
+
+
+@pytest.fixture(scope="module")
+def granite():
+    """(path, transformers model, prompts, transformers greedy tokens)."""
+    path, hf = _checkpoint()
+    return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
+
+
+def _llm(path, **kw):
+    return LLM(path, device="cpu", max_model_len=128, **kw)
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _our_logits(path, cfg=None):
+    """Our model's full-sequence logits for three prompts, packed in one varlen prefill."""
+    runner = ModelRunner(path, num_kv_blocks=24, kv_block_size=4, num_slots=6, device="cpu")
+    if cfg is not None:  # same weights, edited config
+        model = TwoPartForCausalLM(cfg, dtype=torch.float32)
+        load_weights(model, path, rename=model.checkpoint_name)
+        runner.model = model.eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (21, 5, 13)]
+    rows = [ScheduledRow(p, 0, list(range(8 * i, 8 * i + 6)), slot, True, num_logits=len(p))
+            for i, (p, slot) in enumerate(zip(prompts, [4, 0, 2]))]
+    logits = runner.execute(rows)
+    runner.commit(rows, [1] * 3)
+    return logits, prompts
+
+
+def _hf_logits(hf, prompts):
+    with torch.no_grad():
+        return torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+
+
+def test_published_config_fields():
+    """granite-4.0-h-small's config.json: Mamba/attention mixers, MoE + shared MLP per layer, multipliers."""
+    cfg = ModelConfig.from_hf(PUBLISHED_SMALL)
+    assert cfg.layer_types.count(ATTENTION) == 4 and cfg.layer_types.count(MAMBA) == 36
+    assert cfg.ffn_types == (MOE,) * 40 and cfg.router == "softmax_topk"
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (72, 10, 768)
+    assert cfg.intermediate_size == cfg.moe_shared_intermediate_size == 1536
+    mamba = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups)
+    assert mamba == (128, 64, 128, 1)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 128)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling) == (
+        12.0, 0.22, 0.0078125, 16.0)
+    assert cfg.tie_word_embeddings and cfg.dtype == torch.bfloat16 and cfg.eos_token_ids == (100257,)
+    dense = ModelConfig.from_hf(dict(PUBLISHED_SMALL, num_local_experts=0))
+    assert dense.ffn_types == (MLP,) * 40 and not dense.has_moe
+
+
+@pytest.mark.parametrize("edit, field", [
+    (dict(position_embedding_type="rope"), "position_embedding_type"),
+    (dict(time_step_limit=[0.001, 0.1]), "time_step_limit"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(normalization_function="layernorm"), "normalization_function"),
+    (dict(layer_types=["mamba", "moe"] * 20), "layer_types"),
+    (dict(num_hidden_layers=39), "num_hidden_layers"),
+    (dict(mamba_d_head=32), "mamba_d_head"),
+    (dict(num_local_experts=None), "num_local_experts"),
+])
+def test_unserved_fields_are_errors(edit, field):
+    """A field we do not implement, or an inconsistent one, is a ValueError naming it."""
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf(dict(PUBLISHED_SMALL, **edit))
+
+
+def test_transformers_infinity_spelling_is_accepted():
+    """time_step_limit as transformers writes it ([0.0, {"__float__": "Infinity"}]) is the no-op clamp."""
+    cfg = ModelConfig.from_hf(dict(PUBLISHED_SMALL, time_step_limit=[0.0, {"__float__": "Infinity"}]))
+    assert cfg == ModelConfig.from_hf(PUBLISHED_SMALL)
+
+
+@pytest.mark.parametrize("experts", [8, 0])
+def test_prefill_logits_match_transformers(experts):
+    """Packed varlen prefill gives transformers' logits at every position (MoE and dense layouts)."""
+    path, hf = _checkpoint(num_local_experts=experts)
+    logits, prompts = _our_logits(path)
+    torch.testing.assert_close(logits, _hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("field", ["embedding_multiplier", "residual_multiplier", "attention_scale",
+                                   "logits_scaling"])
+def test_each_multiplier_is_applied(field):
+    """Serving the same weights with one multiplier dropped (set to 1) moves the logits off transformers'."""
+    path, hf = _checkpoint()
+    cfg = ModelConfig.from_hf(path)
+    assert getattr(cfg, field) not in (0.0, 1.0)
+    logits, prompts = _our_logits(path, dataclasses.replace(cfg, **{field: 1.0}))
+    assert (logits - _hf_logits(hf, prompts)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("replayssm", [True, False])
+def test_greedy_matches_transformers(granite, replayssm):
+    """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
+    path, _, prompts, hf = granite
+    assert _tokens(_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
+
+
+def test_dense_layout_greedy_matches_transformers():
+    """num_local_experts = 0 (shared MLP only, as granite-4.0-h-micro): transformers' greedy tokens."""
+    path, hf = _checkpoint(num_local_experts=0)
+    assert _tokens(_llm(path), _prompts()) == hf_greedy(hf, _prompts(), NEW_TOKENS)
+
+
+def test_prefix_cache_hit_gives_transformers_tokens(granite):
+    """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
+    path, hf_model, prompts, _ = granite
+    llm = _llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
+    first, second = prompts[2], prompts[2] + prompts[0]
+    llm.generate([first], GREEDY, use_tqdm=False)
+    out = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == len(first) // 4 * 4 > 0
+    assert out.token_ids == hf_greedy(hf_model, [second], NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_gives_transformers_tokens(granite, method):
+    """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
+    path, _, prompts, hf = granite
+    kw = {"draft_model": path} if method == "draft" else {}
+    llm = _llm(path, num_speculative_tokens=3, speculative_method=method, **kw)
+    assert _tokens(llm, prompts) == hf
+    m = llm.get_metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
+def test_transformers5_tensor_names_load(tmp_path):
+    """transformers 5's in-memory names (experts.gate_up_proj, router.weight) load like the published ones."""
+    path, _ = _checkpoint()
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    file = tmp_path / "model.safetensors"
+    moe = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj",
+           "router.layer.weight": "router.weight"}
+    renamed = {}
+    for key, value in load_file(str(file)).items():
+        stem, sep, leaf = key.partition("block_sparse_moe.")
+        renamed[stem + sep + moe.get(leaf, leaf) if sep else key] = value
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in renamed
+    save_file(renamed, str(file), metadata={"format": "pt"})
+    ours, _ = load_model(tmp_path)
+    ref, _ = load_model(path)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), ref.state_dict().values()))
+
+
+def test_missing_tensor_is_named(tmp_path):
+    """A checkpoint without one expert tensor is a ValueError naming our parameter."""
+    path, _ = _checkpoint()
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    file = tmp_path / "model.safetensors"
+    weights = load_file(str(file))
+    del weights["model.layers.3.block_sparse_moe.output_linear.weight"]
+    save_file(weights, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.3\.block_sparse_moe\.experts\.down_proj"):
+        load_model(tmp_path)
+
+
+def test_tp2_gives_transformers_tokens(granite):
+    """Tensor parallelism over 2 ranks (gloo): mixers split by heads, feed-forward replicated; same tokens."""
+    path, _, prompts, hf = granite
+    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
+        assert _tokens(llm, prompts) == hf
+
+
+def test_tight_memory_preempts_with_transformers_tokens(granite):
+    """20 KV blocks of 4 tokens for 4 requests of up to 65 tokens, prefix caching on: requests are
+    preempted and resumed, and the tokens are still transformers'."""
+    path, _, prompts, hf = granite
+    llm = LLM(path, device="cpu", max_model_len=72, kv_block_size=4, num_kv_blocks=20, num_slots=8,
+              max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=True,
+              prefix_checkpoint_interval=4)
+    assert _tokens(llm, prompts) == hf
+    assert llm.get_metrics()["num_preemptions"] > 0
+
+
+def _decode_schedule(runner, q):
+    """Prefill 5 requests on permuted slots, then 6 decode/verify steps of q tokens over a shrinking,
+    reordered batch with varying acceptance; the logits of every step."""
+    slots, tables = [9, 2, 7, 0, 11], [[i * 8 + j for j in range(8)] for i in range(5)]
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(5)]
+    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
+    runner.execute(rows)
+    runner.commit(rows, [1] * 5)
+    pos, out = [len(p) for p in prompts], []
+    for step in range(6):
+        live = [i for i in (4, 0, 3, 1, 2) if i < 5 - step // 2]
+        rows = [ScheduledRow([(step * 13 + i) % 250 + 3] * q, pos[i], tables[i], slots[i], False,
+                             num_logits=q) for i in live]
+        out.append(runner.execute(rows).float().cpu())
+        accepted = [1 + (step + i) % q for i in live]
+        runner.commit(rows, accepted)
+        for i, a in zip(live, accepted):
+            pos[i] += a
+    return out
+
+
+@requires_cuda
+@pytest.mark.parametrize(("experts", "dtype"), [(8, "bfloat16"), (0, "float32")])
+def test_graph_steps_equal_eager(experts, dtype):
+    """CUDA graph verify steps (ReplaySSM, q = 3) equal the eager steps' logits: MoE (bf16), dense (fp32)."""
+    path, _ = _checkpoint(num_local_experts=experts)
+    kw = dict(device="cuda", dtype=dtype, num_slots=12, max_num_seqs=6, num_kv_blocks=40, kv_block_size=4,
+              num_speculative_tokens=2)
+    graph, eager = (ModelRunner(path, cuda_graphs=g, **kw) for g in (True, False))
+    got, want = _decode_schedule(graph, 3), _decode_schedule(eager, 3)
+    assert graph.graphs.num_replays == 6
+    tol = 2e-2 if dtype == "bfloat16" else 1e-3
+    for g, w in zip(got, want):
+        assert (g - w).norm() / w.norm() < tol
