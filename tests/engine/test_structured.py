@@ -86,6 +86,14 @@ def check_outputs(kind: str, outputs: list) -> None:
         assert any(json.loads(o.text) for o in done), [o.text for o in outputs]
 
 
+def _follows(kind: str, text: str) -> bool:
+    try:
+        check(kind, text)
+    except (AssertionError, ValueError):
+        return False
+    return True
+
+
 def params(kind: str | None, temperature: float, seed: int = 0) -> list[SamplingParams]:
     return [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=200,
                            structured=SPECS[kind] if kind else None) for i in range(len(PROMPTS))]
@@ -232,17 +240,20 @@ def test_verify_masks_follow_drafts_and_roll_back(llm):
 @requires_cuda
 def test_cuda_plain_and_interleaved_speculative():
     """On CUDA (async scheduling, graph replay): structured outputs follow their spec beside free rows,
-    plain and with interleaved n-gram verify steps; the free rows keep their own outputs, and alone
-    they still launch steps ahead."""
+    plain and with interleaved n-gram verify steps, and free rows alone still launch steps ahead. (That
+    free rows keep their own tokens beside structured ones is checked on the CPU: on the GPU a row's
+    logits move in the last bits with the batch's size, which can change a sampled token.)"""
     kw = dict(ENGINE, device="cuda", cuda_graphs=True)
     plain = LLM("demo", **kw)
     spec = LLM("demo", **kw, num_speculative_tokens=3, speculative_method="ngram")
     assert plain.engine.async_scheduling and spec.engine.interleave
     for llm in (plain, spec):
-        free = llm.generate(PROMPTS, params(None, 1.0, seed=10), use_tqdm=False)
+        llm.generate(PROMPTS, params(None, 1.0, seed=10), use_tqdm=False)  # alone: steps launch ahead
         for kind, temperature in (("json_schema", 0.0), ("regex", 1.0), ("json_object", 1.0)):
             outs = llm.generate(PROMPTS * 2, params(kind, temperature) + params(None, 1.0, seed=10),
                                 use_tqdm=False)
             check_outputs(kind, outs[: len(PROMPTS)])
-            assert [o.token_ids for o in outs[len(PROMPTS):]] == [o.token_ids for o in free]
+            mixed = outs[len(PROMPTS):]  # free rows beside structured ones: no grammar reaches them
+            assert any(o.finish_reason != "stop" for o in mixed) or not all(
+                _follows(kind, o.text) for o in mixed), [o.text for o in mixed]
     assert plain.get_metrics()["num_ahead_steps"] > 0
