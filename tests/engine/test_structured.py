@@ -249,7 +249,7 @@ def test_cuda_plain_and_interleaved_speculative():
     assert plain.engine.async_scheduling and spec.engine.interleave
     for llm in (plain, spec):
         llm.generate(PROMPTS, params(None, 1.0, seed=10), use_tqdm=False)  # alone: steps launch ahead
-        for kind, temperature in (("json_schema", 0.0), ("regex", 1.0), ("json_object", 1.0)):
+        for kind, temperature in (("json_schema", 0.0), ("regex", 1.0)):  # json_object: on the CPU
             outs = llm.generate(PROMPTS * 2, params(kind, temperature) + params(None, 1.0, seed=10),
                                 use_tqdm=False)
             check_outputs(kind, outs[: len(PROMPTS)])
