@@ -1,12 +1,15 @@
 """A bounded load test on loopback: 300 requests at concurrency 64 on the real demo engine, streaming
-and not, some with n=2, a random fifth of them dropped by their client. Zero 5xx, no request lost or
-hung, every gauge back to 0, and a greedy probe gives the same tokens before and after."""
+and not, some with n=2, some structured (a regex), a random fifth of them dropped by their client.
+Zero 5xx, no request lost or hung, structured outputs follow their regex, every gauge back to 0, and
+a greedy probe gives the same tokens before and after."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import random
+import re
 import time
 
 import httpx
@@ -23,6 +26,9 @@ CONCURRENCY = 64
 DEADLINE_S = 90.0  # the whole load; it takes ~15 s on a 2-core machine
 GAUGES = ("replayssm_num_requests_running", "replayssm_num_requests_waiting", "replayssm_kv_blocks_used",
           "replayssm_mamba_slots_used", "replayssm_kv_cache_usage_perc")
+# Structured requests need the `structured` extra (xgrammar); without it the load is plain only.
+STRUCTURED = importlib.util.find_spec("xgrammar") is not None
+REGEX = "[a-z]{1,8}"
 PROBE = {"model": "tiny", "prompt": [5, 17, 33, 60, 2, 9], "max_tokens": 24, "temperature": 0.0,
          "ignore_eos": True}
 
@@ -47,10 +53,14 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> dict:
     """One request: streaming or not, n 1 or 2; dropped by the client (connection closed) when
     `drop` is set, mid-stream or before the response."""
     stream, n, drop = rng.random() < 0.6, 2 if rng.random() < 0.15 else 1, rng.random() < 0.2
+    structured = STRUCTURED and rng.random() < 0.15
     body = {"model": "tiny", "prompt": [rng.randrange(4, 100) for _ in range(rng.randint(3, 40))],
-            "max_tokens": rng.randint(4, 40), "temperature": rng.choice([0.0, 1.0]), "seed": i, "n": n,
+            "max_tokens": rng.randint(10, 40), "temperature": rng.choice([0.0, 1.0]), "seed": i, "n": n,
             "ignore_eos": True, "stream": stream}
-    out = {"status": 0, "dropped": drop, "done": not stream, "finished": 0, "n": n}
+    if structured:  # finishes ("stop") once the regex is complete: at most 9 tokens
+        body["structured_outputs"] = {"regex": REGEX}
+    out = {"status": 0, "dropped": drop, "done": not stream, "finished": 0, "n": n, "structured": structured,
+           "texts": [""] * n}
     if not stream:
         request = client.post("/v1/completions", json=body)
         if drop:
@@ -61,7 +71,9 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> dict:
         else:
             r = await request
             out["status"] = r.status_code
-            out["finished"] = sum(c["finish_reason"] == "length" for c in r.json().get("choices", []))
+            choices = r.json().get("choices", [])
+            out["finished"] = sum(c["finish_reason"] in ("length", "stop") for c in choices)
+            out["texts"] = [c["text"] for c in sorted(choices, key=lambda c: c["index"])]
         return out
     drop_after = rng.randint(0, 3)
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -75,7 +87,9 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> dict:
             elif line.startswith("data: "):
                 event = json.loads(line[6:])
                 assert "error" not in event, event
-                out["finished"] += sum(c["finish_reason"] == "length" for c in event["choices"])
+                out["finished"] += sum(c["finish_reason"] in ("length", "stop") for c in event["choices"])
+                for c in event["choices"]:
+                    out["texts"][c["index"]] += c["text"]
                 chunks += 1
     return out
 
@@ -100,8 +114,9 @@ def _scrape(base_url: str) -> dict[str, float]:
 
 
 def test_load_with_drops_no_5xx_no_lost_requests_gauges_back_to_zero(server):
-    """300 requests at concurrency 64 with client drops: zero 5xx, every kept request completes, the
-    engine finishes every request it accepted, the gauges read 0 after, the greedy probe is unchanged."""
+    """300 requests at concurrency 64 with client drops, plain and structured: zero 5xx, every kept
+    request completes, structured ones follow their regex, the engine finishes every request it
+    accepted, the gauges read 0 after, the greedy probe is unchanged."""
     url = server.base_url
     probe = httpx.post(url + "/v1/completions", json=PROBE).json()["choices"][0]["text"]
     before = _scrape(url)
@@ -111,6 +126,9 @@ def test_load_with_drops_no_5xx_no_lost_requests_gauges_back_to_zero(server):
     kept = [r for r in results if not r["dropped"]]
     assert not [r for r in results if r["status"] >= 500]
     assert all(r["status"] == 200 and r["done"] and r["finished"] == r["n"] for r in kept)
+    structured = [t for r in kept if r["structured"] for t in r["texts"]]
+    assert len(structured) > 10 or not STRUCTURED
+    assert all(re.fullmatch(REGEX, t) for t in structured), structured
     assert sum(r["dropped"] for r in results) > 20
     wait_idle(server, timeout=30)
     assert server.engine_loop.num_in_flight == 0
