@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -61,10 +62,14 @@ def test_bench_serve_reports_and_writes_results(server, tmp_path, capsys):
     for key in ("ttft_ms", "itl_ms", "e2e_ms", "tpot_ms"):
         s = doc[key]
         assert 0 < s["median"] <= s["p90"] <= s["p99"], key
-    # At most one gap per token after the first (a token that decodes to no text sends no chunk).
+    # At most one gap per token after the first (several tokens may share a chunk).
     assert all(0 < len(r["itl"]) <= 7 for r in doc["requests"])
-    assert (tmp_path / "serve.png").stat().st_size > 0
-    assert "| TTFT |" in (tmp_path / "serve.md").read_text() and "| TTFT |" in capsys.readouterr().out
+    out = capsys.readouterr()
+    if importlib.util.find_spec("matplotlib") is None:  # the plot needs the [bench] extra, and says so
+        assert not (tmp_path / "serve.png").exists() and "pip install -e '.[bench]'" in out.err
+    else:
+        assert (tmp_path / "serve.png").stat().st_size > 0
+    assert "| TTFT |" in (tmp_path / "serve.md").read_text() and "| TTFT |" in out.out
 
 
 def test_bench_serve_poisson_text_chat(server, tmp_path):
