@@ -160,6 +160,13 @@ def test_ngram_speculation_gives_transformers_tokens(bamba):
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
 
 
+def test_tp2_gives_transformers_tokens(bamba):
+    """Tensor parallelism over 2 ranks (gloo): mixers split by heads, MLP replicated; same tokens."""
+    path, _, prompts, hf = bamba
+    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
+        assert _tokens(llm, prompts) == hf
+
+
 def _decode_schedule(runner, q):
     """Prefill 5 requests on permuted slots, then 6 decode/verify steps of q tokens over a shrinking,
     reordered batch with varying acceptance; the logits of every step."""
