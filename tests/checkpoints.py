@@ -23,6 +23,8 @@ import torch
 NEMOTRON_H_PATTERN = "M*EM-*ME"
 # Granite 4.0-H: Mamba and attention mixers (each layer then runs its MoE + shared MLP).
 GRANITE_LAYERS = ["mamba", "attention", "mamba", "mamba", "attention", "mamba"]
+# Bamba: the attention layers by index (Mamba-2 elsewhere), Mamba layers at both ends.
+BAMBA_ATTENTION = [1, 4]
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -163,13 +165,40 @@ def tiny_granite_hybrid(path: str | Path, seed: int = 0, **overrides):
     return model
 
 
+def tiny_bamba(path: str | Path, seed: int = 0, **overrides):
+    """Write a tiny BambaForCausalLM to `path`; returns the transformers model (eval, fp32).
+
+    Scaled down from ibm-ai-platform/Bamba-9B with every structural field kept (attention layers
+    by `attn_layer_indices`, GQA, partial RoPE on half of each head, untied embeddings, SwiGLU
+    MLP), and 2 Mamba groups so that the per-group gated norm differs from a whole-width one.
+    """
+    from transformers import BambaConfig, BambaForCausalLM
+
+    fields = dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=6, attn_layer_indices=BAMBA_ATTENTION,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8,
+        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=8, rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    )
+    fields.update(overrides)
+    config = BambaConfig(**fields)
+    torch.manual_seed(seed)
+    model = BambaForCausalLM(config).eval()
+    _randomize(model, seed)
+    model.save_pretrained(str(path))
+    return model
+
+
 @functools.cache
 def cached_checkpoint(kind: str, seed: int = 0, **overrides) -> tuple[str, torch.nn.Module]:
     """Write a tiny checkpoint once per test process; returns (directory, transformers model).
 
-    kind: "nemotron_h", "mamba2" or "granite_hybrid". The directory is removed at exit; do not modify it.
+    kind: "nemotron_h", "mamba2", "granite_hybrid" or "bamba". The directory is removed at exit; do not
+    modify it.
     """
-    makers = {"nemotron_h": tiny_nemotron_h, "mamba2": tiny_mamba2, "granite_hybrid": tiny_granite_hybrid}
+    makers = {"nemotron_h": tiny_nemotron_h, "mamba2": tiny_mamba2, "granite_hybrid": tiny_granite_hybrid,
+              "bamba": tiny_bamba}
     if kind not in makers:
         raise ValueError(f"kind must be one of {sorted(makers)}, got {kind!r}")
     root = tempfile.mkdtemp(prefix=f"replayssm-{kind}-")

@@ -4,7 +4,7 @@ Every model, cache and planner reads these plain fields, never the raw HF dict. 
 architectures: `NemotronHForCausalLM` (Mamba-2 + attention + MLP + MoE layers, any
 transformers version: `layers_block_type` or `hybrid_override_pattern`, legacy and current
 layer names), `Mamba2ForCausalLM` (pure Mamba-2), and the two-part families read by
-config_two_part.py: `GraniteMoeHybridForCausalLM` (Granite 4.0-H).
+config_two_part.py: `GraniteMoeHybridForCausalLM` (Granite 4.0-H) and `BambaForCausalLM`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from replayssm.models.config_fields import dtype_of as _dtype
 from replayssm.models.config_fields import eos_ids as _eos
 from replayssm.models.config_fields import field as _field
 from replayssm.models.config_fields import layer_list as _layer_list
-from replayssm.models.config_two_part import GRANITE, two_part_fields
+from replayssm.models.config_two_part import TWO_PART, two_part_fields
 
-TWO_PART_ARCHITECTURES = (GRANITE,)
+TWO_PART_ARCHITECTURES = TWO_PART
 ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES)
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu")
 # MoE routers: Nemotron-H's sigmoid scores with grouped top-k and a correction bias; Granite's
@@ -85,7 +85,7 @@ class ModelConfig:
     # Multi-token prediction (loaded later; recorded now)
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()
-    # Two-part layers (Granite 4.0-H): layer i is mixer layer_types[i] (mamba or attention), then
+    # Two-part layers (Granite 4.0-H, Bamba): layer i is mixer layer_types[i] (mamba or attention), then
     # the feed-forward ffn_types[i] (mlp or moe), each pre-normed with its own residual. Empty for
     # one-part layers (one mixer per layer).
     ffn_types: tuple[str, ...] = ()

@@ -2,8 +2,13 @@
 
 Granite 4.0-H (`GraniteMoeHybridForCausalLM`): `layer_types` names each layer's mixer (mamba or
 attention, in any spelling transformers accepts); every layer then runs the shared gated MLP,
-plus the routed experts when `num_local_experts` > 0. A field that would change the math and
-that we do not implement is a ValueError naming it, never ignored.
+plus the routed experts when `num_local_experts` > 0.
+Bamba (`BambaForCausalLM`): `attn_layer_indices` names the attention layers, every other layer
+is Mamba-2; every layer then runs a SwiGLU MLP. Attention rotates the first half of each head
+(partial RoPE: transformers' Bamba fixes partial_rotary_factor at 0.5 unless `rope_parameters`
+states one); no multipliers. `z_loss_coefficient` is a training loss term and is ignored.
+A field that would change the math and that we do not implement is a ValueError naming it,
+never ignored.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from replayssm.models.config_fields import field as _field
 from replayssm.models.config_fields import layer_list as _layer_list
 
 GRANITE = "GraniteMoeHybridForCausalLM"
+BAMBA = "BambaForCausalLM"
+TWO_PART = (GRANITE, BAMBA)
 
 
 def two_part_fields(raw: dict, source: str, arch: str) -> dict[str, Any]:
     """ModelConfig keyword arguments for a two-part architecture's config.json."""
-    assert arch == GRANITE, arch
-    return _granite(raw, source)
+    assert arch in TWO_PART, arch
+    return _granite(raw, source) if arch == GRANITE else _bamba(raw, source)
 
 
 def _common(raw: dict, source: str, arch: str) -> dict[str, Any]:
@@ -130,3 +137,53 @@ def _granite(raw: dict, source: str) -> dict[str, Any]:
         attention_scale=f("attention_multiplier", default=1.0, kind=float),
         logits_scaling=f("logits_scaling", default=1.0, kind=float),
     )
+
+
+def _bamba(raw: dict, source: str) -> dict[str, Any]:
+    f = lambda *names, **kw: _field(raw, source, *names, **kw)  # noqa: E731
+    num_layers = f("num_hidden_layers")
+    indices = raw.get("attn_layer_indices") or []
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                and 0 <= i < num_layers for i in indices) \
+            or len(set(indices)) != len(indices):
+        raise ValueError(f"{source}: field 'attn_layer_indices' must list distinct layer indices in "
+                         f"[0, num_hidden_layers={num_layers}), got {raw['attn_layer_indices']!r}")
+    layers = [ATTENTION if i in indices else MAMBA for i in range(num_layers)]
+    for name in ("layer_types", "layers_block_type"):  # derived fields some writers also save
+        if raw.get(name) is not None and _layer_list(raw[name], source, name) != tuple(layers):
+            raise ValueError(f"{source}: field {name!r} ({raw[name]!r}) disagrees with 'attn_layer_indices' "
+                             f"({indices!r})")
+    # transformers' Bamba defaults where they differ from Granite's.
+    raw = {"rms_norm_eps": 1e-5, "num_key_value_heads": 8, **raw, "layer_types": layers}
+    common = _common(raw, source, BAMBA)
+    return dict(
+        **common,
+        ffn_types=(MLP,) * num_layers,
+        intermediate_size=f("intermediate_size"),
+        mlp_bias=f("mlp_bias", default=False, kind=bool),
+        **(_bamba_rope(raw, source, common["head_dim"]) if ATTENTION in layers else {}),
+    )
+
+
+def _bamba_rope(raw: dict, source: str, head_dim: int) -> dict[str, Any]:
+    """rope_theta and rotary_dim as transformers' Bamba reads them; scaled RoPE is refused."""
+    params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"{source}: field 'rope_parameters' must be an object, got {params!r}")
+    if params is None:
+        scaling = raw.get("rope_scaling")
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
+        if kind not in (None, "default"):
+            raise ValueError(f"{source}: field 'rope_scaling' is {scaling!r}; only unscaled RoPE "
+                             f"(null or rope_type 'default') is supported")
+        factor = raw.get("partial_rotary_factor", 0.5)
+        if factor != 0.5:  # transformers' Bamba overrides a top-level factor with 0.5
+            raise ValueError(f"{source}: field 'partial_rotary_factor' is {factor!r}; Bamba rotates half "
+                             f"of each head (0.5); state another factor in 'rope_parameters'")
+        params = {"rope_theta": _field(raw, source, "rope_theta", default=10000.0, kind=float)}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: field 'rope_parameters' has rope_type {params['rope_type']!r}; only "
+                         f"'default' (unscaled RoPE) is supported")
+    theta = _field(params, f"{source} rope_parameters", "rope_theta", kind=float)
+    factor = _field(params, f"{source} rope_parameters", "partial_rotary_factor", default=0.5, kind=float)
+    return dict(rope_theta=theta, rotary_dim=int(head_dim * factor))

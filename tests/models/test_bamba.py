@@ -1,0 +1,201 @@
+"""Bamba (BambaForCausalLM) on the engine, against transformers on tiny checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from checkpoints import cached_checkpoint, hf_greedy, random_prompts
+from conftest import requires_cuda
+
+from replayssm import LLM, SamplingParams
+from replayssm.engine.model_runner import ModelRunner, ScheduledRow
+from replayssm.models.config import ATTENTION, MAMBA, MLP, ModelConfig
+from replayssm.models.loader import load_weights
+from replayssm.models.two_part import TwoPartForCausalLM
+
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+# The fields of ibm-ai-platform/Bamba-9B's config.json that shape the model.
+PUBLISHED_9B = {
+    "architectures": ["BambaForCausalLM"], "model_type": "bamba", "attn_layer_indices": [9, 18, 27],
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "mamba_chunk_size": 256, "mamba_conv_bias": True,
+    "mamba_d_conv": 4, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_expand": 2, "mamba_n_groups": 1,
+    "mamba_n_heads": 128, "mamba_proj_bias": False, "max_position_embeddings": 262144,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+    "z_loss_coefficient": 0.0,
+}
+
+
+def _prompts():
+    return random_prompts((5, 17, 33, 9), seed=4321)
+
+
+@pytest.fixture(scope="module")
+def bamba():
+    """(path, transformers model, prompts, transformers greedy tokens)."""
+    path, hf = cached_checkpoint("bamba")
+    return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
+
+
+def _llm(path, **kw):
+    return LLM(path, device="cpu", max_model_len=128, **kw)
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _our_logits(path, cfg=None):
+    """Our model's full-sequence logits for three prompts, packed in one varlen prefill."""
+    runner = ModelRunner(path, num_kv_blocks=24, kv_block_size=4, num_slots=6, device="cpu")
+    if cfg is not None:  # same weights, edited config
+        model = TwoPartForCausalLM(cfg, dtype=torch.float32)
+        load_weights(model, path, rename=model.checkpoint_name)
+        runner.model = model.eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (21, 5, 13)]
+    rows = [ScheduledRow(p, 0, list(range(8 * i, 8 * i + 6)), slot, True, num_logits=len(p))
+            for i, (p, slot) in enumerate(zip(prompts, [4, 0, 2]))]
+    logits = runner.execute(rows)
+    runner.commit(rows, [1] * 3)
+    return logits, prompts
+
+
+def _hf_logits(hf, prompts):
+    with torch.no_grad():
+        return torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+
+
+def test_published_config_fields():
+    """Bamba-9B's config.json: attention at layers 9, 18, 27, SwiGLU MLPs, RoPE on half of each head."""
+    cfg = ModelConfig.from_hf(PUBLISHED_9B)
+    assert [i for i, t in enumerate(cfg.layer_types) if t == ATTENTION] == [9, 18, 27]
+    assert cfg.layer_types.count(MAMBA) == 29 and cfg.ffn_types == (MLP,) * 32 and not cfg.has_moe
+    mamba = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups)
+    assert mamba == (128, 64, 128, 1)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 128)
+    assert (cfg.rope_theta, cfg.rotary_dim, cfg.intermediate_size) == (10000.0, 64, 14336)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling) == (
+        1.0, 1.0, 0.0, 1.0)
+    assert not cfg.tie_word_embeddings and cfg.dtype == torch.bfloat16 and cfg.norm_eps == 1e-5
+
+
+def test_transformers5_rope_parameters_are_read():
+    """rope_parameters (as transformers 5 saves it) gives rope_theta and the stated partial factor."""
+    raw = dict(PUBLISHED_9B, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                              "partial_rotary_factor": 0.25})
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.rope_theta, cfg.rotary_dim) == (5e5, 32)
+
+
+def test_z_loss_coefficient_is_ignored():
+    """z_loss_coefficient is a training loss term: any value serves the same model."""
+    with_loss = ModelConfig.from_hf(dict(PUBLISHED_9B, z_loss_coefficient=1e-4))
+    assert with_loss == ModelConfig.from_hf(PUBLISHED_9B)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters"),
+    (dict(partial_rotary_factor=1.0), "partial_rotary_factor"),
+    (dict(attn_layer_indices=[9, 32]), "attn_layer_indices"),
+    (dict(attn_layer_indices=[9, 9]), "attn_layer_indices"),
+    (dict(layers_block_type=["mamba"] * 32), "layers_block_type"),
+    (dict(time_step_limit=[0.001, 0.1]), "time_step_limit"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(mamba_d_head=32), "mamba_d_head"),
+])
+def test_unserved_fields_are_errors(edit, field):
+    """A field we do not implement, or an inconsistent one, is a ValueError naming it."""
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf(dict(PUBLISHED_9B, **edit))
+
+
+def test_prefill_logits_match_transformers():
+    """Packed varlen prefill gives transformers' logits at every position."""
+    path, hf = cached_checkpoint("bamba")
+    logits, prompts = _our_logits(path)
+    torch.testing.assert_close(logits, _hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("edit", [dict(rope_theta=0.0), dict(rotary_dim=16)], ids=["no_rope", "full_rope"])
+def test_partial_rotary_is_applied(edit):
+    """The same weights without RoPE, or rotating the whole head, give logits off transformers'."""
+    path, hf = cached_checkpoint("bamba")
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.rotary_dim == cfg.head_dim // 2
+    logits, prompts = _our_logits(path, dataclasses.replace(cfg, **edit))
+    assert (logits - _hf_logits(hf, prompts)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("replayssm", [True, False])
+def test_greedy_matches_transformers(bamba, replayssm):
+    """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
+    path, _, prompts, hf = bamba
+    assert _tokens(_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
+
+
+def test_prefix_cache_hit_gives_transformers_tokens(bamba):
+    """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
+    path, hf_model, prompts, _ = bamba
+    llm = _llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
+    first, second = prompts[2], prompts[2] + prompts[0]
+    llm.generate([first], GREEDY, use_tqdm=False)
+    out = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == len(first) // 4 * 4 > 0
+    assert out.token_ids == hf_greedy(hf_model, [second], NEW_TOKENS)[0]
+
+
+def test_ngram_speculation_gives_transformers_tokens(bamba):
+    """k = 3 n-gram drafts give transformers' greedy tokens, and some drafts are accepted."""
+    path, _, prompts, hf = bamba
+    llm = _llm(path, num_speculative_tokens=3, speculative_method="ngram")
+    assert _tokens(llm, prompts) == hf
+    m = llm.get_metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
+def test_tp2_gives_transformers_tokens(bamba):
+    """Tensor parallelism over 2 ranks (gloo): mixers split by heads, MLP replicated; same tokens."""
+    path, _, prompts, hf = bamba
+    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
+        assert _tokens(llm, prompts) == hf
+
+
+def _decode_schedule(runner, q):
+    """Prefill 5 requests on permuted slots, then 6 decode/verify steps of q tokens over a shrinking,
+    reordered batch with varying acceptance; the logits of every step."""
+    slots, tables = [9, 2, 7, 0, 11], [[i * 8 + j for j in range(8)] for i in range(5)]
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(5)]
+    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
+    runner.execute(rows)
+    runner.commit(rows, [1] * 5)
+    pos, out = [len(p) for p in prompts], []
+    for step in range(6):
+        live = [i for i in (4, 0, 3, 1, 2) if i < 5 - step // 2]
+        rows = [ScheduledRow([(step * 13 + i) % 250 + 3] * q, pos[i], tables[i], slots[i], False,
+                             num_logits=q) for i in live]
+        out.append(runner.execute(rows).float().cpu())
+        accepted = [1 + (step + i) % q for i in live]
+        runner.commit(rows, accepted)
+        for i, a in zip(live, accepted):
+            pos[i] += a
+    return out
+
+
+@requires_cuda
+def test_graph_steps_equal_eager():
+    """CUDA graph verify steps (ReplaySSM, q = 3, rotary attention) equal the eager steps' logits (fp32)."""
+    path, _ = cached_checkpoint("bamba")
+    kw = dict(device="cuda", dtype="float32", num_slots=12, max_num_seqs=6, num_kv_blocks=40, kv_block_size=4,
+              num_speculative_tokens=2)
+    graph, eager = (ModelRunner(path, cuda_graphs=g, **kw) for g in (True, False))
+    got, want = _decode_schedule(graph, 3), _decode_schedule(eager, 3)
+    assert graph.graphs.num_replays == 6
+    for g, w in zip(got, want):
+        assert (g - w).norm() / w.norm() < 1e-3
