@@ -10,6 +10,7 @@ MODEL_REGISTRY = {
     "NemotronHForCausalLM": ("replayssm.models.hybrid", "HybridForCausalLM"),
     "Mamba2ForCausalLM": ("replayssm.models.hybrid", "HybridForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("replayssm.models.two_part", "TwoPartForCausalLM"),
+    "FalconH1ForCausalLM": ("replayssm.models.falcon_h1", "FalconH1ForCausalLM"),
 }
 
 
