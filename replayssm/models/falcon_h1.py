@@ -38,6 +38,7 @@ from replayssm.models.layers.mamba2 import Mamba2Mixer
 from replayssm.models.layers.norm import RMSNorm
 from replayssm.models.layers.rotary import rotary_for
 from replayssm.models.layers.vocab import VocabParallelEmbedding, parallel_logits
+from replayssm.ops.norm import rms_norm_gated
 
 _RENAMES = (
     (re.compile(r"^embed_tokens\."), "embeddings."),
@@ -97,7 +98,7 @@ class FalconMamba(Mamba2Mixer):
         if not self.rms_norm:
             return y * F.silu(z)
         if not self.norm_before_gate:
-            return super()._gated_norm(y, z)  # norm(y * silu(z)), grouped
+            return rms_norm_gated(y, z, self.norm.weight, self.eps, self.I // self.G)  # norm(y * silu(z))
         # FalconH1RMSNormGated, norm before gate: fp32 grouped norm, weight, then the fp32 gate.
         g = y.float().unflatten(-1, (self.G, self.I // self.G))
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
