@@ -190,15 +190,47 @@ def tiny_bamba(path: str | Path, seed: int = 0, **overrides):
     return model
 
 
+def tiny_falcon_h1(path: str | Path, seed: int = 0, **overrides):
+    """Write a tiny FalconH1ForCausalLM to `path`; returns the transformers model (eval, fp32).
+
+    Scaled down from tiiuae/Falcon-H1-0.5B with every structural field kept: parallel attention +
+    Mamba-2 layers, GQA with RoPE, a Mamba width (mamba_d_ssm) other than mamba_expand * hidden_size,
+    untied embeddings; plus 2 Mamba groups, and every muP multiplier != 1 (each of the 5 in_proj
+    segment multipliers different). The small mixer output multipliers make greedy text repeat
+    tokens now and then, which gives the n-gram drafter hits.
+    """
+    from transformers import FalconH1Config
+    from transformers import FalconH1ForCausalLM as HFFalconH1
+
+    fields = dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, mamba_d_ssm=96, mamba_n_heads=6, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+        mamba_rms_norm=False, mamba_norm_before_gate=False, rope_theta=10000.0,
+        embedding_multiplier=1.5, lm_head_multiplier=0.7, key_multiplier=0.6, attention_in_multiplier=1.3,
+        attention_out_multiplier=0.3, ssm_in_multiplier=1.25, ssm_out_multiplier=0.2,
+        ssm_multipliers=[0.7, 1.2, 0.9, 1.4, 0.5], mlp_multipliers=[0.8, 1.3],
+        tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=512,
+        eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    )
+    fields.update(overrides)
+    config = FalconH1Config(**fields)
+    torch.manual_seed(seed)
+    model = HFFalconH1(config).eval()
+    _randomize(model, seed)
+    model.save_pretrained(str(path))
+    return model
+
+
 @functools.cache
 def cached_checkpoint(kind: str, seed: int = 0, **overrides) -> tuple[str, torch.nn.Module]:
     """Write a tiny checkpoint once per test process; returns (directory, transformers model).
 
-    kind: "nemotron_h", "mamba2", "granite_hybrid" or "bamba". The directory is removed at exit; do not
-    modify it.
+    kind: "nemotron_h", "mamba2", "granite_hybrid", "bamba" or "falcon_h1". The directory is removed at
+    exit; do not modify it.
     """
     makers = {"nemotron_h": tiny_nemotron_h, "mamba2": tiny_mamba2, "granite_hybrid": tiny_granite_hybrid,
-              "bamba": tiny_bamba}
+              "bamba": tiny_bamba, "falcon_h1": tiny_falcon_h1}
     if kind not in makers:
         raise ValueError(f"kind must be one of {sorted(makers)}, got {kind!r}")
     root = tempfile.mkdtemp(prefix=f"replayssm-{kind}-")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from replayssm.distributed.parallel import TensorParallel
-from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
+from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, PARALLEL, ModelConfig
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
@@ -43,6 +43,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model: {what}")
 
     kinds = set(cfg.layer_types)
+    need(PARALLEL not in kinds, f"{cfg.architecture} (parallel attention + Mamba layers) is served on "
+         f"one rank")
     if MAMBA in kinds:
         H, G = cfg.mamba_num_heads, cfg.mamba_n_groups
         need(H % size == 0, f"mamba_num_heads={H} must be a multiple of {size}")

@@ -50,7 +50,7 @@ from replayssm.engine.block_tables import BlockTables
 from replayssm.engine.context import ForwardContext
 from replayssm.engine.decode_commit import commit_decode, commit_decode_device, mirror_commit
 from replayssm.engine.row_checks import RowLimits, check_batch, check_slot, view_row
-from replayssm.models.config import MAMBA, ModelConfig
+from replayssm.models.config import MAMBA, PARALLEL, ModelConfig
 from replayssm.models.loader import load_model
 from replayssm.ops.replay import replay_materialize
 
@@ -105,7 +105,9 @@ class ModelRunner:
         cuda_graphs = self._graphs_wanted(cuda_graphs)
         self.kv_cache = KVCache(local, num_blocks=num_kv_blocks + int(cuda_graphs), block_size=kv_block_size,
                                 dtype=self.dtype, device=self.device)
-        self.mixers = [b.mixer for b, kind in zip(self.model.layers, cfg.layer_types) if kind == MAMBA]
+        # Parallel layers (Falcon-H1) hold their Mamba-2 mixer as `.mixer` too.
+        self.mixers = [b.mixer for b, kind in zip(self.model.layers, cfg.layer_types)
+                       if kind in (MAMBA, PARALLEL)]
         # Exact host mirror of ring_start / committed (index num_slots is the private scratch slot).
         self._ring_start = [0] * (num_slots + 1)
         self._committed = [0] * (num_slots + 1)

@@ -11,6 +11,7 @@ MODEL_REGISTRY = {
     "Mamba2ForCausalLM": ("replayssm.models.hybrid", "HybridForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("replayssm.models.two_part", "TwoPartForCausalLM"),
     "BambaForCausalLM": ("replayssm.models.two_part", "TwoPartForCausalLM"),
+    "FalconH1ForCausalLM": ("replayssm.models.falcon_h1", "FalconH1ForCausalLM"),
 }
 
 

@@ -4,7 +4,8 @@ Every model, cache and planner reads these plain fields, never the raw HF dict. 
 architectures: `NemotronHForCausalLM` (Mamba-2 + attention + MLP + MoE layers, any
 transformers version: `layers_block_type` or `hybrid_override_pattern`, legacy and current
 layer names), `Mamba2ForCausalLM` (pure Mamba-2), and the two-part families read by
-config_two_part.py: `GraniteMoeHybridForCausalLM` (Granite 4.0-H) and `BambaForCausalLM`.
+config_two_part.py: `GraniteMoeHybridForCausalLM` (Granite 4.0-H) and `BambaForCausalLM`;
+`FalconH1ForCausalLM` (parallel attention + Mamba-2 layers, read by config_falcon_h1.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-from replayssm.models.config_fields import ATTENTION, LAYER_TYPES, MAMBA, MLP, MOE
+from replayssm.models.config_falcon_h1 import FALCON_H1, FalconH1Multipliers, falcon_h1_fields
+from replayssm.models.config_fields import ATTENTION, LAYER_TYPES, MAMBA, MLP, MOE, PARALLEL
 from replayssm.models.config_fields import dtype_of as _dtype
 from replayssm.models.config_fields import eos_ids as _eos
 from replayssm.models.config_fields import field as _field
@@ -24,7 +26,7 @@ from replayssm.models.config_fields import layer_list as _layer_list
 from replayssm.models.config_two_part import TWO_PART, two_part_fields
 
 TWO_PART_ARCHITECTURES = TWO_PART
-ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES)
+ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES, FALCON_H1)
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu")
 # MoE routers: Nemotron-H's sigmoid scores with grouped top-k and a correction bias; Granite's
 # softmax over the top-k router logits.
@@ -97,6 +99,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_scale: float = 0.0
     logits_scaling: float = 1.0
+    # Falcon-H1's own multipliers and Mamba options; set exactly when layer_types are PARALLEL.
+    falcon_h1: FalconH1Multipliers | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -128,6 +132,10 @@ class ModelConfig:
                                  f"got {self.ffn_types}")
         elif self.ffn_types:
             raise ValueError(f"ffn_types is for two-part architectures {TWO_PART_ARCHITECTURES}")
+        if (PARALLEL in self.layer_types) != (self.falcon_h1 is not None) or (
+                self.falcon_h1 is not None and set(self.layer_types) != {PARALLEL}):
+            raise ValueError(f"layer_types of {self.architecture} must be all parallel exactly when the "
+                             f"Falcon-H1 multipliers are set, got {sorted(set(self.layer_types))}")
         if self.router not in ROUTERS:
             raise ValueError(f"router {self.router!r} is not one of {ROUTERS}")
         if self.has_moe and self.num_experts_per_tok > self.num_experts:
@@ -152,11 +160,11 @@ class ModelConfig:
 
     @property
     def num_mamba_layers(self) -> int:
-        return self.layer_types.count(MAMBA)
+        return self.layer_types.count(MAMBA) + self.layer_types.count(PARALLEL)
 
     @property
     def num_attention_layers(self) -> int:
-        return self.layer_types.count(ATTENTION)
+        return self.layer_types.count(ATTENTION) + self.layer_types.count(PARALLEL)
 
     @property
     def mamba_intermediate_size(self) -> int:
@@ -195,6 +203,8 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         raise ValueError(f"{source}: field 'architectures' names {arch!r}; supported: {ARCHITECTURES}")
     if arch in TWO_PART_ARCHITECTURES:
         return ModelConfig(**two_part_fields(raw, source, arch))
+    if arch == FALCON_H1:
+        return ModelConfig(**falcon_h1_fields(raw, source))
     f = lambda *names, **kw: _field(raw, source, *names, **kw)  # noqa: E731
     if f("mamba_hidden_act", "hidden_act", default="silu", kind=str) != "silu":
         raise ValueError(f"{source}: field 'mamba_hidden_act' must be 'silu'")

@@ -7,7 +7,9 @@ from typing import Any
 import torch
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
-LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE)
+# A parallel layer (Falcon-H1) runs attention and Mamba-2 side by side: one KV cache and one Mamba cache.
+PARALLEL = "parallel"
+LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE, PARALLEL)
 
 # Every spelling of a layer kind across transformers versions and remote code.
 LAYER_NAMES = {

@@ -1,0 +1,183 @@
+"""Falcon-H1 (`FalconH1ForCausalLM`): parallel hybrid layers, attention and Mamba-2 side by side.
+
+With the multipliers of config_falcon_h1.FalconH1Multipliers (names shortened), as transformers
+applies them:
+
+    h = embed(ids) * embedding_multiplier
+    per layer i:  x = input_layernorm(h)
+                  h = h + (ssm_out * mamba(x) + attention_out * attention(attention_in * x))
+                  h = h + mlp(pre_ff_layernorm(h))
+    mamba(x):     zxbcdt = in_proj(ssm_in * x) * [z | x | B | C | dt segment multipliers]   (mup_vector)
+                  ... conv, scan as every Mamba-2 mixer ...
+                  y = norm(y * silu(z)) | norm(y) * silu(z) | y * silu(z)    (mamba_rms_norm and
+                  mamba_norm_before_gate pick one), out_proj (bias: projectors_bias)
+    attention:    RoPE attention, keys scaled by key (folded into the softmax scale: q.(m k) = m q.k)
+    mlp(x):       down_proj(up_proj(x) * silu(gate_proj(x) * mlp_gate)) * mlp_down
+    logits = lm_head(final_layernorm(h)) * lm_head
+
+Each layer is of kind "parallel": it owns one Mamba cache (its `.mixer`, the Mamba2Mixer with
+ReplaySSM, as the engine expects of every Mamba layer) and one attention KV cache (`.self_attn`),
+numbered by the layer index. Served on one rank (sharding.check_shardable says so for tp > 1).
+Norms cast before the weight, as FalconH1RMSNorm does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.models.config import ModelConfig
+from replayssm.models.config_falcon_h1 import FalconH1Multipliers
+from replayssm.models.layers.attention import Attention
+from replayssm.models.layers.mamba2 import Mamba2Mixer
+from replayssm.models.layers.norm import RMSNorm
+from replayssm.models.layers.rotary import rotary_for
+from replayssm.models.layers.vocab import VocabParallelEmbedding, parallel_logits
+from replayssm.ops.norm import rms_norm_gated
+
+_RENAMES = (
+    (re.compile(r"^embed_tokens\."), "embeddings."),
+    (re.compile(r"^final_layernorm\."), "norm_f."),
+    (re.compile(r"^(layers\.\d+)\.mamba\."), r"\1.mixer."),
+)
+
+
+def checkpoint_name(key: str) -> str | None:
+    """Checkpoint tensor name -> our parameter name (None: a derived buffer we recompute)."""
+    key = key.removeprefix("model.")
+    if key.endswith(".mup_vector"):
+        return None
+    for pattern, repl in _RENAMES:
+        new, n = pattern.subn(repl, key)
+        if n:
+            return new
+    return key
+
+
+class MupInProj(nn.Linear):
+    """in_proj(ssm_in * x) times the per-segment multipliers of [z | x | B | C | dt] (transformers'
+    mup_vector). The vector is built from the config on first use per device, in fp32."""
+
+    def __init__(self, hidden: int, sizes: tuple[int, ...], m: FalconH1Multipliers, *, bias: bool,
+                 device=None, dtype=None) -> None:
+        super().__init__(hidden, sum(sizes), bias=bias, device=device, dtype=dtype)
+        self.sizes, self.ssm_in, self.segments = sizes, m.ssm_in, m.ssm_zxbcdt
+        self._mup: torch.Tensor | None = None
+
+    def mup_vector(self, device: torch.device) -> torch.Tensor:
+        if self._mup is None or self._mup.device != device:
+            self._mup = torch.cat([torch.full((n,), v, dtype=torch.float32, device=device)
+                                   for n, v in zip(self.sizes, self.segments)])
+        return self._mup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x * self.ssm_in)
+        return (y * self.mup_vector(y.device)).to(y.dtype)
+
+
+class FalconMamba(Mamba2Mixer):
+    """Mamba2Mixer with Falcon-H1's input multipliers, gated-norm variants and out_proj bias."""
+
+    def __init__(self, cfg: ModelConfig, mamba_index: int, *, device=None, dtype=None) -> None:
+        super().__init__(cfg, mamba_index, device=device, dtype=dtype)
+        m = cfg.falcon_h1
+        gn = self.G * self.N
+        self.in_proj = MupInProj(cfg.hidden_size, (self.I, self.I, gn, gn, self.H), m,
+                                 bias=cfg.mamba_proj_bias, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(self.I, cfg.hidden_size, bias=m.projectors_bias, device=device, dtype=dtype)
+        self.rms_norm, self.norm_before_gate = m.mamba_rms_norm, m.mamba_norm_before_gate
+        if not self.rms_norm:
+            self.norm = None  # no norm weight in the checkpoint
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if not self.rms_norm:
+            return y * F.silu(z)
+        if not self.norm_before_gate:
+            return rms_norm_gated(y, z, self.norm.weight, self.eps, self.I // self.G)  # norm(y * silu(z))
+        # FalconH1RMSNormGated, norm before gate: fp32 grouped norm, weight, then the fp32 gate.
+        g = y.float().unflatten(-1, (self.G, self.I // self.G))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        g = self.norm.weight * g.flatten(-2)
+        return (g * F.silu(z.float())).to(y.dtype)
+
+
+class FalconMLP(nn.Module):
+    """down_proj(up_proj(x) * silu(gate_proj(x) * mlp_gate)) * mlp_down."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(bias=cfg.mlp_bias, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.gate_multiplier, self.down_multiplier = cfg.falcon_h1.mlp_gate, cfg.falcon_h1.mlp_down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.up_proj(x) * F.silu(self.gate_proj(x) * self.gate_multiplier)
+        return self.down_proj(y) * self.down_multiplier
+
+
+class ParallelBlock(nn.Module):
+    """h <- h + (ssm_out * mamba(x) + attention_out * attention(attention_in * x)), x = norm(h);
+    h <- h + mlp(norm(h))."""
+
+    kind = "parallel"
+
+    def __init__(self, cfg: ModelConfig, index: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        m = cfg.falcon_h1
+        kw = dict(device=device, dtype=dtype)
+        self.m = m
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
+        self.mixer = FalconMamba(cfg, index, **kw)
+        attn_cfg = dataclasses.replace(cfg, attention_scale=cfg.head_dim ** -0.5 * m.key)
+        self.self_attn = Attention(attn_cfg, index, rotary=rotary_for(cfg, device), **kw)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
+        self.feed_forward = FalconMLP(cfg, **kw)
+
+    def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        mamba = self.mixer(x, ctx) * self.m.ssm_out
+        attention = self.self_attn(x * self.m.attention_in, ctx) * self.m.attention_out
+        h = h + (mamba + attention)
+        return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+
+class FalconH1ForCausalLM(nn.Module):
+    """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them."""
+
+    checkpoint_name = staticmethod(checkpoint_name)
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if tp.size != 1:
+            raise ValueError(f"tensor_parallel_size={tp.size}: {cfg.architecture} is served on one rank")
+        self.config = cfg
+        self.tp = tp
+        self.dtype = dtype or cfg.dtype
+        kw = dict(device=device, dtype=self.dtype)
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, **kw)
+        self.layers = nn.ModuleList(ParallelBlock(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
+        rows = self.embeddings.weight.shape[0]
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, **kw)
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """input_ids (T,) int64 -> final hidden states (T, hidden) before the final norm."""
+        h = self.embeddings(input_ids) * self.config.embedding_multiplier
+        for block in self.layers:
+            h = block(h, ctx)
+        return h
+
+    def compute_logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """h (n, hidden) -> logits (n, vocab) * lm_head_multiplier, multiplied in the weight's dtype as
+        transformers does; fp32 (fp32=False: the weight's dtype)."""
+        weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
+        logits = parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp, fp32=False)
+        logits = logits * self.config.falcon_h1.lm_head
+        return logits.float() if fp32 else logits

@@ -1,0 +1,214 @@
+"""Falcon-H1 (FalconH1ForCausalLM) on the engine, against transformers on tiny checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from checkpoints import cached_checkpoint, hf_greedy, random_prompts
+from conftest import requires_cuda
+
+from replayssm import LLM, SamplingParams
+from replayssm.engine.model_runner import ModelRunner, ScheduledRow
+from replayssm.models.config import PARALLEL, ModelConfig
+from replayssm.models.falcon_h1 import FalconH1ForCausalLM
+from replayssm.models.loader import load_weights
+
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+# Falcon-H1-0.5B's shape (transformers' Falcon-H1 documentation): 36 parallel layers, 1024 wide,
+# 8 query / 2 KV heads of 64, 24 Mamba heads of 64 (mamba_d_ssm 1536), state 128; multipliers != 1.
+PUBLISHED_05B = {
+    "architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1", "hidden_size": 1024,
+    "num_hidden_layers": 36, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "intermediate_size": 2048, "mamba_d_ssm": 1536, "mamba_n_heads": 24, "mamba_d_head": 64,
+    "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 128,
+    "mamba_conv_bias": True, "mamba_proj_bias": False, "mamba_rms_norm": False,
+    "mamba_norm_before_gate": False, "mamba_use_mlp": True, "projectors_bias": False,
+    "attention_bias": False, "mlp_bias": False,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 1e11, "rope_scaling": None,
+    "max_position_embeddings": 16384, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 32784, "bos_token_id": 1, "eos_token_id": 11, "embedding_multiplier": 5.5,
+    "lm_head_multiplier": 0.04, "key_multiplier": 0.4, "attention_in_multiplier": 1.0,
+    "attention_out_multiplier": 0.9, "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.24,
+    "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.35], "mlp_multipliers": [0.88, 0.59],
+}
+# (our field of FalconH1Multipliers or ModelConfig, transformers' config field)
+MULTIPLIERS = [("attention_in", "attention_in_multiplier"), ("attention_out", "attention_out_multiplier"),
+               ("key", "key_multiplier"), ("ssm_in", "ssm_in_multiplier"), ("ssm_out", "ssm_out_multiplier"),
+               ("ssm_zxbcdt", "ssm_multipliers"), ("mlp_gate", "mlp_multipliers"),
+               ("mlp_down", "mlp_multipliers"), ("lm_head", "lm_head_multiplier"),
+               ("embedding_multiplier", "embedding_multiplier")]
+NORMS = {"no_norm": dict(mamba_rms_norm=False),
+         "gate_then_norm": dict(mamba_rms_norm=True, mamba_norm_before_gate=False),
+         "norm_then_gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=True)}
+
+
+def _prompts():
+    return random_prompts((5, 17, 33, 9), seed=1234)
+
+
+@pytest.fixture(scope="module")
+def falcon():
+    """(path, transformers model, prompts, transformers greedy tokens)."""
+    path, hf = cached_checkpoint("falcon_h1")
+    return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
+
+
+def _llm(path, **kw):
+    return LLM(path, device="cpu", max_model_len=128, **kw)
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _our_logits(path, cfg=None):
+    """Our model's full-sequence logits for three prompts, packed in one varlen prefill."""
+    runner = ModelRunner(path, num_kv_blocks=24, kv_block_size=4, num_slots=6, device="cpu")
+    if cfg is not None:  # same weights, edited config
+        model = FalconH1ForCausalLM(cfg, dtype=torch.float32)
+        load_weights(model, path, rename=model.checkpoint_name)
+        runner.model = model.eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (21, 5, 13)]
+    rows = [ScheduledRow(p, 0, list(range(8 * i, 8 * i + 6)), slot, True, num_logits=len(p))
+            for i, (p, slot) in enumerate(zip(prompts, [4, 0, 2]))]
+    logits = runner.execute(rows)
+    runner.commit(rows, [1] * 3)
+    return logits, prompts
+
+
+def _hf_logits(hf, prompts):
+    with torch.no_grad():
+        return torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+
+
+def test_published_config_fields():
+    """Falcon-H1-0.5B's config.json: 36 parallel layers, each counted as one Mamba and one attention layer."""
+    cfg = ModelConfig.from_hf(PUBLISHED_05B)
+    assert cfg.layer_types == (PARALLEL,) * 36
+    assert cfg.num_mamba_layers == cfg.num_attention_layers == 36
+    mamba = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups)
+    assert mamba == (24, 64, 128, 1)
+    assert cfg.mamba_intermediate_size == 1536 and cfg.conv_dim == 1536 + 2 * 128
+    attention = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta)
+    assert attention == (8, 2, 64, 1e11)
+    m = cfg.falcon_h1
+    scalars = (m.key, m.ssm_in, m.ssm_out, m.mlp_gate, m.mlp_down, m.lm_head)
+    assert scalars == (0.4, 1.25, 0.24, 0.88, 0.59, 0.04)
+    assert m.ssm_zxbcdt == (0.35, 0.25, 0.35, 0.5, 0.35) and cfg.embedding_multiplier == 5.5
+    assert not m.mamba_rms_norm and cfg.dtype == torch.bfloat16 and cfg.eos_token_ids == (11,)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
+    (dict(time_step_limit=[0.001, 0.1]), "time_step_limit"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(mamba_use_mlp=False), "mamba_use_mlp"),
+    (dict(mamba_d_head=32), "mamba_d_head"),
+    (dict(ssm_multipliers=[1.0, 1.0]), "ssm_multipliers"),
+    (dict(mlp_multipliers="1.0"), "mlp_multipliers"),
+])
+def test_unserved_fields_are_errors(edit, field):
+    """A field we do not implement, or an inconsistent one, is a ValueError naming it."""
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf(dict(PUBLISHED_05B, **edit))
+
+
+def test_tensor_parallel_is_refused():
+    """Parallel layers are served on one rank: tensor_parallel_size 2 is a ValueError, not a wrong answer."""
+    from replayssm.distributed.sharding import check_shardable
+
+    with pytest.raises(ValueError, match="one rank"):
+        check_shardable(ModelConfig.from_hf(PUBLISHED_05B), 2)
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_prefill_logits_match_transformers(norm):
+    """Packed varlen prefill gives transformers' logits at every position, for each Mamba output norm
+    (none, norm(y * silu(z)), norm(y) * silu(z)), with biases on every projection."""
+    bias = dict(projectors_bias=True, mamba_proj_bias=True, attention_bias=True, mlp_bias=True)
+    path, hf = cached_checkpoint("falcon_h1", **NORMS[norm], **bias)
+    logits, prompts = _our_logits(path)
+    torch.testing.assert_close(logits, _hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ours, theirs", MULTIPLIERS)
+def test_each_multiplier_is_applied(ours, theirs):
+    """Serving the same weights with one multiplier dropped (set to 1) moves the logits off transformers'."""
+    path, hf = cached_checkpoint("falcon_h1")
+    cfg = ModelConfig.from_hf(path)
+    if ours == "embedding_multiplier":
+        assert cfg.embedding_multiplier != 1.0
+        edited = dataclasses.replace(cfg, embedding_multiplier=1.0)
+    else:
+        one = (1.0,) * 5 if ours == "ssm_zxbcdt" else 1.0
+        assert getattr(cfg.falcon_h1, ours) != one
+        edited = dataclasses.replace(cfg, falcon_h1=dataclasses.replace(cfg.falcon_h1, **{ours: one}))
+    logits, prompts = _our_logits(path, edited)
+    assert (logits - _hf_logits(hf, prompts)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("replayssm", [True, False])
+def test_greedy_matches_transformers(falcon, replayssm):
+    """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
+    path, _, prompts, hf = falcon
+    assert _tokens(_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
+
+
+def test_prefix_cache_hit_gives_transformers_tokens(falcon):
+    """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
+    path, hf_model, prompts, _ = falcon
+    llm = _llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
+    first, second = prompts[2], prompts[2] + prompts[0]
+    llm.generate([first], GREEDY, use_tqdm=False)
+    out = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == len(first) // 4 * 4 > 0
+    assert out.token_ids == hf_greedy(hf_model, [second], NEW_TOKENS)[0]
+
+
+def test_ngram_speculation_gives_transformers_tokens(falcon):
+    """k = 3 n-gram drafts give transformers' greedy tokens, with drafts proposed and accepted."""
+    path, _, prompts, hf = falcon
+    llm = _llm(path, num_speculative_tokens=3, speculative_method="ngram")
+    assert _tokens(llm, prompts) == hf
+    m = llm.get_metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
+def _decode_schedule(runner, q):
+    """Prefill 5 requests on permuted slots, then 6 verify steps of q tokens over a shrinking batch
+    with varying acceptance; the logits of every step."""
+    slots, tables = [9, 2, 7, 0, 11], [[i * 8 + j for j in range(8)] for i in range(5)]
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(5)]
+    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
+    runner.execute(rows)
+    runner.commit(rows, [1] * 5)
+    pos, out = [len(p) for p in prompts], []
+    for step in range(6):
+        live = [i for i in (4, 0, 3, 1, 2) if i < 5 - step // 2]
+        rows = [ScheduledRow([(step * 13 + i) % 250 + 3] * q, pos[i], tables[i], slots[i], False,
+                             num_logits=q) for i in live]
+        out.append(runner.execute(rows).float().cpu())
+        accepted = [1 + (step + i) % q for i in live]
+        runner.commit(rows, accepted)
+        for i, a in zip(live, accepted):
+            pos[i] += a
+    return out
+
+
+@requires_cuda
+def test_graph_steps_equal_eager():
+    """CUDA graph verify steps (ReplaySSM, q = 3, fp32) equal the eager steps' logits."""
+    path, _ = cached_checkpoint("falcon_h1")
+    kw = dict(device="cuda", dtype="float32", num_slots=12, max_num_seqs=6, num_kv_blocks=40, kv_block_size=4,
+              num_speculative_tokens=2)
+    graph, eager = (ModelRunner(path, cuda_graphs=g, **kw) for g in (True, False))
+    got, want = _decode_schedule(graph, 3), _decode_schedule(eager, 3)
+    assert graph.graphs.num_replays == 6
+    for g, w in zip(got, want):
+        assert (g - w).norm() / w.norm() < 1e-3
