@@ -18,7 +18,9 @@ from replayssm.models.two_part import TwoPartForCausalLM
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
-# The fields of ibm-ai-platform/Bamba-9B's config.json that shape the model.
+# ibm-ai-platform/Bamba-9B's shape as far as it is public here (32 layers, 4096 wide, 32 heads, state
+# 128, attention at layers 9, 18 and 27); the other values are transformers' Bamba defaults, not read
+# from the published file.
 PUBLISHED_9B = {
     "architectures": ["BambaForCausalLM"], "model_type": "bamba", "attn_layer_indices": [9, 18, 27],
     "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "hidden_act": "silu",
@@ -72,7 +74,7 @@ def _hf_logits(hf, prompts):
 
 
 def test_published_config_fields():
-    """Bamba-9B's config.json: attention at layers 9, 18, 27, SwiGLU MLPs, RoPE on half of each head."""
+    """A Bamba-9B-shaped config.json: attention at layers 9, 18, 27, SwiGLU MLPs, RoPE on half of each head."""
     cfg = ModelConfig.from_hf(PUBLISHED_9B)
     assert [i for i, t in enumerate(cfg.layer_types) if t == ATTENTION] == [9, 18, 27]
     assert cfg.layer_types.count(MAMBA) == 29 and cfg.ffn_types == (MLP,) * 32 and not cfg.has_moe

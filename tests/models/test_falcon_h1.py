@@ -19,7 +19,8 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 # Falcon-H1-0.5B's shape (transformers' Falcon-H1 documentation): 36 parallel layers, 1024 wide,
-# 8 query / 2 KV heads of 64, 24 Mamba heads of 64 (mamba_d_ssm 1536), state 128; multipliers != 1.
+# 8 query / 2 KV heads of 64, 24 Mamba heads of 64 (mamba_d_ssm 1536), state 128. The multipliers are
+# stand-ins (all != 1), not the published values.
 PUBLISHED_05B = {
     "architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1", "hidden_size": 1024,
     "num_hidden_layers": 36, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
@@ -87,7 +88,7 @@ def _hf_logits(hf, prompts):
 
 
 def test_published_config_fields():
-    """Falcon-H1-0.5B's config.json: 36 parallel layers, each counted as one Mamba and one attention layer."""
+    """A Falcon-H1-0.5B-shaped config.json: 36 parallel layers, each one Mamba and one attention layer."""
     cfg = ModelConfig.from_hf(PUBLISHED_05B)
     assert cfg.layer_types == (PARALLEL,) * 36
     assert cfg.num_mamba_layers == cfg.num_attention_layers == 36
