@@ -74,7 +74,7 @@ def _hf_logits(hf, prompts):
 
 
 def test_published_config_fields():
-    """A Bamba-9B-shaped config.json: attention at layers 9, 18, 27, SwiGLU MLPs, RoPE on half of each head."""
+    """A Bamba-9B-shaped config.json: attention at layers 9, 18, 27, SwiGLU MLPs, RoPE on half a head."""
     cfg = ModelConfig.from_hf(PUBLISHED_9B)
     assert [i for i, t in enumerate(cfg.layer_types) if t == ATTENTION] == [9, 18, 27]
     assert cfg.layer_types.count(MAMBA) == 29 and cfg.ffn_types == (MLP,) * 32 and not cfg.has_moe
