@@ -33,11 +33,11 @@ from torch import nn
 from replayssm.distributed.parallel import SINGLE, TensorParallel
 from replayssm.models.config import ModelConfig
 from replayssm.models.config_falcon_h1 import FalconH1Multipliers
+from replayssm.models.hybrid import DecoderLM
 from replayssm.models.layers.attention import Attention
 from replayssm.models.layers.mamba2 import Mamba2Mixer
 from replayssm.models.layers.norm import RMSNorm
 from replayssm.models.layers.rotary import rotary_for
-from replayssm.models.layers.vocab import VocabParallelEmbedding, parallel_logits
 from replayssm.ops.norm import rms_norm_gated
 
 _RENAMES = (
@@ -148,36 +148,19 @@ class ParallelBlock(nn.Module):
         return h + self.feed_forward(self.pre_ff_layernorm(h))
 
 
-class FalconH1ForCausalLM(nn.Module):
-    """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them."""
+class FalconH1ForCausalLM(DecoderLM):
+    """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them. The
+    embeddings are scaled by embedding_multiplier and the logits by lm_head_multiplier."""
 
     checkpoint_name = staticmethod(checkpoint_name)
 
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
         if tp.size != 1:
             raise ValueError(f"tensor_parallel_size={tp.size}: {cfg.architecture} is served on one rank")
-        self.config = cfg
-        self.tp = tp
-        self.dtype = dtype or cfg.dtype
-        kw = dict(device=device, dtype=self.dtype)
-        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, **kw)
-        self.layers = nn.ModuleList(ParallelBlock(cfg, i, **kw) for i in range(cfg.num_layers))
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
-        rows = self.embeddings.weight.shape[0]
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, **kw)
+        kw = dict(device=device, dtype=dtype or cfg.dtype)
+        blocks = [ParallelBlock(cfg, i, **kw) for i in range(cfg.num_layers)]
+        super().__init__(cfg, blocks, tp=tp, cast_before_weight=True, **kw)
+        self.embedding_scale = cfg.embedding_multiplier
 
-    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
-        """input_ids (T,) int64 -> final hidden states (T, hidden) before the final norm."""
-        h = self.embeddings(input_ids) * self.config.embedding_multiplier
-        for block in self.layers:
-            h = block(h, ctx)
-        return h
-
-    def compute_logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        """h (n, hidden) -> logits (n, vocab) * lm_head_multiplier, multiplied in the weight's dtype as
-        transformers does; fp32 (fp32=False: the weight's dtype)."""
-        weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        logits = parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp, fp32=False)
-        logits = logits * self.config.falcon_h1.lm_head
-        return logits.float() if fp32 else logits
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits * self.config.falcon_h1.lm_head

@@ -61,23 +61,24 @@ class HybridBlock(nn.Module):
         return residual + self.tp.all_reduce(x)
 
 
-class HybridForCausalLM(nn.Module):
-    """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them."""
+class DecoderLM(nn.Module):
+    """The frame every family shares: embeddings -> blocks -> final norm -> logits, under the
+    checkpoints' names (embeddings, layers.{i}, norm_f, lm_head). A family builds its blocks and may
+    scale the embeddings (`embedding_scale`) and the logits (`scale_logits`, applied in the weight's
+    dtype as transformers does)."""
 
-    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
+    embedding_scale = 1.0
+
+    def __init__(self, cfg: ModelConfig, blocks: list[nn.Module], *, device=None, dtype=None,
+                 tp: TensorParallel = SINGLE, cast_before_weight: bool) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
         self.dtype = dtype or cfg.dtype
         kw = dict(device=device, dtype=self.dtype)
         self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, **kw)
-        counts = {kind: 0 for kind in (MAMBA, ATTENTION, MLP, MOE)}
-        blocks = []
-        for kind in cfg.layer_types:
-            blocks.append(HybridBlock(cfg, kind, counts[kind], tp=tp, **kw))
-            counts[kind] += 1
         self.layers = nn.ModuleList(blocks)
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=_mamba2_norms(cfg), **kw)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=cast_before_weight, **kw)
         # Tied checkpoints store no lm_head; the logits then reuse the embedding matrix.
         rows = self.embeddings.weight.shape[0]  # this rank's vocab rows
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, **kw)
@@ -85,11 +86,33 @@ class HybridForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids (T,) int64 -> final hidden states (T, hidden) before the final norm."""
         h = self.embeddings(input_ids)
+        if self.embedding_scale != 1.0:
+            h = h * self.embedding_scale
         for block in self.layers:
             h = block(h, ctx)
         return h
 
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The family's logits scaling, or None for none."""
+        return None
+
     def compute_logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """h (n, hidden) -> logits (n, vocab), fp32 (fp32=False: the weight's dtype, same values)."""
         weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp, fp32=fp32)
+        logits = parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp, fp32=False)
+        scaled = self.scale_logits(logits)
+        logits = logits if scaled is None else scaled
+        return logits.float() if fp32 else logits
+
+
+class HybridForCausalLM(DecoderLM):
+    """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
+        kw = dict(device=device, dtype=dtype or cfg.dtype)
+        counts = {kind: 0 for kind in (MAMBA, ATTENTION, MLP, MOE)}
+        blocks = []
+        for kind in cfg.layer_types:
+            blocks.append(HybridBlock(cfg, kind, counts[kind], tp=tp, **kw))
+            counts[kind] += 1
+        super().__init__(cfg, blocks, tp=tp, cast_before_weight=_mamba2_norms(cfg), **kw)

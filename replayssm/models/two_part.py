@@ -34,12 +34,12 @@ from replayssm.distributed.parallel import SINGLE, TensorParallel
 from replayssm.distributed.sharding import local_config
 from replayssm.models.config import ATTENTION, MAMBA, MOE, ModelConfig
 from replayssm.models.config_two_part import GRANITE
+from replayssm.models.hybrid import DecoderLM
 from replayssm.models.layers.attention import Attention
 from replayssm.models.layers.mamba2 import Mamba2Mixer
 from replayssm.models.layers.mlp import ACTIVATIONS, Experts, SoftmaxTopkRouter
 from replayssm.models.layers.norm import RMSNorm
 from replayssm.models.layers.rotary import rotary_for
-from replayssm.models.layers.vocab import VocabParallelEmbedding, parallel_logits
 
 # Checkpoint name (after the `model.` prefix) -> ours; the first matching rule applies, once.
 _RENAMES = (
@@ -146,39 +146,21 @@ class TwoPartBlock(nn.Module):
         return h + y * m
 
 
-class TwoPartForCausalLM(nn.Module):
-    """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them."""
+class TwoPartForCausalLM(DecoderLM):
+    """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them. The
+    embeddings are scaled by embedding_multiplier and the logits divided by logits_scaling."""
 
     checkpoint_name = staticmethod(checkpoint_name)
 
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tp = tp
-        self.dtype = dtype or cfg.dtype
-        kw = dict(device=device, dtype=self.dtype)
-        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, **kw)
+        kw = dict(device=device, dtype=dtype or cfg.dtype)
         counts = {MAMBA: 0, ATTENTION: 0}
         blocks = []
         for kind, ffn_kind in zip(cfg.layer_types, cfg.ffn_types):
             blocks.append(TwoPartBlock(cfg, kind, ffn_kind, counts[kind], tp=tp, **kw))
             counts[kind] += 1
-        self.layers = nn.ModuleList(blocks)
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
-        rows = self.embeddings.weight.shape[0]  # this rank's vocab rows
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, **kw)
+        super().__init__(cfg, blocks, tp=tp, cast_before_weight=True, **kw)
+        self.embedding_scale = cfg.embedding_multiplier
 
-    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
-        """input_ids (T,) int64 -> final hidden states (T, hidden) before the final norm."""
-        h = self.embeddings(input_ids) * self.config.embedding_multiplier
-        for block in self.layers:
-            h = block(h, ctx)
-        return h
-
-    def compute_logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        """h (n, hidden) -> logits (n, vocab) / logits_scaling, divided in the weight's dtype as
-        transformers does; fp32 (fp32=False: the weight's dtype)."""
-        weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        logits = parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp, fp32=False)
-        logits = logits / self.config.logits_scaling
-        return logits.float() if fp32 else logits
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits / self.config.logits_scaling
