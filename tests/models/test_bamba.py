@@ -8,15 +8,12 @@ import pytest
 import torch
 from checkpoints import cached_checkpoint, hf_greedy, random_prompts
 from conftest import requires_cuda
+from family_helpers import GREEDY, NEW_TOKENS, family_llm, greedy_tokens, hf_logits, our_logits
 
-from replayssm import LLM, SamplingParams
+from replayssm import LLM
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.models.config import ATTENTION, MAMBA, MLP, ModelConfig
-from replayssm.models.loader import load_weights
 from replayssm.models.two_part import TwoPartForCausalLM
-
-NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 # ibm-ai-platform/Bamba-9B's shape as far as it is public here (32 layers, 4096 wide, 32 heads, state
 # 128, attention at layers 9, 18 and 27); the other values are transformers' Bamba defaults, not read
@@ -42,35 +39,6 @@ def bamba():
     """(path, transformers model, prompts, transformers greedy tokens)."""
     path, hf = cached_checkpoint("bamba")
     return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
-
-
-def _llm(path, **kw):
-    return LLM(path, device="cpu", max_model_len=128, **kw)
-
-
-def _tokens(llm, prompts, params=GREEDY):
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _our_logits(path, cfg=None):
-    """Our model's full-sequence logits for three prompts, packed in one varlen prefill."""
-    runner = ModelRunner(path, num_kv_blocks=24, kv_block_size=4, num_slots=6, device="cpu")
-    if cfg is not None:  # same weights, edited config
-        model = TwoPartForCausalLM(cfg, dtype=torch.float32)
-        load_weights(model, path, rename=model.checkpoint_name)
-        runner.model = model.eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (21, 5, 13)]
-    rows = [ScheduledRow(p, 0, list(range(8 * i, 8 * i + 6)), slot, True, num_logits=len(p))
-            for i, (p, slot) in enumerate(zip(prompts, [4, 0, 2]))]
-    logits = runner.execute(rows)
-    runner.commit(rows, [1] * 3)
-    return logits, prompts
-
-
-def _hf_logits(hf, prompts):
-    with torch.no_grad():
-        return torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
 
 
 def test_published_config_fields():
@@ -121,8 +89,8 @@ def test_unserved_fields_are_errors(edit, field):
 def test_prefill_logits_match_transformers():
     """Packed varlen prefill gives transformers' logits at every position."""
     path, hf = cached_checkpoint("bamba")
-    logits, prompts = _our_logits(path)
-    torch.testing.assert_close(logits, _hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
+    logits, prompts = our_logits(path, TwoPartForCausalLM)
+    torch.testing.assert_close(logits, hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("edit", [dict(rope_theta=0.0), dict(rotary_dim=16)], ids=["no_rope", "full_rope"])
@@ -131,21 +99,21 @@ def test_partial_rotary_is_applied(edit):
     path, hf = cached_checkpoint("bamba")
     cfg = ModelConfig.from_hf(path)
     assert cfg.rotary_dim == cfg.head_dim // 2
-    logits, prompts = _our_logits(path, dataclasses.replace(cfg, **edit))
-    assert (logits - _hf_logits(hf, prompts)).abs().max() > 1e-2
+    logits, prompts = our_logits(path, TwoPartForCausalLM, dataclasses.replace(cfg, **edit))
+    assert (logits - hf_logits(hf, prompts)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("replayssm", [True, False])
 def test_greedy_matches_transformers(bamba, replayssm):
     """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
     path, _, prompts, hf = bamba
-    assert _tokens(_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
+    assert greedy_tokens(family_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
 
 
 def test_prefix_cache_hit_gives_transformers_tokens(bamba):
     """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
     path, hf_model, prompts, _ = bamba
-    llm = _llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
+    llm = family_llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
     first, second = prompts[2], prompts[2] + prompts[0]
     llm.generate([first], GREEDY, use_tqdm=False)
     out = llm.generate([second], GREEDY, use_tqdm=False)[0]
@@ -156,8 +124,8 @@ def test_prefix_cache_hit_gives_transformers_tokens(bamba):
 def test_ngram_speculation_gives_transformers_tokens(bamba):
     """k = 3 n-gram drafts give transformers' greedy tokens, and some drafts are accepted."""
     path, _, prompts, hf = bamba
-    llm = _llm(path, num_speculative_tokens=3, speculative_method="ngram")
-    assert _tokens(llm, prompts) == hf
+    llm = family_llm(path, num_speculative_tokens=3, speculative_method="ngram")
+    assert greedy_tokens(llm, prompts) == hf
     m = llm.get_metrics()
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
 
@@ -166,7 +134,7 @@ def test_tp2_gives_transformers_tokens(bamba):
     """Tensor parallelism over 2 ranks (gloo): mixers split by heads, MLP replicated; same tokens."""
     path, _, prompts, hf = bamba
     with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
-        assert _tokens(llm, prompts) == hf
+        assert greedy_tokens(llm, prompts) == hf
 
 
 def _decode_schedule(runner, q):

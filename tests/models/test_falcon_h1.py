@@ -8,15 +8,11 @@ import pytest
 import torch
 from checkpoints import cached_checkpoint, hf_greedy, random_prompts
 from conftest import requires_cuda
+from family_helpers import GREEDY, NEW_TOKENS, family_llm, greedy_tokens, hf_logits, our_logits
 
-from replayssm import LLM, SamplingParams
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.models.config import PARALLEL, ModelConfig
 from replayssm.models.falcon_h1 import FalconH1ForCausalLM
-from replayssm.models.loader import load_weights
-
-NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 # Falcon-H1-0.5B's shape (transformers' Falcon-H1 documentation): 36 parallel layers, 1024 wide,
 # 8 query / 2 KV heads of 64, 24 Mamba heads of 64 (mamba_d_ssm 1536), state 128. The multipliers are
@@ -56,35 +52,6 @@ def falcon():
     """(path, transformers model, prompts, transformers greedy tokens)."""
     path, hf = cached_checkpoint("falcon_h1")
     return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
-
-
-def _llm(path, **kw):
-    return LLM(path, device="cpu", max_model_len=128, **kw)
-
-
-def _tokens(llm, prompts, params=GREEDY):
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _our_logits(path, cfg=None):
-    """Our model's full-sequence logits for three prompts, packed in one varlen prefill."""
-    runner = ModelRunner(path, num_kv_blocks=24, kv_block_size=4, num_slots=6, device="cpu")
-    if cfg is not None:  # same weights, edited config
-        model = FalconH1ForCausalLM(cfg, dtype=torch.float32)
-        load_weights(model, path, rename=model.checkpoint_name)
-        runner.model = model.eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (21, 5, 13)]
-    rows = [ScheduledRow(p, 0, list(range(8 * i, 8 * i + 6)), slot, True, num_logits=len(p))
-            for i, (p, slot) in enumerate(zip(prompts, [4, 0, 2]))]
-    logits = runner.execute(rows)
-    runner.commit(rows, [1] * 3)
-    return logits, prompts
-
-
-def _hf_logits(hf, prompts):
-    with torch.no_grad():
-        return torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
 
 
 def test_published_config_fields():
@@ -134,8 +101,8 @@ def test_prefill_logits_match_transformers(norm):
     (none, norm(y * silu(z)), norm(y) * silu(z)), with biases on every projection."""
     bias = dict(projectors_bias=True, mamba_proj_bias=True, attention_bias=True, mlp_bias=True)
     path, hf = cached_checkpoint("falcon_h1", **NORMS[norm], **bias)
-    logits, prompts = _our_logits(path)
-    torch.testing.assert_close(logits, _hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
+    logits, prompts = our_logits(path, FalconH1ForCausalLM)
+    torch.testing.assert_close(logits, hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("ours, theirs", MULTIPLIERS)
@@ -150,21 +117,21 @@ def test_each_multiplier_is_applied(ours, theirs):
         one = (1.0,) * 5 if ours == "ssm_zxbcdt" else 1.0
         assert getattr(cfg.falcon_h1, ours) != one
         edited = dataclasses.replace(cfg, falcon_h1=dataclasses.replace(cfg.falcon_h1, **{ours: one}))
-    logits, prompts = _our_logits(path, edited)
-    assert (logits - _hf_logits(hf, prompts)).abs().max() > 1e-2
+    logits, prompts = our_logits(path, FalconH1ForCausalLM, edited)
+    assert (logits - hf_logits(hf, prompts)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("replayssm", [True, False])
 def test_greedy_matches_transformers(falcon, replayssm):
     """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
     path, _, prompts, hf = falcon
-    assert _tokens(_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
+    assert greedy_tokens(family_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
 
 
 def test_prefix_cache_hit_gives_transformers_tokens(falcon):
     """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
     path, hf_model, prompts, _ = falcon
-    llm = _llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
+    llm = family_llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
     first, second = prompts[2], prompts[2] + prompts[0]
     llm.generate([first], GREEDY, use_tqdm=False)
     out = llm.generate([second], GREEDY, use_tqdm=False)[0]
@@ -175,8 +142,8 @@ def test_prefix_cache_hit_gives_transformers_tokens(falcon):
 def test_ngram_speculation_gives_transformers_tokens(falcon):
     """k = 3 n-gram drafts give transformers' greedy tokens, with drafts proposed and accepted."""
     path, _, prompts, hf = falcon
-    llm = _llm(path, num_speculative_tokens=3, speculative_method="ngram")
-    assert _tokens(llm, prompts) == hf
+    llm = family_llm(path, num_speculative_tokens=3, speculative_method="ngram")
+    assert greedy_tokens(llm, prompts) == hf
     m = llm.get_metrics()
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
 

@@ -9,18 +9,17 @@ import pytest
 import torch
 from checkpoints import cached_checkpoint, hf_greedy, random_prompts
 from conftest import requires_cuda
+from family_helpers import GREEDY, NEW_TOKENS, family_llm, greedy_tokens, hf_logits, our_logits
 from safetensors.torch import load_file, save_file
 
-from replayssm import LLM, SamplingParams
+from replayssm import LLM
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
-from replayssm.models.loader import load_model, load_weights
+from replayssm.models.loader import load_model
 from replayssm.models.two_part import TwoPartForCausalLM
 
 # Tokens stay diverse under tied embeddings when the residual branch outweighs the embedding.
 MULTIPLIERS = dict(embedding_multiplier=0.5, residual_multiplier=1.5)
-NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 # The fields of ibm-granite/granite-4.0-h-small's config.json that shape the model.
 PUBLISHED_SMALL = {
@@ -53,35 +52,6 @@ def granite():
     """(path, transformers model, prompts, transformers greedy tokens)."""
     path, hf = _checkpoint()
     return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
-
-
-def _llm(path, **kw):
-    return LLM(path, device="cpu", max_model_len=128, **kw)
-
-
-def _tokens(llm, prompts, params=GREEDY):
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _our_logits(path, cfg=None):
-    """Our model's full-sequence logits for three prompts, packed in one varlen prefill."""
-    runner = ModelRunner(path, num_kv_blocks=24, kv_block_size=4, num_slots=6, device="cpu")
-    if cfg is not None:  # same weights, edited config
-        model = TwoPartForCausalLM(cfg, dtype=torch.float32)
-        load_weights(model, path, rename=model.checkpoint_name)
-        runner.model = model.eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (21, 5, 13)]
-    rows = [ScheduledRow(p, 0, list(range(8 * i, 8 * i + 6)), slot, True, num_logits=len(p))
-            for i, (p, slot) in enumerate(zip(prompts, [4, 0, 2]))]
-    logits = runner.execute(rows)
-    runner.commit(rows, [1] * 3)
-    return logits, prompts
-
-
-def _hf_logits(hf, prompts):
-    with torch.no_grad():
-        return torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
 
 
 def test_published_config_fields():
@@ -127,8 +97,8 @@ def test_transformers_infinity_spelling_is_accepted():
 def test_prefill_logits_match_transformers(experts):
     """Packed varlen prefill gives transformers' logits at every position (MoE and dense layouts)."""
     path, hf = _checkpoint(num_local_experts=experts)
-    logits, prompts = _our_logits(path)
-    torch.testing.assert_close(logits, _hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
+    logits, prompts = our_logits(path, TwoPartForCausalLM)
+    torch.testing.assert_close(logits, hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("field", ["embedding_multiplier", "residual_multiplier", "attention_scale",
@@ -138,27 +108,27 @@ def test_each_multiplier_is_applied(field):
     path, hf = _checkpoint()
     cfg = ModelConfig.from_hf(path)
     assert getattr(cfg, field) not in (0.0, 1.0)
-    logits, prompts = _our_logits(path, dataclasses.replace(cfg, **{field: 1.0}))
-    assert (logits - _hf_logits(hf, prompts)).abs().max() > 1e-2
+    logits, prompts = our_logits(path, TwoPartForCausalLM, dataclasses.replace(cfg, **{field: 1.0}))
+    assert (logits - hf_logits(hf, prompts)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("replayssm", [True, False])
 def test_greedy_matches_transformers(granite, replayssm):
     """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
     path, _, prompts, hf = granite
-    assert _tokens(_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
+    assert greedy_tokens(family_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
 
 
 def test_dense_layout_greedy_matches_transformers():
     """num_local_experts = 0 (shared MLP only, as granite-4.0-h-micro): transformers' greedy tokens."""
     path, hf = _checkpoint(num_local_experts=0)
-    assert _tokens(_llm(path), _prompts()) == hf_greedy(hf, _prompts(), NEW_TOKENS)
+    assert greedy_tokens(family_llm(path), _prompts()) == hf_greedy(hf, _prompts(), NEW_TOKENS)
 
 
 def test_prefix_cache_hit_gives_transformers_tokens(granite):
     """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
     path, hf_model, prompts, _ = granite
-    llm = _llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
+    llm = family_llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
     first, second = prompts[2], prompts[2] + prompts[0]
     llm.generate([first], GREEDY, use_tqdm=False)
     out = llm.generate([second], GREEDY, use_tqdm=False)[0]
@@ -171,8 +141,8 @@ def test_speculation_gives_transformers_tokens(granite, method):
     """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
     path, _, prompts, hf = granite
     kw = {"draft_model": path} if method == "draft" else {}
-    llm = _llm(path, num_speculative_tokens=3, speculative_method=method, **kw)
-    assert _tokens(llm, prompts) == hf
+    llm = family_llm(path, num_speculative_tokens=3, speculative_method=method, **kw)
+    assert greedy_tokens(llm, prompts) == hf
     m = llm.get_metrics()
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
 
@@ -211,7 +181,7 @@ def test_tp2_gives_transformers_tokens(granite):
     """Tensor parallelism over 2 ranks (gloo): mixers split by heads, feed-forward replicated; same tokens."""
     path, _, prompts, hf = granite
     with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
-        assert _tokens(llm, prompts) == hf
+        assert greedy_tokens(llm, prompts) == hf
 
 
 def test_tight_memory_preempts_with_transformers_tokens(granite):
@@ -221,7 +191,7 @@ def test_tight_memory_preempts_with_transformers_tokens(granite):
     llm = LLM(path, device="cpu", max_model_len=72, kv_block_size=4, num_kv_blocks=20, num_slots=8,
               max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=True,
               prefix_checkpoint_interval=4)
-    assert _tokens(llm, prompts) == hf
+    assert greedy_tokens(llm, prompts) == hf
     assert llm.get_metrics()["num_preemptions"] > 0
 
 
