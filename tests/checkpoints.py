@@ -25,6 +25,8 @@ NEMOTRON_H_PATTERN = "M*EM-*ME"
 GRANITE_LAYERS = ["mamba", "attention", "mamba", "mamba", "attention", "mamba"]
 # Bamba: the attention layers by index (Mamba-2 elsewhere), Mamba layers at both ends.
 BAMBA_ATTENTION = [1, 4]
+# Zamba2: hybrid layers (shared transformer block, then Mamba-2) at 1, 3, 5; Mamba-2 elsewhere.
+ZAMBA2_LAYERS = ["mamba", "hybrid", "mamba", "hybrid", "mamba", "hybrid", "mamba"]
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -222,15 +224,43 @@ def tiny_falcon_h1(path: str | Path, seed: int = 0, **overrides):
     return model
 
 
+def tiny_zamba2(path: str | Path, seed: int = 0, **overrides):
+    """Write a tiny Zamba2ForCausalLM to `path`; returns the transformers model (eval, fp32).
+
+    Scaled down from Zyphra/Zamba2-1.2B with every structural field kept: Mamba-2 layers at both
+    ends, hybrid layers at three positions over 2 shared blocks (the third reuses the first block),
+    LoRA adapters on attention and MLP (which transformers runs only without GQA), RoPE, tied
+    embeddings; plus 2 Mamba groups.
+    """
+    from transformers import Zamba2Config
+    from transformers import Zamba2ForCausalLM as HFZamba2
+
+    fields = dict(
+        vocab_size=256, hidden_size=32, num_hidden_layers=len(ZAMBA2_LAYERS), mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+        mamba_ngroups=2, n_mamba_heads=4, chunk_size=8, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=48, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8,
+        use_mem_rope=True, rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=True,
+        layers_block_type=list(ZAMBA2_LAYERS),
+        eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    )
+    fields.update(overrides)
+    config = Zamba2Config(**fields)
+    torch.manual_seed(seed)
+    model = HFZamba2(config).eval()
+    _randomize(model, seed)
+    model.save_pretrained(str(path))
+    return model
+
+
 @functools.cache
 def cached_checkpoint(kind: str, seed: int = 0, **overrides) -> tuple[str, torch.nn.Module]:
     """Write a tiny checkpoint once per test process; returns (directory, transformers model).
 
-    kind: "nemotron_h", "mamba2", "granite_hybrid", "bamba" or "falcon_h1". The directory is removed at
-    exit; do not modify it.
+    kind: "nemotron_h", "mamba2", "granite_hybrid", "bamba", "falcon_h1" or "zamba2". The directory is
+    removed at exit; do not modify it.
     """
     makers = {"nemotron_h": tiny_nemotron_h, "mamba2": tiny_mamba2, "granite_hybrid": tiny_granite_hybrid,
-              "bamba": tiny_bamba, "falcon_h1": tiny_falcon_h1}
+              "bamba": tiny_bamba, "falcon_h1": tiny_falcon_h1, "zamba2": tiny_zamba2}
     if kind not in makers:
         raise ValueError(f"kind must be one of {sorted(makers)}, got {kind!r}")
     root = tempfile.mkdtemp(prefix=f"replayssm-{kind}-")

@@ -12,6 +12,7 @@ MODEL_REGISTRY = {
     "GraniteMoeHybridForCausalLM": ("replayssm.models.two_part", "TwoPartForCausalLM"),
     "BambaForCausalLM": ("replayssm.models.two_part", "TwoPartForCausalLM"),
     "FalconH1ForCausalLM": ("replayssm.models.falcon_h1", "FalconH1ForCausalLM"),
+    "Zamba2ForCausalLM": ("replayssm.models.zamba2", "Zamba2ForCausalLM"),
 }
 
 

@@ -5,7 +5,8 @@ architectures: `NemotronHForCausalLM` (Mamba-2 + attention + MLP + MoE layers, a
 transformers version: `layers_block_type` or `hybrid_override_pattern`, legacy and current
 layer names), `Mamba2ForCausalLM` (pure Mamba-2), and the two-part families read by
 config_two_part.py: `GraniteMoeHybridForCausalLM` (Granite 4.0-H) and `BambaForCausalLM`;
-`FalconH1ForCausalLM` (parallel attention + Mamba-2 layers, read by config_falcon_h1.py).
+`FalconH1ForCausalLM` (parallel attention + Mamba-2 layers, read by config_falcon_h1.py);
+`Zamba2ForCausalLM` (Mamba-2 layers and hybrid layers with shared transformer blocks, config_zamba2.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from replayssm.models.config_fields import eos_ids as _eos
 from replayssm.models.config_fields import field as _field
 from replayssm.models.config_fields import layer_list as _layer_list
 from replayssm.models.config_two_part import TWO_PART, two_part_fields
+from replayssm.models.config_zamba2 import ZAMBA2, Zamba2Shared, zamba2_fields
 
 TWO_PART_ARCHITECTURES = TWO_PART
-ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES, FALCON_H1)
+ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES, FALCON_H1, ZAMBA2)
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu")
 # MoE routers: Nemotron-H's sigmoid scores with grouped top-k and a correction bias; Granite's
 # softmax over the top-k router logits.
@@ -101,6 +103,8 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Falcon-H1's own multipliers and Mamba options; set exactly when layer_types are PARALLEL.
     falcon_h1: FalconH1Multipliers | None = None
+    # Zamba2's shared transformer blocks; set exactly for Zamba2, whose hybrid layers are PARALLEL.
+    zamba2: Zamba2Shared | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -132,7 +136,11 @@ class ModelConfig:
                                  f"got {self.ffn_types}")
         elif self.ffn_types:
             raise ValueError(f"ffn_types is for two-part architectures {TWO_PART_ARCHITECTURES}")
-        if (PARALLEL in self.layer_types) != (self.falcon_h1 is not None) or (
+        if self.zamba2 is not None:
+            if set(self.layer_types) - {MAMBA, PARALLEL} or self.falcon_h1 is not None:
+                raise ValueError(f"layer_types of {self.architecture} must be mamba or parallel (hybrid), "
+                                 f"got {sorted(set(self.layer_types))}")
+        elif (PARALLEL in self.layer_types) != (self.falcon_h1 is not None) or (
                 self.falcon_h1 is not None and set(self.layer_types) != {PARALLEL}):
             raise ValueError(f"layer_types of {self.architecture} must be all parallel exactly when the "
                              f"Falcon-H1 multipliers are set, got {sorted(set(self.layer_types))}")
@@ -205,6 +213,8 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         return ModelConfig(**two_part_fields(raw, source, arch))
     if arch == FALCON_H1:
         return ModelConfig(**falcon_h1_fields(raw, source))
+    if arch == ZAMBA2:
+        return ModelConfig(**zamba2_fields(raw, source))
     f = lambda *names, **kw: _field(raw, source, *names, **kw)  # noqa: E731
     if f("mamba_hidden_act", "hidden_act", default="silu", kind=str) != "silu":
         raise ValueError(f"{source}: field 'mamba_hidden_act' must be 'silu'")
