@@ -236,8 +236,9 @@ def tiny_zamba2(path: str | Path, seed: int = 0, **overrides):
     from transformers import Zamba2ForCausalLM as HFZamba2
 
     fields = dict(
-        vocab_size=256, hidden_size=32, num_hidden_layers=len(ZAMBA2_LAYERS), mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
-        mamba_ngroups=2, n_mamba_heads=4, chunk_size=8, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=256, hidden_size=32, num_hidden_layers=len(ZAMBA2_LAYERS), mamba_d_state=16,
+        mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=8,
+        num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=48, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8,
         use_mem_rope=True, rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=True,
         layers_block_type=list(ZAMBA2_LAYERS),

@@ -64,8 +64,9 @@ def zamba2_fields(raw: dict, source: str) -> dict[str, Any]:
     )
     kv_heads = f("num_key_value_heads", default=heads)
     if shared.attention_adapter and kv_heads != heads:
-        raise ValueError(f"{source}: field 'num_key_value_heads' ({kv_heads}) must equal 'num_attention_heads' "
-                         f"({heads}) with use_shared_attention_adapter (the k/v adapters are full width)")
+        raise ValueError(f"{source}: field 'num_key_value_heads' ({kv_heads}) must equal "
+                         f"'num_attention_heads' ({heads}) with use_shared_attention_adapter (the k/v "
+                         f"adapters are full width)")
     if shared.num_mem_blocks < 1:
         raise ValueError(f"{source}: field 'num_mem_blocks' must be >= 1, got {shared.num_mem_blocks}")
     bias = f("add_bias_linear", default=False, kind=bool)

@@ -16,7 +16,9 @@ As transformers computes it (e = the token embeddings, kept beside the residual 
 The shared blocks (`shared.{b}`) are modules of the model, not of the layers; each hybrid layer owns
 its adapters, its `linear` and one KV cache (kind "parallel": KV cache index = its rank among the
 hybrid layers, Mamba cache index = its layer index). The shared block has no residual of its own.
-Served on one rank. Norms cast before the weight, as Zamba2RMSNorm does.
+transformers ties the blocks' weights only when tie_word_embeddings is true (its weight tying follows
+that flag); untied, every hybrid layer runs a block of its own, as the checkpoint then stores, and so
+do we. Served on one rank. Norms cast before the weight, as Zamba2RMSNorm does.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class SharedBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        wide, heads, kv, d = 2 * cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        wide, d = 2 * cfg.hidden_size, cfg.head_dim
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.input_layernorm = RMSNorm(wide, cfg.norm_eps, cast_before_weight=True, **kw)
         self.self_attn = nn.Module()
         self.self_attn.q_proj = nn.Linear(wide, heads * d, bias=False, **kw)
@@ -62,9 +65,9 @@ class SharedBlock(nn.Module):
         self.self_attn.o_proj = nn.Linear(heads * d, cfg.hidden_size, bias=False, **kw)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
         self.feed_forward = nn.Module()
-        self.feed_forward.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias,
-                                                   **kw)
-        self.feed_forward.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, **kw)
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        self.feed_forward.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=cfg.mlp_bias, **kw)
+        self.feed_forward.down_proj = nn.Linear(inter, hidden, bias=cfg.mlp_bias, **kw)
 
 
 class Zamba2Mamba(Mamba2Mixer):
@@ -79,8 +82,8 @@ class Zamba2Layer(nn.Module):
     """A Mamba layer, or (kind "parallel") a hybrid layer: the shared block's output through `linear`
     joins the Mamba input; the residual skips both."""
 
-    def __init__(self, cfg: ModelConfig, index: int, kind: str, attn_index: int, *, rotary: RotaryEmbedding | None,
-                 device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, kind: str, attn_index: int, *,
+                 rotary: RotaryEmbedding | None, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.kind = kind
@@ -119,7 +122,8 @@ class Zamba2Layer(nn.Module):
         md = ctx.attn
         store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.block_tables, md.context_lens,
-                            scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_context_len)
+                            scale=self.scale, max_query_len=md.max_query_len,
+                            max_context_len=md.max_context_len)
         a = block.pre_ff_layernorm(attn.o_proj(o.reshape(T, self.heads * self.head_dim)))
         gate, up = (ff.gate_up_proj(a) + self.mlp_adapter(a)).chunk(2, dim=-1)
         return self.linear(ff.down_proj(self.act(gate) * up))
@@ -142,7 +146,8 @@ class Zamba2ForCausalLM(DecoderLM):
                               rotary=rotary, **kw) for i, kind in enumerate(cfg.layer_types)]
         super().__init__(cfg, blocks, tp=tp, cast_before_weight=True, **kw)
         self.hybrid_ids = hybrid_ids
-        nb = min(cfg.zamba2.num_mem_blocks, max(len(self.hybrid_ids), 1))
+        nb = cfg.zamba2.num_mem_blocks if cfg.tie_word_embeddings else len(hybrid_ids)
+        nb = min(nb, max(len(hybrid_ids), 1))
         self.shared = nn.ModuleList(SharedBlock(cfg, **kw) for _ in range(nb))
         for j, i in enumerate(self.hybrid_ids):
             self.layers[i].shared = (self.shared[j % nb],)
@@ -155,26 +160,28 @@ class Zamba2ForCausalLM(DecoderLM):
         return h
 
     def checkpoint_name(self, key: str) -> str | None:
-        """Checkpoint tensor name -> our parameter name. transformers stores shared block b under the
-        first hybrid layer that runs it, with the adapters of every hybrid layer j on block j % nb."""
+        """Checkpoint tensor name -> our parameter name (None: skipped). transformers stores shared
+        block b (b < nb) under hybrid layer b, with the adapters of every hybrid layer j on block j % nb;
+        the copies other layers may hold (untied checkpoints) are not read."""
         key = key.removeprefix("model.")
         if key.startswith("embed_tokens."):
             return "embeddings." + key.removeprefix("embed_tokens.")
         if key.startswith("final_layernorm."):
             return "norm_f." + key.removeprefix("final_layernorm.")
+        hyb, nb = self.hybrid_ids, len(self.shared)
         m = _ADAPTER.match(key)
         if m:
-            j = int(m.group(3))
-            if j >= len(self.hybrid_ids):
-                return key  # not ours: left unmatched
+            i, j = int(key.split(".")[1]), int(m.group(3))
+            if j >= len(hyb) or i != hyb[j % nb]:
+                return None
             name = f"{m.group(2)}_adapter" if m.group(2) else "mlp_adapter"
-            return f"layers.{self.hybrid_ids[j]}.{name}.{m.group(4)}"
+            return f"layers.{hyb[j]}.{name}.{m.group(4)}"
         m = _SHARED.match(key)
         if m:
             i = int(m.group(1))
-            if i not in self.hybrid_ids:
-                return key
-            return f"shared.{self.hybrid_ids.index(i) % len(self.shared)}.{m.group(2)}"
+            if i not in hyb[:nb]:
+                return None
+            return f"shared.{hyb.index(i)}.{m.group(2)}"
         m = _MAMBA.match(key)
         if m:
             return f"layers.{m.group(1)}.{'mixer.' if '.mamba.' in key else ''}{m.group(2)}"

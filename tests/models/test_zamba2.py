@@ -90,6 +90,13 @@ def test_shared_blocks_are_shared_and_caches_are_not():
     assert [layer.mixer.mamba_index for layer in model.layers] == list(range(len(ZAMBA2_LAYERS)))
 
 
+def test_untied_checkpoint_has_a_block_per_hybrid_layer():
+    """transformers ties the shared blocks only with tie_word_embeddings; untied, each hybrid layer runs
+    its own block, and so does ours."""
+    path, _ = cached_checkpoint("zamba2", tie_word_embeddings=False)
+    assert len(Zamba2ForCausalLM(ModelConfig.from_hf(path), dtype=torch.float32).shared) == 3
+
+
 @pytest.mark.parametrize("overrides", [{}, dict(use_mem_rope=False, use_shared_attention_adapter=False,
                                                  add_bias_linear=True, hidden_act="silu",
                                                  tie_word_embeddings=False)],
