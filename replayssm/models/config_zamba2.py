@@ -62,6 +62,9 @@ def zamba2_fields(raw: dict, source: str) -> dict[str, Any]:
         adapter_rank=f("adapter_rank", default=128),
         attention_adapter=f("use_shared_attention_adapter", default=False, kind=bool),
     )
+    if raw.get("use_shared_mlp_adapter") is False:
+        raise ValueError(f"{source}: field 'use_shared_mlp_adapter' must be true (transformers always runs "
+                         f"the MLP adapters)")
     kv_heads = f("num_key_value_heads", default=heads)
     if shared.attention_adapter and kv_heads != heads:
         raise ValueError(f"{source}: field 'num_key_value_heads' ({kv_heads}) must equal "

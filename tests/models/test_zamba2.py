@@ -10,9 +10,8 @@ from family_helpers import GREEDY, NEW_TOKENS, family_llm, greedy_tokens, hf_log
 from replayssm.models.config import MAMBA, PARALLEL, ModelConfig
 from replayssm.models.zamba2 import Zamba2ForCausalLM
 
-# Zamba2-1.2B's shape as we recall it (not downloaded): 38 layers of width 2048 with 6 hybrid layers,
-# one shared block with attention LoRA adapters and RoPE, 32 heads, 64 Mamba heads of 64, state 64.
-# The layer pattern is a stand-in with 6 hybrid layers.
+# A Zamba2-1.2B-sized config.json (width 2048, 38 layers, 32 query = 32 KV heads, RoPE, attention
+# adapters of rank 128, state 64): the sizes and the layer pattern are stand-ins, not read from the hub.
 _PATTERN = (["mamba"] * 5 + ["hybrid"]) * 6 + ["mamba"] * 2
 PUBLISHED_12B = {
     "architectures": ["Zamba2ForCausalLM"], "model_type": "zamba2", "hidden_size": 2048,
@@ -63,6 +62,7 @@ def test_rope_off_without_use_mem_rope():
     (dict(num_attention_heads=48, num_key_value_heads=48), "num_attention_heads"),
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
     (dict(num_mem_blocks=0), "num_mem_blocks"),
+    (dict(use_shared_mlp_adapter=False), "use_shared_mlp_adapter"),
 ])
 def test_unserved_fields_are_errors(edit, field):
     """A field we do not implement, or an inconsistent one, is a ValueError naming it."""
