@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
-# A parallel layer (Falcon-H1) runs attention and Mamba-2 side by side: one KV cache and one Mamba cache.
+# A parallel layer owns one KV cache and one Mamba cache: Falcon-H1 runs attention and Mamba-2 side by
+# side; a Zamba2 hybrid layer runs its shared transformer block, then Mamba-2.
 PARALLEL = "parallel"
 LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE, PARALLEL)
 
