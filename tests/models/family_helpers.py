@@ -41,3 +41,49 @@ def our_logits(path, model_cls, cfg=None):
 def hf_logits(hf, prompts):
     with torch.no_grad():
         return torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+
+
+def decode_schedule(runner, q):
+    """Prefill 5 requests on permuted slots, then 6 decode/verify steps of q tokens over a shrinking,
+    reordered batch with varying acceptance; the logits of every step."""
+    slots, tables = [9, 2, 7, 0, 11], [[i * 8 + j for j in range(8)] for i in range(5)]
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(5)]
+    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
+    runner.execute(rows)
+    runner.commit(rows, [1] * 5)
+    pos, out = [len(p) for p in prompts], []
+    for step in range(6):
+        live = [i for i in (4, 0, 3, 1, 2) if i < 5 - step // 2]
+        rows = [ScheduledRow([(step * 13 + i) % 250 + 3] * q, pos[i], tables[i], slots[i], False,
+                             num_logits=q) for i in live]
+        out.append(runner.execute(rows).float().cpu())
+        accepted = [1 + (step + i) % q for i in live]
+        runner.commit(rows, accepted)
+        for i, a in zip(live, accepted):
+            pos[i] += a
+    return out
+
+
+def check_graph_steps_equal_eager(path, dtype: str = "float32", tol: float = 1e-3) -> None:
+    """On CUDA: the 6 verify steps (ReplaySSM, q = 3) of `decode_schedule` replayed as CUDA graphs give
+    the eager steps' logits within `tol` (relative norm)."""
+    kw = dict(device="cuda", dtype=dtype, num_slots=12, max_num_seqs=6, num_kv_blocks=40, kv_block_size=4,
+              num_speculative_tokens=2)
+    graph, eager = (ModelRunner(path, cuda_graphs=g, **kw) for g in (True, False))
+    got, want = decode_schedule(graph, 3), decode_schedule(eager, 3)
+    assert graph.graphs.num_replays == 6
+    for g, w in zip(got, want):
+        assert (g - w).norm() / w.norm() < tol
+
+
+def check_prefix_hit(path, hf_model, prompts) -> None:
+    """A prompt extending a cached one hits the prefix cache (whole blocks of the first) and still gives
+    transformers' greedy tokens."""
+    from checkpoints import hf_greedy
+
+    llm = family_llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
+    first, second = prompts[2], prompts[2] + prompts[0]
+    llm.generate([first], GREEDY, use_tqdm=False)
+    out = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == len(first) // 4 * 4 > 0
+    assert out.token_ids == hf_greedy(hf_model, [second], NEW_TOKENS)[0]

@@ -8,10 +8,17 @@ import pytest
 import torch
 from checkpoints import cached_checkpoint, hf_greedy, random_prompts
 from conftest import requires_cuda
-from family_helpers import GREEDY, NEW_TOKENS, family_llm, greedy_tokens, hf_logits, our_logits
+from family_helpers import (
+    NEW_TOKENS,
+    check_graph_steps_equal_eager,
+    check_prefix_hit,
+    family_llm,
+    greedy_tokens,
+    hf_logits,
+    our_logits,
+)
 
 from replayssm import LLM
-from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.models.config import ATTENTION, MAMBA, MLP, ModelConfig
 from replayssm.models.two_part import TwoPartForCausalLM
 
@@ -113,12 +120,7 @@ def test_greedy_matches_transformers(bamba, replayssm):
 def test_prefix_cache_hit_gives_transformers_tokens(bamba):
     """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
     path, hf_model, prompts, _ = bamba
-    llm = family_llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
-    first, second = prompts[2], prompts[2] + prompts[0]
-    llm.generate([first], GREEDY, use_tqdm=False)
-    out = llm.generate([second], GREEDY, use_tqdm=False)[0]
-    assert out.num_cached_tokens == len(first) // 4 * 4 > 0
-    assert out.token_ids == hf_greedy(hf_model, [second], NEW_TOKENS)[0]
+    check_prefix_hit(path, hf_model, prompts)
 
 
 def test_ngram_speculation_gives_transformers_tokens(bamba):
@@ -137,35 +139,8 @@ def test_tp2_gives_transformers_tokens(bamba):
         assert greedy_tokens(llm, prompts) == hf
 
 
-def _decode_schedule(runner, q):
-    """Prefill 5 requests on permuted slots, then 6 decode/verify steps of q tokens over a shrinking,
-    reordered batch with varying acceptance; the logits of every step."""
-    slots, tables = [9, 2, 7, 0, 11], [[i * 8 + j for j in range(8)] for i in range(5)]
-    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(5)]
-    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
-    runner.execute(rows)
-    runner.commit(rows, [1] * 5)
-    pos, out = [len(p) for p in prompts], []
-    for step in range(6):
-        live = [i for i in (4, 0, 3, 1, 2) if i < 5 - step // 2]
-        rows = [ScheduledRow([(step * 13 + i) % 250 + 3] * q, pos[i], tables[i], slots[i], False,
-                             num_logits=q) for i in live]
-        out.append(runner.execute(rows).float().cpu())
-        accepted = [1 + (step + i) % q for i in live]
-        runner.commit(rows, accepted)
-        for i, a in zip(live, accepted):
-            pos[i] += a
-    return out
-
-
 @requires_cuda
 def test_graph_steps_equal_eager():
     """CUDA graph verify steps (ReplaySSM, q = 3, rotary attention) equal the eager steps' logits (fp32)."""
     path, _ = cached_checkpoint("bamba")
-    kw = dict(device="cuda", dtype="float32", num_slots=12, max_num_seqs=6, num_kv_blocks=40, kv_block_size=4,
-              num_speculative_tokens=2)
-    graph, eager = (ModelRunner(path, cuda_graphs=g, **kw) for g in (True, False))
-    got, want = _decode_schedule(graph, 3), _decode_schedule(eager, 3)
-    assert graph.graphs.num_replays == 6
-    for g, w in zip(got, want):
-        assert (g - w).norm() / w.norm() < 1e-3
+    check_graph_steps_equal_eager(path)
