@@ -129,8 +129,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="CPU smoke run of the code paths: a tiny model and workload, about 20 s; "
                         "its numbers are not a speed measurement")
     parser.add_argument("--model-shape", default="nemotron-h-8b",
-                        help="published model shape, dummy weights: nemotron-h-8b (default) or "
-                        "granite-4.0-h-small (32B MoE; with --quick, a toy model of the same structure)")
+                        help="published model shape, dummy weights: nemotron-h-8b (default), "
+                        "granite-4.0-h-small (32B MoE) or granite-4.0-h-tiny (7B MoE); with --quick, "
+                        "a toy model of the same structure")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")
     parser.add_argument("--modes", default="abc",
