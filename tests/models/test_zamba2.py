@@ -10,6 +10,8 @@ from family_helpers import (
     NEW_TOKENS,
     check_graph_steps_equal_eager,
     check_prefix_hit,
+    check_speculation,
+    check_tight_memory_preempts,
     family_llm,
     greedy_tokens,
     hf_logits,
@@ -131,13 +133,17 @@ def test_prefix_cache_hit_gives_transformers_tokens(zamba):
     check_prefix_hit(path, hf_model, prompts)
 
 
-def test_ngram_speculation_gives_transformers_tokens(zamba):
-    """k = 3 n-gram drafts give transformers' greedy tokens, with drafts proposed and accepted."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_gives_transformers_tokens(zamba, method):
+    """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
     path, _, prompts, hf = zamba
-    llm = family_llm(path, num_speculative_tokens=3, speculative_method="ngram")
-    assert greedy_tokens(llm, prompts) == hf
-    m = llm.get_metrics()
-    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+    check_speculation(path, prompts, hf, method)
+
+
+def test_tight_memory_preempts_with_transformers_tokens(zamba):
+    """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
+    path, _, prompts, hf = zamba
+    check_tight_memory_preempts(path, prompts, hf)
 
 
 @requires_cuda
