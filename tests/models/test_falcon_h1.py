@@ -14,6 +14,7 @@ from family_helpers import (
     check_prefix_hit,
     check_speculation,
     check_tight_memory_preempts,
+    check_tp2,
     family_llm,
     greedy_tokens,
     hf_logits,
@@ -50,6 +51,7 @@ MULTIPLIERS = [("attention_in", "attention_in_multiplier"), ("attention_out", "a
 NORMS = {"no_norm": dict(mamba_rms_norm=False),
          "gate_then_norm": dict(mamba_rms_norm=True, mamba_norm_before_gate=False),
          "norm_then_gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=True)}
+BIASES = dict(projectors_bias=True, mamba_proj_bias=True, attention_bias=True, mlp_bias=True)
 
 
 def _prompts():
@@ -96,20 +98,20 @@ def test_unserved_fields_are_errors(edit, field):
         ModelConfig.from_hf(dict(PUBLISHED_05B, **edit))
 
 
-def test_tensor_parallel_is_refused():
-    """Parallel layers are served on one rank: tensor_parallel_size 2 is a ValueError, not a wrong answer."""
+@pytest.mark.parametrize("size, field", [(16, "mamba_num_heads"), (3, "num_attention_heads")])
+def test_indivisible_heads_are_named(size, field):
+    """A tensor_parallel_size that does not divide a head count is a ValueError naming the field."""
     from replayssm.distributed.sharding import check_shardable
 
-    with pytest.raises(ValueError, match="one rank"):
-        check_shardable(ModelConfig.from_hf(PUBLISHED_05B), 2)
+    with pytest.raises(ValueError, match=field):
+        check_shardable(ModelConfig.from_hf(PUBLISHED_05B), size)
 
 
 @pytest.mark.parametrize("norm", sorted(NORMS))
 def test_prefill_logits_match_transformers(norm):
     """Packed varlen prefill gives transformers' logits at every position, for each Mamba output norm
     (none, norm(y * silu(z)), norm(y) * silu(z)), with biases on every projection."""
-    bias = dict(projectors_bias=True, mamba_proj_bias=True, attention_bias=True, mlp_bias=True)
-    path, hf = cached_checkpoint("falcon_h1", **NORMS[norm], **bias)
+    path, hf = cached_checkpoint("falcon_h1", **NORMS[norm], **BIASES)
     logits, prompts = our_logits(path, FalconH1ForCausalLM)
     torch.testing.assert_close(logits, hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
 
@@ -154,6 +156,17 @@ def test_tight_memory_preempts_with_transformers_tokens(falcon):
     """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
     path, _, prompts, hf = falcon
     check_tight_memory_preempts(path, prompts, hf)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(mamba_n_groups=1, **NORMS["norm_then_gate"], **BIASES)],
+                         ids=["published", "spanning_norm_group_biases"])
+def test_tp2_gives_transformers_tokens(overrides):
+    """Tensor parallelism over 2 ranks (gloo): Mamba and attention split by heads, MLP by its
+    intermediate dimension, multipliers on each shard; transformers' greedy tokens. The variant's one
+    Mamba group spans both ranks (norm before gate all-reduces its sum of squares) and every projection
+    has a bias."""
+    path, hf = cached_checkpoint("falcon_h1", **overrides)
+    check_tp2(path, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS))
 
 
 @requires_cuda
