@@ -103,8 +103,9 @@ def test_indivisible_heads_are_named(size, field):
     """A tensor_parallel_size that does not divide a head count is a ValueError naming the field."""
     from replayssm.distributed.sharding import check_shardable
 
-    with pytest.raises(ValueError, match=field):
-        check_shardable(ModelConfig.from_hf(PUBLISHED_05B), size)
+    cfg = ModelConfig.from_hf(PUBLISHED_05B)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={size}.*{field}"):
+        check_shardable(cfg, size)
 
 
 @pytest.mark.parametrize("norm", sorted(NORMS))
