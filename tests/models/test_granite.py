@@ -23,6 +23,7 @@ from family_helpers import (
 )
 from safetensors.torch import load_file, save_file
 
+from replayssm.distributed.parallel import TensorParallel
 from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from replayssm.models.loader import load_model
 from replayssm.models.two_part import TwoPartForCausalLM
@@ -182,6 +183,29 @@ def test_tp2_gives_transformers_tokens(granite):
     intermediate dims; same tokens."""
     path, _, prompts, hf = granite
     check_tp2(path, prompts, hf)
+
+
+def _halves_of(w: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+    """Rank `rank` of 2's rows of a fused [gate | up] weight along `dim`: its half of each part."""
+    gate, up = w.chunk(2, dim=dim)
+    return torch.cat([gate.chunk(2, dim=dim)[rank], up.chunk(2, dim=dim)[rank]], dim=dim)
+
+
+def test_tp2_shards_split_every_expert():
+    """Under TP=2 each rank holds every expert's and the shared MLP's half of the intermediate
+    dimension: its half of the gate and of the up rows, and the matching down columns."""
+    path, _ = _checkpoint()
+    full = dict(load_model(path)[0].named_parameters())
+    up, down = "layers.0.block_sparse_moe.experts.up_proj", "layers.0.block_sparse_moe.experts.down_proj"
+    gate_up, out = "layers.0.mlp.input_linear.weight", "layers.0.mlp.output_linear.weight"
+    router = "layers.0.block_sparse_moe.router.weight"
+    for r in range(2):
+        shard = dict(load_model(path, tp=TensorParallel(r, 2))[0].named_parameters())
+        assert torch.equal(shard[up], _halves_of(full[up], 1, r))
+        assert torch.equal(shard[down], full[down].chunk(2, dim=2)[r])
+        assert torch.equal(shard[gate_up], _halves_of(full[gate_up], 0, r))
+        assert torch.equal(shard[out], full[out].chunk(2, dim=1)[r])
+        assert torch.equal(shard[router], full[router])
 
 
 def test_tight_memory_preempts_with_transformers_tokens(granite):
