@@ -11,7 +11,8 @@ applies them:
                   ... conv, scan as every Mamba-2 mixer ...
                   y = norm(y * silu(z)) | norm(y) * silu(z) | y * silu(z)    (mamba_rms_norm and
                   mamba_norm_before_gate pick one), out_proj (bias: projectors_bias)
-    attention:    RoPE attention, keys scaled by key (folded into the softmax scale: q.(m k) = m q.k)
+    attention:    RoPE attention, k_proj's output times key before RoPE and the cache (in the model
+                  dtype, as transformers rounds it)
     mlp(x):       down_proj(up_proj(x) * silu(gate_proj(x) * mlp_gate)) * mlp_down
     logits = lm_head(final_layernorm(h)) * lm_head
 
@@ -27,7 +28,6 @@ rank 0 only).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
@@ -65,7 +65,9 @@ def checkpoint_name(key: str) -> str | None:
 
 class MupInProj(nn.Linear):
     """in_proj(ssm_in * x) times the per-segment multipliers of [z | x | B | C | dt] (transformers'
-    mup_vector). The vector is built from the config on first use per device, in fp32."""
+    mup_vector). The vector is built from the config on first use per device and dtype, in the
+    projection's dtype: transformers' buffer takes the model dtype, so in bf16 each multiplier is
+    rounded to bf16 and the product is one bf16 multiply, as here."""
 
     def __init__(self, hidden: int, sizes: tuple[int, ...], m: FalconH1Multipliers, *, bias: bool,
                  device=None, dtype=None) -> None:
@@ -73,15 +75,15 @@ class MupInProj(nn.Linear):
         self.sizes, self.ssm_in, self.segments = sizes, m.ssm_in, m.ssm_zxbcdt
         self._mup: torch.Tensor | None = None
 
-    def mup_vector(self, device: torch.device) -> torch.Tensor:
-        if self._mup is None or self._mup.device != device:
-            self._mup = torch.cat([torch.full((n,), v, dtype=torch.float32, device=device)
+    def mup_vector(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if self._mup is None or self._mup.device != device or self._mup.dtype != dtype:
+            self._mup = torch.cat([torch.full((n,), v, dtype=dtype, device=device)
                                    for n, v in zip(self.sizes, self.segments)])
         return self._mup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x * self.ssm_in)
-        return (y * self.mup_vector(y.device)).to(y.dtype)
+        return y * self.mup_vector(y.device, y.dtype)
 
 
 class FalconMamba(Mamba2Mixer):
@@ -120,6 +122,17 @@ class FalconMamba(Mamba2Mixer):
         return (g * F.silu(z.float())).to(y.dtype)
 
 
+class ScaledLinear(nn.Linear):
+    """A projection whose output is multiplied by a constant (Falcon-H1's key multiplier)."""
+
+    def __init__(self, n_in: int, n_out: int, multiplier: float, *, bias: bool, device=None, dtype=None):
+        super().__init__(n_in, n_out, bias=bias, device=device, dtype=dtype)
+        self.multiplier = multiplier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.multiplier
+
+
 class FalconMLP(nn.Module):
     """down_proj(up_proj(x) * silu(gate_proj(x) * mlp_gate)) * mlp_down."""
 
@@ -151,8 +164,10 @@ class ParallelBlock(nn.Module):
         local = local_config(cfg, tp.size)  # head and intermediate counts of this rank's shard
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
         self.mixer = FalconMamba(cfg, index, tp=tp, **kw)
-        attn_cfg = dataclasses.replace(local, attention_scale=cfg.head_dim ** -0.5 * m.key)
-        self.self_attn = Attention(attn_cfg, index, rotary=rotary_for(cfg, device), **kw)
+        self.self_attn = Attention(local, index, rotary=rotary_for(cfg, device), **kw)
+        k = self.self_attn.k_proj
+        self.self_attn.k_proj = ScaledLinear(k.in_features, k.out_features, m.key, bias=k.bias is not None,
+                                             **kw)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
         self.feed_forward = FalconMLP(local, **kw)
 

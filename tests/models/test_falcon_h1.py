@@ -23,6 +23,7 @@ from family_helpers import (
 
 from replayssm.models.config import PARALLEL, ModelConfig
 from replayssm.models.falcon_h1 import FalconH1ForCausalLM
+from replayssm.models.loader import load_model
 
 # Falcon-H1-0.5B's shape (transformers' Falcon-H1 documentation): 36 parallel layers, 1024 wide,
 # 8 query / 2 KV heads of 64, 24 Mamba heads of 64 (mamba_d_ssm 1536), state 128. The multipliers are
@@ -131,6 +132,23 @@ def test_each_multiplier_is_applied(ours, theirs):
         edited = dataclasses.replace(cfg, falcon_h1=dataclasses.replace(cfg.falcon_h1, **{ours: one}))
     logits, prompts = our_logits(path, FalconH1ForCausalLM, edited)
     assert (logits - hf_logits(hf, prompts)).abs().max() > 1e-2
+
+
+def test_bf16_projection_multipliers_round_as_transformers():
+    """In bf16, in_proj times the segment multipliers and k_proj times key equal transformers' products
+    bit for bit (multipliers rounded to bf16, one bf16 multiply after the projection)."""
+    from transformers import FalconH1ForCausalLM as HFFalconH1
+
+    path, _ = cached_checkpoint("falcon_h1")
+    hf = HFFalconH1.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ours = load_model(path, dtype=torch.bfloat16)[0]
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    theirs, m = hf.model.layers[1], hf.config
+    with torch.no_grad():
+        want_in = theirs.mamba.in_proj(x * m.ssm_in_multiplier) * theirs.mamba.mup_vector[0, 0]
+        want_k = theirs.self_attn.k_proj(x) * m.key_multiplier
+        assert torch.equal(ours.layers[1].mixer.in_proj(x), want_in)
+        assert torch.equal(ours.layers[1].self_attn.k_proj(x), want_k)
 
 
 @pytest.mark.parametrize("replayssm", [True, False])
