@@ -9,16 +9,24 @@
     attention q / k / v                           heads / kv heads          its heads (kv replicated
                                                                             when kv heads < ranks)
     attention o_proj, mlp down, expert down       columns (row-parallel)    its intermediate slice
-    mlp up, expert up (every expert)              rows (column-parallel)    its intermediate slice
+    mlp up / gate, expert up (every expert)       rows (column-parallel)    its intermediate slice
+    fused [gate | up] rows (Granite, Zamba2)      each half by rows         gate_r and up_r
+    Zamba2 LoRA adapter: A (rank, in)             replicated                everything
+                         B (out, rank)            rows, as the projection   the projection's rows
     embeddings, lm_head                           vocab rows (padded)       ceil(V / size) rows
-    norms, router, latent projections             replicated                everything
+    norms, routers, latent projections, Zamba2    replicated                everything
+    `linear`
     bias of a row-parallel projection             rank 0 only               zeros elsewhere
 
 Groups (g): with G >= size each rank keeps G / size whole groups; with G < size the ranks that
 share a group each keep a copy of it (G must divide size). The gated RMSNorm normalizes over a
 group's I / G channels; with G < size those channels span ranks, and the mixer all-reduces the
 sum of squares (see MambaShard.norm_group). Every row-parallel output is a partial sum that the
-block all-reduces once.
+block all-reduces once per sum it feeds (a LoRA adapter's output adds to its projection's shard,
+which is exact: B_r (A x) are the rows of B (A x) that the shard computes).
+
+A tensor is found by our parameter name: `layers.{i}.mixer.*` has the kind of layer i (a parallel
+layer's mixer is its Mamba-2), the family modules beside it by `_PARTS`.
 """
 
 from __future__ import annotations
@@ -42,19 +50,18 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
         if not ok:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model: {what}")
 
-    kinds = set(cfg.layer_types)
-    need(PARALLEL not in kinds, f"{cfg.architecture} (parallel attention + Mamba layers) is served on "
-         f"one rank")
-    if MAMBA in kinds:
+    kinds = cfg.block_kinds
+    if kinds & {MAMBA, PARALLEL}:
         H, G = cfg.mamba_num_heads, cfg.mamba_n_groups
         need(H % size == 0, f"mamba_num_heads={H} must be a multiple of {size}")
         need(G % size == 0 or size % G == 0, f"n_groups={G} must divide or be a multiple of {size}")
-    if ATTENTION in kinds:
+    if kinds & {ATTENTION, PARALLEL}:
         nh, kv = cfg.num_attention_heads, cfg.num_key_value_heads
         need(nh % size == 0, f"num_attention_heads={nh} must be a multiple of {size}")
         need(kv % size == 0 or size % kv == 0,
              f"num_key_value_heads={kv} must divide or be a multiple of {size}")
-    if MLP in kinds:
+    # Parallel layers (Falcon-H1, Zamba2 hybrid) carry a dense MLP of intermediate_size too.
+    if kinds & {MLP, PARALLEL}:
         need(cfg.intermediate_size % size == 0, f"intermediate_size={cfg.intermediate_size} "
              f"must be a multiple of {size}")
     if MOE in kinds:
@@ -115,6 +122,36 @@ def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
 
 _LAYER = re.compile(r"^layers\.(\d+)\.mixer\.(.+)$")
 _EXPERT = re.compile(r"^experts\.\d+\.(up_proj|down_proj)\.weight$")
+# Family modules beside `mixer`: our name -> (kind whose rules apply, leaf). A LoRA adapter's second
+# matrix (B) is sliced like the projection it adds to; its first (A) is replicated.
+_PARTS = (
+    (re.compile(r"^(?:layers|shared)\.\d+\.self_attn\.(.+)$"), ATTENTION),  # Falcon-H1, Zamba2 shared
+    (re.compile(r"^(?:layers|shared)\.\d+\.(?:mlp|feed_forward)\.(.+)$"), MLP),
+    (re.compile(r"^layers\.\d+\.block_sparse_moe\.(experts\..+)$"), MOE),  # Granite's stacked experts
+    (re.compile(r"^layers\.\d+\.([qkv])_adapter\.1\.weight$"), ATTENTION),
+    (re.compile(r"^layers\.\d+\.mlp_adapter\.1\.weight$"), MLP),
+)
+
+
+def _locate(cfg: ModelConfig, name: str) -> tuple[str, str] | None:
+    """(kind, leaf) whose rules slice our parameter `name`, or None when it is replicated."""
+    m = _LAYER.match(name)
+    if m:
+        kind = cfg.layer_types[int(m.group(1))]
+        return (MAMBA if kind == PARALLEL else kind), m.group(2)
+    for pattern, kind in _PARTS:
+        m = pattern.match(name)
+        if m:
+            if name.endswith("_adapter.1.weight"):
+                leaf = "gate_up_proj.weight" if kind == MLP else f"{m.group(1)}_proj.weight"
+                return kind, leaf
+            return kind, m.group(1)
+    return None
+
+
+def _halves(r: tuple[int, int], n: int) -> list[tuple[int, int]]:
+    """Rows [gate | up] of 2n: this rank's slice r of each half."""
+    return [r, (n + r[0], n + r[1])]
 
 
 def _rules(cfg: ModelConfig, kind: str, leaf: str, tp: TensorParallel):
@@ -157,6 +194,10 @@ def _rules(cfg: ModelConfig, kind: str, leaf: str, tp: TensorParallel):
     if m:
         r = tp.split(cfg.moe_intermediate_size)
         return (0, [r]) if m.group(1) == "up_proj" else (1, [r])
+    if leaf in ("experts.up_proj", "experts.down_proj"):
+        # Granite's stacked experts: up (E, 2I, hidden) rows [gate | up], down (E, hidden, I).
+        r = tp.split(cfg.moe_intermediate_size)
+        return (1, _halves(r, cfg.moe_intermediate_size)) if leaf == "experts.up_proj" else (2, [r])
     if leaf.startswith("shared_experts."):
         return _mlp_rule(leaf[len("shared_experts."):], cfg.moe_shared_intermediate_size, tp)
     return "rank0" if leaf == "fc2_latent_proj.bias" else None
@@ -164,9 +205,11 @@ def _rules(cfg: ModelConfig, kind: str, leaf: str, tp: TensorParallel):
 
 def _mlp_rule(leaf: str, intermediate: int, tp: TensorParallel):
     r = tp.split(intermediate)
-    if leaf.startswith("up_proj."):
+    if leaf.startswith(("up_proj.", "gate_proj.")):
         return 0, [r]
-    if leaf == "down_proj.weight":
+    if leaf.startswith(("gate_up_proj.", "input_linear.")):
+        return 0, _halves(r, intermediate)
+    if leaf in ("down_proj.weight", "output_linear.weight"):
         return 1, [r]
     return "rank0" if leaf == "down_proj.bias" else None
 
@@ -181,15 +224,15 @@ def read_shard(cfg: ModelConfig, tp: TensorParallel, f, key: str, name: str) -> 
         part = f.get_slice(key)[start:stop]
         pad = part.new_zeros(rows - part.shape[0], *part.shape[1:])
         return torch.cat([part, pad]) if pad.shape[0] else part
-    m = _LAYER.match(name)
-    rule = _rules(cfg, cfg.layer_types[int(m.group(1))], m.group(2), tp) if m else None
+    where = _locate(cfg, name)
+    rule = _rules(cfg, *where, tp) if where else None
     if rule is None:
         return f.get_tensor(key)
     sl = f.get_slice(key)
     if rule == "rank0":
         return f.get_tensor(key) if tp.rank == 0 else torch.zeros(sl.get_shape(), dtype=_dtype(sl))
     dim, ranges = rule
-    parts = [sl[s:e] if dim == 0 else sl[:, s:e] for s, e in ranges]
+    parts = [sl[(slice(None),) * dim + (slice(s, e),)] for s, e in ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 

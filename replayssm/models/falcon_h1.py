@@ -11,19 +11,23 @@ applies them:
                   ... conv, scan as every Mamba-2 mixer ...
                   y = norm(y * silu(z)) | norm(y) * silu(z) | y * silu(z)    (mamba_rms_norm and
                   mamba_norm_before_gate pick one), out_proj (bias: projectors_bias)
-    attention:    RoPE attention, keys scaled by key (folded into the softmax scale: q.(m k) = m q.k)
+    attention:    RoPE attention, k_proj's output times key before RoPE and the cache (in the model
+                  dtype, as transformers rounds it)
     mlp(x):       down_proj(up_proj(x) * silu(gate_proj(x) * mlp_gate)) * mlp_down
     logits = lm_head(final_layernorm(h)) * lm_head
 
 Each layer is of kind "parallel": it owns one Mamba cache (its `.mixer`, the Mamba2Mixer with
 ReplaySSM, as the engine expects of every Mamba layer) and one attention KV cache (`.self_attn`),
-numbered by the layer index. Served on one rank (sharding.check_shardable says so for tp > 1).
-Norms cast before the weight, as FalconH1RMSNorm does.
+numbered by the layer index. Norms cast before the weight, as FalconH1RMSNorm does.
+Under tensor parallelism the Mamba-2 mixer holds its rank's heads (the in_proj segment multipliers
+follow the local segments), the attention its heads and the MLP its intermediate slice
+(distributed/sharding.py); the block all-reduces the sum of both branches once and the MLP output
+once (each multiplier scales a partial sum, which is linear, and the row-parallel biases are on
+rank 0 only).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.distributed.sharding import local_config
 from replayssm.models.config import ModelConfig
 from replayssm.models.config_falcon_h1 import FalconH1Multipliers
 from replayssm.models.hybrid import DecoderLM
@@ -38,7 +43,6 @@ from replayssm.models.layers.attention import Attention
 from replayssm.models.layers.mamba2 import Mamba2Mixer
 from replayssm.models.layers.norm import RMSNorm
 from replayssm.models.layers.rotary import rotary_for
-from replayssm.ops.norm import rms_norm_gated
 
 _RENAMES = (
     (re.compile(r"^embed_tokens\."), "embeddings."),
@@ -61,7 +65,9 @@ def checkpoint_name(key: str) -> str | None:
 
 class MupInProj(nn.Linear):
     """in_proj(ssm_in * x) times the per-segment multipliers of [z | x | B | C | dt] (transformers'
-    mup_vector). The vector is built from the config on first use per device, in fp32."""
+    mup_vector). The vector is built from the config on first use per device and dtype, in the
+    projection's dtype: transformers' buffer takes the model dtype, so in bf16 each multiplier is
+    rounded to bf16 and the product is one bf16 multiply, as here."""
 
     def __init__(self, hidden: int, sizes: tuple[int, ...], m: FalconH1Multipliers, *, bias: bool,
                  device=None, dtype=None) -> None:
@@ -69,22 +75,23 @@ class MupInProj(nn.Linear):
         self.sizes, self.ssm_in, self.segments = sizes, m.ssm_in, m.ssm_zxbcdt
         self._mup: torch.Tensor | None = None
 
-    def mup_vector(self, device: torch.device) -> torch.Tensor:
-        if self._mup is None or self._mup.device != device:
-            self._mup = torch.cat([torch.full((n,), v, dtype=torch.float32, device=device)
+    def mup_vector(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if self._mup is None or self._mup.device != device or self._mup.dtype != dtype:
+            self._mup = torch.cat([torch.full((n,), v, dtype=dtype, device=device)
                                    for n, v in zip(self.sizes, self.segments)])
         return self._mup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x * self.ssm_in)
-        return (y * self.mup_vector(y.device)).to(y.dtype)
+        return y * self.mup_vector(y.device, y.dtype)
 
 
 class FalconMamba(Mamba2Mixer):
     """Mamba2Mixer with Falcon-H1's input multipliers, gated-norm variants and out_proj bias."""
 
-    def __init__(self, cfg: ModelConfig, mamba_index: int, *, device=None, dtype=None) -> None:
-        super().__init__(cfg, mamba_index, device=device, dtype=dtype)
+    def __init__(self, cfg: ModelConfig, mamba_index: int, *, device=None, dtype=None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cfg, mamba_index, device=device, dtype=dtype, tp=tp)
         m = cfg.falcon_h1
         gn = self.G * self.N
         self.in_proj = MupInProj(cfg.hidden_size, (self.I, self.I, gn, gn, self.H), m,
@@ -98,12 +105,32 @@ class FalconMamba(Mamba2Mixer):
         if not self.rms_norm:
             return y * F.silu(z)
         if not self.norm_before_gate:
-            return rms_norm_gated(y, z, self.norm.weight, self.eps, self.I // self.G)  # norm(y * silu(z))
+            return super()._gated_norm(y, z)  # norm(y * silu(z))
         # FalconH1RMSNormGated, norm before gate: fp32 grouped norm, weight, then the fp32 gate.
-        g = y.float().unflatten(-1, (self.G, self.I // self.G))
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        g = self.norm.weight * g.flatten(-2)
+        sh = self.shard
+        if sh.norm_group is None:
+            g = y.float().unflatten(-1, (self.G, self.I // self.G))
+            g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        else:
+            # The group spans ranks: its sum of squares is all-reduced (as the base mixer's norm does).
+            g = y.float()
+            sq = g.new_zeros(g.shape[0], sh.num_norm_groups)
+            sq[:, sh.norm_group] = g.pow(2).sum(-1)
+            self.tp.all_reduce(sq)
+            g = g * torch.rsqrt(sq[:, sh.norm_group:sh.norm_group + 1] / sh.norm_group_size + self.eps)
+        g = self.norm.weight * g
         return (g * F.silu(z.float())).to(y.dtype)
+
+
+class ScaledLinear(nn.Linear):
+    """A projection whose output is multiplied by a constant (Falcon-H1's key multiplier)."""
+
+    def __init__(self, n_in: int, n_out: int, multiplier: float, *, bias: bool, device=None, dtype=None):
+        super().__init__(n_in, n_out, bias=bias, device=device, dtype=dtype)
+        self.multiplier = multiplier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.multiplier
 
 
 class FalconMLP(nn.Module):
@@ -128,24 +155,28 @@ class ParallelBlock(nn.Module):
 
     kind = "parallel"
 
-    def __init__(self, cfg: ModelConfig, index: int, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, *, device=None, dtype=None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         m = cfg.falcon_h1
         kw = dict(device=device, dtype=dtype)
-        self.m = m
+        self.m, self.tp = m, tp
+        local = local_config(cfg, tp.size)  # head and intermediate counts of this rank's shard
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
-        self.mixer = FalconMamba(cfg, index, **kw)
-        attn_cfg = dataclasses.replace(cfg, attention_scale=cfg.head_dim ** -0.5 * m.key)
-        self.self_attn = Attention(attn_cfg, index, rotary=rotary_for(cfg, device), **kw)
+        self.mixer = FalconMamba(cfg, index, tp=tp, **kw)
+        self.self_attn = Attention(local, index, rotary=rotary_for(cfg, device), **kw)
+        k = self.self_attn.k_proj
+        self.self_attn.k_proj = ScaledLinear(k.in_features, k.out_features, m.key, bias=k.bias is not None,
+                                             **kw)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
-        self.feed_forward = FalconMLP(cfg, **kw)
+        self.feed_forward = FalconMLP(local, **kw)
 
     def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
         x = self.input_layernorm(h)
         mamba = self.mixer(x, ctx) * self.m.ssm_out
         attention = self.self_attn(x * self.m.attention_in, ctx) * self.m.attention_out
-        h = h + (mamba + attention)
-        return h + self.feed_forward(self.pre_ff_layernorm(h))
+        h = h + self.tp.all_reduce(mamba + attention)
+        return h + self.tp.all_reduce(self.feed_forward(self.pre_ff_layernorm(h)))
 
 
 class FalconH1ForCausalLM(DecoderLM):
@@ -155,10 +186,8 @@ class FalconH1ForCausalLM(DecoderLM):
     checkpoint_name = staticmethod(checkpoint_name)
 
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
-        if tp.size != 1:
-            raise ValueError(f"tensor_parallel_size={tp.size}: {cfg.architecture} is served on one rank")
         kw = dict(device=device, dtype=dtype or cfg.dtype)
-        blocks = [ParallelBlock(cfg, i, **kw) for i in range(cfg.num_layers)]
+        blocks = [ParallelBlock(cfg, i, tp=tp, **kw) for i in range(cfg.num_layers)]
         super().__init__(cfg, blocks, tp=tp, cast_before_weight=True, **kw)
         self.embedding_scale = cfg.embedding_multiplier
 

@@ -18,8 +18,9 @@ follow Granite's checkpoint except the mixer (`mamba` / `self_attn` -> `mixer`),
 (`shared_mlp` / Bamba's `feed_forward` -> `mlp`) and the top level (`embed_tokens` ->
 `embeddings`, `norm` / Bamba's `final_layernorm` -> `norm_f`); Bamba's `pre_ff_layernorm` is our
 `post_attention_layernorm`. `checkpoint_name` maps both families' names (they never collide).
-Under tensor parallelism the mixers hold their rank's shard and the block all-reduces their
-output; the feed-forward is replicated on every rank, so its output needs no all-reduce.
+Under tensor parallelism every sub-block holds its rank's shard (distributed/sharding.py: mixers by
+heads, the dense MLP and each routed expert by their intermediate dimension, the router replicated)
+and the block all-reduces each sub-block's output once (MLP and experts share one all-reduce).
 """
 
 from __future__ import annotations
@@ -120,21 +121,21 @@ class TwoPartBlock(nn.Module):
         self.kind = kind
         self.tp = tp
         self.residual_multiplier = cfg.residual_multiplier
+        local = local_config(cfg, tp.size)  # head and intermediate counts of this rank's shard
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
         if kind == MAMBA:
             self.mixer = Mamba2Mixer(cfg, index_of_kind, tp=tp, **kw)
         else:
             assert kind == ATTENTION, kind
-            self.mixer = Attention(local_config(cfg, tp.size), index_of_kind, rotary=rotary_for(cfg, device),
-                                   **kw)
+            self.mixer = Attention(local, index_of_kind, rotary=rotary_for(cfg, device), **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
         # The dense MLP: Granite's fused shared MLP, or Bamba's SwiGLU.
         if cfg.architecture == GRANITE:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, **kw)
+            self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, cfg.mlp_act, **kw)
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, **kw)
-        self.block_sparse_moe = GraniteMoE(cfg, **kw) if ffn_kind == MOE else None
+            self.mlp = SwiGLU(cfg.hidden_size, local.intermediate_size, cfg.mlp_bias, **kw)
+        self.block_sparse_moe = GraniteMoE(local, **kw) if ffn_kind == MOE else None
 
     def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
         m = self.residual_multiplier
@@ -143,7 +144,7 @@ class TwoPartBlock(nn.Module):
         y = self.mlp(x)
         if self.block_sparse_moe is not None:
             y = self.block_sparse_moe(x) + y
-        return h + y * m
+        return h + self.tp.all_reduce(y) * m
 
 
 class TwoPartForCausalLM(DecoderLM):

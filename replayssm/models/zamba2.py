@@ -18,7 +18,13 @@ its adapters, its `linear` and one KV cache (kind "parallel": KV cache index = i
 hybrid layers, Mamba cache index = its layer index). The shared block has no residual of its own.
 transformers ties the blocks' weights only when tie_word_embeddings is true (its weight tying follows
 that flag); untied, every hybrid layer runs a block of its own, as the checkpoint then stores, and so
-do we. Served on one rank. Norms cast before the weight, as Zamba2RMSNorm does.
+do we. Norms cast before the weight, as Zamba2RMSNorm does.
+
+Under tensor parallelism (distributed/sharding.py) the Mamba-2 mixers hold their rank's heads, the
+shared attention its heads and the shared MLP its intermediate slice; an adapter's A is replicated
+and its B holds the rows of the projection it adds to, so q, k, v and [gate | up] stay exact local
+slices. A hybrid layer all-reduces three partial sums: after o_proj (pre_ff_norm needs the whole
+row), after down_proj (before `linear`, replicated) and after the Mamba-2 out_proj.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.distributed.sharding import local_config
 from replayssm.models.config import MAMBA, PARALLEL, ModelConfig
 from replayssm.models.hybrid import DecoderLM
 from replayssm.models.layers.mamba2 import Mamba2Mixer
@@ -73,25 +80,29 @@ class SharedBlock(nn.Module):
 class Zamba2Mamba(Mamba2Mixer):
     """The Mamba-2 mixer with Zamba2's fixed gated-norm eps."""
 
-    def __init__(self, cfg: ModelConfig, mamba_index: int, *, device=None, dtype=None) -> None:
-        super().__init__(cfg, mamba_index, device=device, dtype=dtype)
+    def __init__(self, cfg: ModelConfig, mamba_index: int, *, device=None, dtype=None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cfg, mamba_index, device=device, dtype=dtype, tp=tp)
         self.eps = _MAMBA_EPS
 
 
 class Zamba2Layer(nn.Module):
     """A Mamba layer, or (kind "parallel") a hybrid layer: the shared block's output through `linear`
-    joins the Mamba input; the residual skips both."""
+    joins the Mamba input; the residual skips both. `cfg` is the full config; head and intermediate
+    counts below are this rank's."""
 
     def __init__(self, cfg: ModelConfig, index: int, kind: str, attn_index: int, *,
-                 rotary: RotaryEmbedding | None, device=None, dtype=None) -> None:
+                 rotary: RotaryEmbedding | None, device=None, dtype=None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.kind = kind
+        self.kind, self.tp = kind, tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cast_before_weight=True, **kw)
-        self.mixer = Zamba2Mamba(cfg, index, **kw)
+        self.mixer = Zamba2Mamba(cfg, index, tp=tp, **kw)
         if kind == MAMBA:
             return
         z = cfg.zamba2
+        cfg = local_config(cfg, tp.size)  # from here on: this rank's head and intermediate counts
         wide, d = 2 * cfg.hidden_size, cfg.head_dim
         self.attn_index, self.rotary = attn_index, rotary
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -124,31 +135,30 @@ class Zamba2Layer(nn.Module):
         o = paged_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.block_tables, md.context_lens,
                             scale=self.scale, max_query_len=md.max_query_len,
                             max_context_len=md.max_context_len)
-        a = block.pre_ff_layernorm(attn.o_proj(o.reshape(T, self.heads * self.head_dim)))
+        a = block.pre_ff_layernorm(self.tp.all_reduce(attn.o_proj(o.reshape(T, self.heads * self.head_dim))))
         gate, up = (ff.gate_up_proj(a) + self.mlp_adapter(a)).chunk(2, dim=-1)
-        return self.linear(ff.down_proj(self.act(gate) * up))
+        return self.linear(self.tp.all_reduce(ff.down_proj(self.act(gate) * up)))
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, ctx) -> torch.Tensor:
         x = h if self.kind == MAMBA else h + self._transformer(h, e, ctx)
-        return h + self.mixer(self.input_layernorm(x), ctx)
+        return h + self.tp.all_reduce(self.mixer(self.input_layernorm(x), ctx))
 
 
 class Zamba2ForCausalLM(DecoderLM):
     """input_ids (T,) packed -> hidden (T, hidden); `compute_logits` on the rows that need them."""
 
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
-        if tp.size != 1:
-            raise ValueError(f"tensor_parallel_size={tp.size}: {cfg.architecture} is served on one rank")
         kw = dict(device=device, dtype=dtype or cfg.dtype)
         rotary = rotary_for(cfg, device)
         hybrid_ids = [i for i, kind in enumerate(cfg.layer_types) if kind == PARALLEL]
         blocks = [Zamba2Layer(cfg, i, kind, hybrid_ids.index(i) if kind == PARALLEL else -1,
-                              rotary=rotary, **kw) for i, kind in enumerate(cfg.layer_types)]
+                              rotary=rotary, tp=tp, **kw) for i, kind in enumerate(cfg.layer_types)]
         super().__init__(cfg, blocks, tp=tp, cast_before_weight=True, **kw)
         self.hybrid_ids = hybrid_ids
         nb = cfg.zamba2.num_mem_blocks if cfg.tie_word_embeddings else len(hybrid_ids)
         nb = min(nb, max(len(hybrid_ids), 1))
-        self.shared = nn.ModuleList(SharedBlock(cfg, **kw) for _ in range(nb))
+        local = local_config(cfg, tp.size)
+        self.shared = nn.ModuleList(SharedBlock(local, **kw) for _ in range(nb))
         for j, i in enumerate(self.hybrid_ids):
             self.layers[i].shared = (self.shared[j % nb],)
 

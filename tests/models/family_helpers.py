@@ -1,5 +1,6 @@
-"""Helpers shared by the model-family tests (Granite 4.0-H, Bamba, Falcon-H1): an engine on the CPU,
-its greedy tokens, and one varlen prefill's logits beside transformers'."""
+"""Helpers shared by the model-family tests (Granite 4.0-H, Bamba, Falcon-H1, Zamba2): an engine on the
+CPU, its greedy tokens, one varlen prefill's logits beside transformers', and the engine lifecycle checks
+(prefix hit, speculation, preemption, tensor parallelism, CUDA graphs) every family runs."""
 
 from __future__ import annotations
 
@@ -87,3 +88,29 @@ def check_prefix_hit(path, hf_model, prompts) -> None:
     out = llm.generate([second], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == len(first) // 4 * 4 > 0
     assert out.token_ids == hf_greedy(hf_model, [second], NEW_TOKENS)[0]
+
+
+def check_speculation(path, prompts, want, method: str) -> None:
+    """k = 3 drafts (n-gram, or the model itself as draft model) give the greedy tokens `want`, with
+    drafts proposed and some accepted."""
+    kw = {"draft_model": path} if method == "draft" else {}
+    llm = family_llm(path, num_speculative_tokens=3, speculative_method=method, **kw)
+    assert greedy_tokens(llm, prompts) == want
+    m = llm.get_metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
+def check_tight_memory_preempts(path, prompts, want) -> None:
+    """20 KV blocks of 4 tokens for 4 requests of up to 65 tokens, prefix caching on: requests are
+    preempted and resumed, and the greedy tokens are still `want`."""
+    llm = LLM(path, device="cpu", max_model_len=72, kv_block_size=4, num_kv_blocks=20, num_slots=8,
+              max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=True,
+              prefix_checkpoint_interval=4)
+    assert greedy_tokens(llm, prompts) == want
+    assert llm.get_metrics()["num_preemptions"] > 0
+
+
+def check_tp2(path, prompts, want) -> None:
+    """Tensor parallelism over 2 ranks (gloo, fp32) gives the greedy tokens `want`."""
+    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
+        assert greedy_tokens(llm, prompts) == want

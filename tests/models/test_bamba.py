@@ -12,13 +12,15 @@ from family_helpers import (
     NEW_TOKENS,
     check_graph_steps_equal_eager,
     check_prefix_hit,
+    check_speculation,
+    check_tight_memory_preempts,
+    check_tp2,
     family_llm,
     greedy_tokens,
     hf_logits,
     our_logits,
 )
 
-from replayssm import LLM
 from replayssm.models.config import ATTENTION, MAMBA, MLP, ModelConfig
 from replayssm.models.two_part import TwoPartForCausalLM
 
@@ -123,20 +125,23 @@ def test_prefix_cache_hit_gives_transformers_tokens(bamba):
     check_prefix_hit(path, hf_model, prompts)
 
 
-def test_ngram_speculation_gives_transformers_tokens(bamba):
-    """k = 3 n-gram drafts give transformers' greedy tokens, and some drafts are accepted."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_gives_transformers_tokens(bamba, method):
+    """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
     path, _, prompts, hf = bamba
-    llm = family_llm(path, num_speculative_tokens=3, speculative_method="ngram")
-    assert greedy_tokens(llm, prompts) == hf
-    m = llm.get_metrics()
-    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+    check_speculation(path, prompts, hf, method)
+
+
+def test_tight_memory_preempts_with_transformers_tokens(bamba):
+    """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
+    path, _, prompts, hf = bamba
+    check_tight_memory_preempts(path, prompts, hf)
 
 
 def test_tp2_gives_transformers_tokens(bamba):
     """Tensor parallelism over 2 ranks (gloo): mixers split by heads, MLP replicated; same tokens."""
     path, _, prompts, hf = bamba
-    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
-        assert greedy_tokens(llm, prompts) == hf
+    check_tp2(path, prompts, hf)
 
 
 @requires_cuda

@@ -12,6 +12,9 @@ from family_helpers import (
     NEW_TOKENS,
     check_graph_steps_equal_eager,
     check_prefix_hit,
+    check_speculation,
+    check_tight_memory_preempts,
+    check_tp2,
     family_llm,
     greedy_tokens,
     hf_logits,
@@ -20,6 +23,7 @@ from family_helpers import (
 
 from replayssm.models.config import PARALLEL, ModelConfig
 from replayssm.models.falcon_h1 import FalconH1ForCausalLM
+from replayssm.models.loader import load_model
 
 # Falcon-H1-0.5B's shape (transformers' Falcon-H1 documentation): 36 parallel layers, 1024 wide,
 # 8 query / 2 KV heads of 64, 24 Mamba heads of 64 (mamba_d_ssm 1536), state 128. The multipliers are
@@ -48,6 +52,7 @@ MULTIPLIERS = [("attention_in", "attention_in_multiplier"), ("attention_out", "a
 NORMS = {"no_norm": dict(mamba_rms_norm=False),
          "gate_then_norm": dict(mamba_rms_norm=True, mamba_norm_before_gate=False),
          "norm_then_gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=True)}
+BIASES = dict(projectors_bias=True, mamba_proj_bias=True, attention_bias=True, mlp_bias=True)
 
 
 def _prompts():
@@ -94,20 +99,21 @@ def test_unserved_fields_are_errors(edit, field):
         ModelConfig.from_hf(dict(PUBLISHED_05B, **edit))
 
 
-def test_tensor_parallel_is_refused():
-    """Parallel layers are served on one rank: tensor_parallel_size 2 is a ValueError, not a wrong answer."""
+@pytest.mark.parametrize("size, field", [(16, "mamba_num_heads"), (3, "num_attention_heads")])
+def test_indivisible_heads_are_named(size, field):
+    """A tensor_parallel_size that does not divide a head count is a ValueError naming the field."""
     from replayssm.distributed.sharding import check_shardable
 
-    with pytest.raises(ValueError, match="one rank"):
-        check_shardable(ModelConfig.from_hf(PUBLISHED_05B), 2)
+    cfg = ModelConfig.from_hf(PUBLISHED_05B)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={size}.*{field}"):
+        check_shardable(cfg, size)
 
 
 @pytest.mark.parametrize("norm", sorted(NORMS))
 def test_prefill_logits_match_transformers(norm):
     """Packed varlen prefill gives transformers' logits at every position, for each Mamba output norm
     (none, norm(y * silu(z)), norm(y) * silu(z)), with biases on every projection."""
-    bias = dict(projectors_bias=True, mamba_proj_bias=True, attention_bias=True, mlp_bias=True)
-    path, hf = cached_checkpoint("falcon_h1", **NORMS[norm], **bias)
+    path, hf = cached_checkpoint("falcon_h1", **NORMS[norm], **BIASES)
     logits, prompts = our_logits(path, FalconH1ForCausalLM)
     torch.testing.assert_close(logits, hf_logits(hf, prompts), rtol=1e-4, atol=1e-4)
 
@@ -128,6 +134,23 @@ def test_each_multiplier_is_applied(ours, theirs):
     assert (logits - hf_logits(hf, prompts)).abs().max() > 1e-2
 
 
+def test_bf16_projection_multipliers_round_as_transformers():
+    """In bf16, in_proj times the segment multipliers and k_proj times key equal transformers' products
+    bit for bit (multipliers rounded to bf16, one bf16 multiply after the projection)."""
+    from transformers import FalconH1ForCausalLM as HFFalconH1
+
+    path, _ = cached_checkpoint("falcon_h1")
+    hf = HFFalconH1.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ours = load_model(path, dtype=torch.bfloat16)[0]
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    theirs, m = hf.model.layers[1], hf.config
+    with torch.no_grad():
+        want_in = theirs.mamba.in_proj(x * m.ssm_in_multiplier) * theirs.mamba.mup_vector[0, 0]
+        want_k = theirs.self_attn.k_proj(x) * m.key_multiplier
+        assert torch.equal(ours.layers[1].mixer.in_proj(x), want_in)
+        assert torch.equal(ours.layers[1].self_attn.k_proj(x), want_k)
+
+
 @pytest.mark.parametrize("replayssm", [True, False])
 def test_greedy_matches_transformers(falcon, replayssm):
     """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
@@ -141,13 +164,28 @@ def test_prefix_cache_hit_gives_transformers_tokens(falcon):
     check_prefix_hit(path, hf_model, prompts)
 
 
-def test_ngram_speculation_gives_transformers_tokens(falcon):
-    """k = 3 n-gram drafts give transformers' greedy tokens, with drafts proposed and accepted."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_gives_transformers_tokens(falcon, method):
+    """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
     path, _, prompts, hf = falcon
-    llm = family_llm(path, num_speculative_tokens=3, speculative_method="ngram")
-    assert greedy_tokens(llm, prompts) == hf
-    m = llm.get_metrics()
-    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+    check_speculation(path, prompts, hf, method)
+
+
+def test_tight_memory_preempts_with_transformers_tokens(falcon):
+    """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
+    path, _, prompts, hf = falcon
+    check_tight_memory_preempts(path, prompts, hf)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(mamba_n_groups=1, **NORMS["norm_then_gate"], **BIASES)],
+                         ids=["published", "spanning_norm_group_biases"])
+def test_tp2_gives_transformers_tokens(overrides):
+    """Tensor parallelism over 2 ranks (gloo): Mamba and attention split by heads, MLP by its
+    intermediate dimension, multipliers on each shard; transformers' greedy tokens. The variant's one
+    Mamba group spans both ranks (norm before gate all-reduces its sum of squares) and every projection
+    has a bias."""
+    path, hf = cached_checkpoint("falcon_h1", **overrides)
+    check_tp2(path, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS))
 
 
 @requires_cuda

@@ -13,6 +13,9 @@ from family_helpers import (
     NEW_TOKENS,
     check_graph_steps_equal_eager,
     check_prefix_hit,
+    check_speculation,
+    check_tight_memory_preempts,
+    check_tp2,
     family_llm,
     greedy_tokens,
     hf_logits,
@@ -20,7 +23,7 @@ from family_helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from replayssm import LLM
+from replayssm.distributed.parallel import TensorParallel
 from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from replayssm.models.loader import load_model
 from replayssm.models.two_part import TwoPartForCausalLM
@@ -142,11 +145,7 @@ def test_prefix_cache_hit_gives_transformers_tokens(granite):
 def test_speculation_gives_transformers_tokens(granite, method):
     """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
     path, _, prompts, hf = granite
-    kw = {"draft_model": path} if method == "draft" else {}
-    llm = family_llm(path, num_speculative_tokens=3, speculative_method=method, **kw)
-    assert greedy_tokens(llm, prompts) == hf
-    m = llm.get_metrics()
-    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+    check_speculation(path, prompts, hf, method)
 
 
 def test_transformers5_tensor_names_load(tmp_path):
@@ -180,21 +179,39 @@ def test_missing_tensor_is_named(tmp_path):
 
 
 def test_tp2_gives_transformers_tokens(granite):
-    """Tensor parallelism over 2 ranks (gloo): mixers split by heads, feed-forward replicated; same tokens."""
+    """Tensor parallelism over 2 ranks (gloo): mixers split by heads, MLP and experts by their
+    intermediate dims; same tokens."""
     path, _, prompts, hf = granite
-    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
-        assert greedy_tokens(llm, prompts) == hf
+    check_tp2(path, prompts, hf)
+
+
+def _halves_of(w: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+    """Rank `rank` of 2's rows of a fused [gate | up] weight along `dim`: its half of each part."""
+    gate, up = w.chunk(2, dim=dim)
+    return torch.cat([gate.chunk(2, dim=dim)[rank], up.chunk(2, dim=dim)[rank]], dim=dim)
+
+
+def test_tp2_shards_split_every_expert():
+    """Under TP=2 each rank holds every expert's and the shared MLP's half of the intermediate
+    dimension: its half of the gate and of the up rows, and the matching down columns."""
+    path, _ = _checkpoint()
+    full = dict(load_model(path)[0].named_parameters())
+    up, down = "layers.0.block_sparse_moe.experts.up_proj", "layers.0.block_sparse_moe.experts.down_proj"
+    gate_up, out = "layers.0.mlp.input_linear.weight", "layers.0.mlp.output_linear.weight"
+    router = "layers.0.block_sparse_moe.router.weight"
+    for r in range(2):
+        shard = dict(load_model(path, tp=TensorParallel(r, 2))[0].named_parameters())
+        assert torch.equal(shard[up], _halves_of(full[up], 1, r))
+        assert torch.equal(shard[down], full[down].chunk(2, dim=2)[r])
+        assert torch.equal(shard[gate_up], _halves_of(full[gate_up], 0, r))
+        assert torch.equal(shard[out], full[out].chunk(2, dim=1)[r])
+        assert torch.equal(shard[router], full[router])
 
 
 def test_tight_memory_preempts_with_transformers_tokens(granite):
-    """20 KV blocks of 4 tokens for 4 requests of up to 65 tokens, prefix caching on: requests are
-    preempted and resumed, and the tokens are still transformers'."""
+    """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
     path, _, prompts, hf = granite
-    llm = LLM(path, device="cpu", max_model_len=72, kv_block_size=4, num_kv_blocks=20, num_slots=8,
-              max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=True,
-              prefix_checkpoint_interval=4)
-    assert greedy_tokens(llm, prompts) == hf
-    assert llm.get_metrics()["num_preemptions"] > 0
+    check_tight_memory_preempts(path, prompts, hf)
 
 
 @requires_cuda

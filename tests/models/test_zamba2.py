@@ -10,6 +10,9 @@ from family_helpers import (
     NEW_TOKENS,
     check_graph_steps_equal_eager,
     check_prefix_hit,
+    check_speculation,
+    check_tight_memory_preempts,
+    check_tp2,
     family_llm,
     greedy_tokens,
     hf_logits,
@@ -79,12 +82,16 @@ def test_unserved_fields_are_errors(edit, field):
         ModelConfig.from_hf(dict(PUBLISHED_12B, **edit))
 
 
-def test_tensor_parallel_is_refused():
-    """Hybrid layers are served on one rank: tensor_parallel_size 2 is a ValueError."""
+@pytest.mark.parametrize("edit, size, field", [({}, 3, "mamba_num_heads"),
+                                              (dict(num_attention_heads=16, num_key_value_heads=16), 32,
+                                               "num_attention_heads")])
+def test_indivisible_heads_are_named(edit, size, field):
+    """A tensor_parallel_size that does not divide a head count is a ValueError naming the field."""
     from replayssm.distributed.sharding import check_shardable
 
-    with pytest.raises(ValueError, match="one rank"):
-        check_shardable(ModelConfig.from_hf(PUBLISHED_12B), 2)
+    cfg = ModelConfig.from_hf(dict(PUBLISHED_12B, **edit))
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={size}.*{field}"):
+        check_shardable(cfg, size)
 
 
 def test_shared_blocks_are_shared_and_caches_are_not():
@@ -131,13 +138,29 @@ def test_prefix_cache_hit_gives_transformers_tokens(zamba):
     check_prefix_hit(path, hf_model, prompts)
 
 
-def test_ngram_speculation_gives_transformers_tokens(zamba):
-    """k = 3 n-gram drafts give transformers' greedy tokens, with drafts proposed and accepted."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_gives_transformers_tokens(zamba, method):
+    """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
     path, _, prompts, hf = zamba
-    llm = family_llm(path, num_speculative_tokens=3, speculative_method="ngram")
-    assert greedy_tokens(llm, prompts) == hf
-    m = llm.get_metrics()
-    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+    check_speculation(path, prompts, hf, method)
+
+
+def test_tight_memory_preempts_with_transformers_tokens(zamba):
+    """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
+    path, _, prompts, hf = zamba
+    check_tight_memory_preempts(path, prompts, hf)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(mamba_ngroups=1, use_shared_attention_adapter=False,
+                                                 num_key_value_heads=2, add_bias_linear=True,
+                                                 tie_word_embeddings=False)],
+                         ids=["published", "gqa_spanning_group_biases_untied"])
+def test_tp2_gives_transformers_tokens(overrides):
+    """Tensor parallelism over 2 ranks (gloo): Mamba and shared attention split by heads, the shared
+    MLP by its intermediate dimension, each adapter's B by its projection's rows; transformers' greedy
+    tokens. The variant has GQA, one Mamba group spanning both ranks, biases and a block per layer."""
+    path, hf = cached_checkpoint("zamba2", **overrides)
+    check_tp2(path, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS))
 
 
 @requires_cuda
