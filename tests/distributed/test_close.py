@@ -26,6 +26,9 @@ class _Exited:
 
 def test_release_on_a_broken_group_shuts_it_down_without_raising(monkeypatch):
     """A runner's close() on a group with a dead worker raises nothing, twice, and drops the group."""
+    # The fake group's shutdown destroys this process's default group: first shut down an idle real
+    # group an earlier test may have left for reuse, so monkeypatch does not restore a destroyed one.
+    tp_group.shutdown()
     group = tp_group.TPGroup(2, "cpu", control=None, processes=[_Exited()])
     monkeypatch.setattr(tp_group, "_GROUP", group)
     runner = object.__new__(TPModelRunner)  # the runner's state without loading a model
