@@ -126,6 +126,41 @@ def check_ssu(device, *, H=4, P=12, N=12, G=2, b=5, q=1, S=11, state_dtype=torch
     _untouched("state", st, state0, touched)
 
 
+def check_ssu_rounding(device, *, state_dtype, verify=False, H=4, P=12, N=12, G=2, b=5, q=2, S=11,
+                       config=None) -> None:
+    """The baseline kernel's fused rounding writes the reference's bits for the same device seed.
+
+    Inputs make the fp32 states exact in any evaluation order (A = 0, so every decay is 1; Δ, x, B
+    and the states with few mantissa bits), so both twins round the same fp32 values; and a new
+    seed value in the same tensor changes the bits (the kernel reads it at launch).
+    """
+    from replayssm.ops.triton import ssu
+
+    torch.manual_seed(3)
+    state0 = (torch.randint(-512, 512, (S, H, P, N)) / 128.0).to(state_dtype).to(device)
+    x = (torch.randint(-64, 65, (b, q, H, P)) / 64.0).to(device)
+    dt = (torch.randint(1, 4, (b, q, H)) / 4.0).to(device)
+    B = (torch.randint(-64, 65, (b, q, G, N)) / 64.0).to(device)
+    C = torch.randn(b, q, G, N).to(device)
+    A, D, dt_bias = torch.zeros(H).to(device), torch.randn(H).to(device), torch.full((H,), 0.25).to(device)
+    idx = _slots(b, S, device)
+    dst = None
+    if verify:
+        free = [s for s in torch.randperm(S).tolist() if s not in idx.tolist()][: b * q]
+        dst = torch.tensor(free + [-1] * (b * q - len(free)), dtype=torch.int32).view(b, q).to(device)
+    args = (x, dt, A, B, C, D, dt_bias, idx)
+    seed = seed_tensor(41, device)
+    st = state0.clone()
+    ssu.launch_ssu(st, *args, dst, False, seed, None, config or ssu.CONFIG)
+    st_ref = state0.clone()
+    selective_state_update_ref(st_ref, *args, dst_indices=dst, dt_softplus=False, rand_seed=seed)
+    assert torch.equal(st.view(torch.int16), st_ref.view(torch.int16)), "fused rounding differs from the ref"
+    seed.fill_(42)
+    again = state0.clone()
+    ssu.launch_ssu(again, *args, dst, False, seed, None, config or ssu.CONFIG)
+    assert not torch.equal(again.view(torch.int16), st.view(torch.int16)), "a new seed drew the same bits"
+
+
 def _ring(S, H, G, R, P, N, act, device):
     ring_x = torch.randn(S, H, R, P).to(act).to(device)
     ring_B = torch.randn(S, G, R, N).to(act).to(device)
@@ -555,6 +590,9 @@ def run_interpreter(part: str) -> None:
             check_ssu("cpu", q=1, state_dtype=sd, config=small)
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
+        for sd in (torch.float16, torch.bfloat16):
+            check_ssu_rounding("cpu", state_dtype=sd, config=small)
+            check_ssu_rounding("cpu", state_dtype=sd, verify=True, q=3, config=small)
     elif part in REPLAY_PARTS:
         REPLAY_PARTS[part]()
     elif part == "norm":
