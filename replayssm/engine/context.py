@@ -20,6 +20,37 @@ from dataclasses import dataclass
 import torch
 
 
+class DeviceSeeds:
+    """The stochastic-rounding seeds of one runner, in device memory (see ops/rounding.py).
+
+    Draw k rounds Mamba layer l with seed base + k * L + l (L layers). `seeds[l]` is layer l's seed
+    as a one-element int64 tensor that the kernels read on the device; `advance()` moves every layer
+    to the next draw with one in-place add on the device. A step ends with it, inside its CUDA graph
+    when it replays one, so each replay rounds with fresh bits and a replayed step writes what the
+    eager step with the same seed values writes. Each seed sits in its own 16-byte row: Triton
+    specializes kernels on pointer alignment, and one alignment keeps one variant for every layer.
+    """
+
+    def __init__(self, seed: int, num_layers: int, device: torch.device) -> None:
+        self.num_layers = max(num_layers, 1)
+        base = (seed * 1_000_003) % (1 << 31)
+        table = torch.zeros(self.num_layers, 2, dtype=torch.int64)
+        table[:, 0] = base + torch.arange(self.num_layers)
+        self.table = table.to(device)
+        self._layers = [self.table[i, :1] for i in range(self.num_layers)]
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self._layers[layer]
+
+    def advance(self) -> None:
+        """Every layer to the next draw (a device add: no host sync, captured in a graph)."""
+        self.table.add_(self.num_layers)
+
+    def values(self) -> list[int]:
+        """The current seed of each layer (reads the device: tests and debugging only)."""
+        return self.table[:, 0].tolist()
+
+
 @dataclass
 class AttentionMetadata:
     """Paged-attention addressing for the packed tokens (all rows, in packed order)."""
@@ -69,7 +100,7 @@ class ForwardContext:
     mamba_cache: object  # replayssm.cache.mamba_cache.MambaCache
     replayssm: bool
     window: int
-    rand_seed: int  # base seed of this step's stochastic rounding; layer l uses rand_seed + l
+    rand_seed: DeviceSeeds  # this step's stochastic-rounding seeds: layer l rounds with rand_seed[l]
     # (T,) int64: absolute 0-based position of each packed token in its request (cached prefix
     # included): a decode row with c computed tokens and k drafts holds c, c + 1, ..., c + k.
     positions: torch.Tensor | None = None

@@ -17,9 +17,14 @@ The graph computes logits for all B*q positions; the step keeps the rows `logit_
 (and the real rows' hidden states, which the MTP drafter reads).
 Only what the forward reads on the device may change between replays, so a step replays only
 when its host-side metadata is static: no prefill rows, one q for every row, paged attention
-on the Triton decode kernel (its loops read context_lens on the device), fp32 Mamba state
-(the stochastic-rounding seed is a kernel argument frozen at capture), no tensor parallelism.
+on the Triton decode kernel (its loops read context_lens on the device), no tensor parallelism.
 Anything else runs eagerly. Nothing here reads device memory.
+
+16-bit Mamba states round stochastically with the runner's seeds (`runner.rand_seed`, device
+memory: engine/context.py DeviceSeeds). The kernels read them by pointer and each graph ends with
+their advance, so every replay draws fresh bits, and a replayed step writes bit for bit what the
+eager step with the same seed values writes. The capture's warm-up forwards restore the seeds they
+advanced, so capturing a graph leaves the sequence of draws unchanged.
 """
 
 from __future__ import annotations
@@ -49,8 +54,6 @@ def graphs_supported(runner) -> str | None:
     """Why `runner` cannot replay graphs (None when it can)."""
     if runner.device.type != "cuda":
         return "CUDA graphs need a CUDA device"
-    if runner.state_dtype != torch.float32:
-        return "CUDA graphs need state_dtype float32 (rounding seeds would freeze in the graph)"
     if getattr(getattr(runner, "tp", None), "size", 1) > 1:
         return "CUDA graphs are not wired for tensor parallelism"
     if runner.model_config.has_moe and runner.dtype != torch.bfloat16:
@@ -100,12 +103,13 @@ class CudaGraphRunner:
                               num_decode_rows=B, decode_q=q, decode_slots=self.slots[:B],
                               decode_token_index=None, decode_dst_slots=self.dst[q][:B] if has_dst else None)
         return ForwardContext(attn=attn, mamba=mamba, kv_cache=r.kv_cache, mamba_cache=r.mamba_cache,
-                              replayssm=r.replayssm, window=r.window, rand_seed=0,
+                              replayssm=r.replayssm, window=r.window, rand_seed=r.rand_seed,
                               positions=self.positions[:B * q])
 
     def _forward(self, B: int, q: int, has_dst: bool) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.runner.model
         hidden = model(self.input_ids[:B * q], self._context(B, q, has_dst))
+        self.runner.rand_seed.advance()  # inside the graph: each replay moves to the next draw
         # Logits stay 16-bit in the graph and the kept rows are cast after their gather: 10 bytes per
         # logit moved instead of 14 (cast, then gather fp32), and a bucket's padding rows never cast.
         return model.compute_logits(hidden, fp32=False), hidden
@@ -113,12 +117,15 @@ class CudaGraphRunner:
     def _capture(self, B: int, q: int, has_dst: bool) -> Captured:
         # Every row is padding while capturing, so the warm-up runs write no real state or K/V.
         self._pad_rows(0, B, q)
+        seeds = self.runner.rand_seed.table
+        saved = seeds.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile kernels and create library handles outside the capture
                 self._forward(B, q, has_dst)
         torch.cuda.current_stream().wait_stream(stream)
+        seeds.copy_(saved)  # the warm-up's draws are undone: the step's seeds stay the eager ones
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits, hidden = self._forward(B, q, has_dst)

@@ -45,7 +45,7 @@ def commit_decode(runner, batch: BatchInputs, rows: list[RowView], accepted: lis
     publish_conv_windows(cache, pubs, q, runner.device, advanced=batch.mamba.advance_windows)
     _queue_commits(runner, batch, first, len(rows), slots, acc, dst)
     runner.mirror_commit(slot_list, accepted, q)
-    publish_states(runner, pubs, runner.next_seed())
+    publish_states(runner, pubs)
 
 
 def commit_decode_device(runner, batch: BatchInputs, rows: list[RowView], accepted: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ from replayssm.distributed.parallel import TensorParallel
 from replayssm.distributed.sharding import local_config
 from replayssm.engine.batch_inputs import BatchInputs, RowView, build_inputs, to_device
 from replayssm.engine.block_tables import BlockTables
-from replayssm.engine.context import ForwardContext
+from replayssm.engine.context import DeviceSeeds, ForwardContext
 from replayssm.engine.decode_commit import commit_decode, commit_decode_device, mirror_commit
 from replayssm.engine.row_checks import RowLimits, check_batch, check_slot, view_row
 from replayssm.models.config import MAMBA, PARALLEL, ModelConfig
@@ -119,7 +119,9 @@ class ModelRunner:
         self._stagger_span = replay_window - self.q_max + 1 if replayssm and replay_stagger else 0
         self._stagger_next = 0
         self._fresh: set[int] = set()
-        self._seed, self._step = seed, 0
+        # Stochastic-rounding seeds in device memory, advanced on the device once per draw (a step,
+        # a prefill fold, a publication), so CUDA graphs replay them too (engine/context.py).
+        self.rand_seed = DeviceSeeds(seed, len(self.mamba_cache.state), self.device)
         self._pending: BatchInputs | None = None
         self._hidden: torch.Tensor | None = None
         self._row_offsets: dict[int, int] = {}
@@ -220,12 +222,14 @@ class ModelRunner:
         self._reset_cursors([d for v in views for _, d in v.checkpoints or ()])
         ctx = ForwardContext(attn=batch.attn, mamba=batch.mamba, kv_cache=self.kv_cache,
                              mamba_cache=self.mamba_cache, replayssm=self.replayssm, window=self.window,
-                             rand_seed=self.next_seed(), positions=batch.positions)
+                             rand_seed=self.rand_seed, positions=batch.positions)
+        # A replayed graph advances the seeds itself (captured at the end of its step).
         replayed = self.graphs.run(batch) if self.graphs is not None else None
         if replayed is not None:
             logits, hidden = replayed
         else:
             hidden = self.model(batch.input_ids, ctx)
+            self.rand_seed.advance()
             logits = self.model.compute_logits(hidden[batch.logit_index])
         # Kept until the next execute: model drafters (MTP) read the target's hidden states.
         self._hidden, self._row_offsets = hidden, batch.row_offsets
@@ -320,12 +324,14 @@ class ModelRunner:
                 src = torch.tensor([r.slot], dtype=torch.int32, device=self.device)
                 tmp = torch.tensor([cache.scratch_slot], dtype=torch.int32, device=self.device)
                 n = torch.tensor([h], dtype=torch.int32, device=self.device)
-                for mixer, state, rx, rB, rdt in zip(self.mixers, cache.state, cache.ring_x, cache.ring_B,
-                                                     cache.ring_dt):
+                for li, (mixer, state, rx, rB, rdt) in enumerate(zip(self.mixers, cache.state, cache.ring_x,
+                                                                     cache.ring_B, cache.ring_dt)):
                     A = mixer.decay_A()
                     replay_materialize(A, state, rx, rB, rdt, cache.ring_start, cache.committed, src, n, tmp,
-                                       rand_seed=self.next_seed())
+                                       rand_seed=self.rand_seed[li])
                     state[r.slot] = state[cache.scratch_slot]
+                # Rows fold through the same scratch slot: a fresh draw each, or their bits would repeat.
+                self.rand_seed.advance()
         self._reset_cursors([r.slot for r in prefill])
         if self._stagger_span > 1:
             self._fresh.update(r.slot for r in prefill)
@@ -352,12 +358,6 @@ class ModelRunner:
             self.mamba_cache.reset_cursors(to_device(slots, torch.int64, self.device))
         for s in slots:
             self._ring_start[s] = self._committed[s] = 0
-
-    def next_seed(self) -> int:
-        """A fresh stochastic-rounding seed per call (host counter: no device sync)."""
-        self._step += 1
-        stride = len(self.mixers) + 1
-        return (self._seed * 1_000_003 + self._step * stride) % (1 << 31)
 
     def mirror_commit(self, slots: list[int], accepted: list[int], q: int) -> None:
         """Move the host mirror of `slots`' cursors as `replay_commit` moved them on the device

@@ -71,8 +71,9 @@ def publish_conv_windows(cache, pubs: list[Publication], q: int, device: torch.d
         causal_conv1d_commit(conv, scratch[grid, :q], b, src, dst_indices=dst)
 
 
-def publish_states(runner, pubs: list[Publication], seed: int) -> None:
-    """state[dst] = the exact state after each boundary (call after the cursor commit)."""
+def publish_states(runner, pubs: list[Publication]) -> None:
+    """state[dst] = the exact state after each boundary (call after the cursor commit). ReplaySSM
+    materializes them with the runner's device seeds (layer l: runner.rand_seed[l]), one draw."""
     if not pubs:
         return
     cache, device = runner.mamba_cache, runner.device
@@ -93,4 +94,5 @@ def publish_states(runner, pubs: list[Publication], seed: int) -> None:
         A = mixer.decay_A()
         replay_materialize(A, state, cache.ring_x[layer], cache.ring_B[layer], cache.ring_dt[layer],
                            cache.ring_start, cache.committed, src, num, dst.to(torch.int32),
-                           rand_seed=seed + layer)
+                           rand_seed=runner.rand_seed[layer])
+    runner.rand_seed.advance()

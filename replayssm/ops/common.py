@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from replayssm.ops.rounding import round_states
+from replayssm.ops.rounding import resolve_seed, round_states
 
 # Above this, softplus(v) == v in fp32; every Mamba-2 kernel skips the softplus there.
 SOFTPLUS_THRESHOLD = 20.0
@@ -39,10 +39,12 @@ def heads_from_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.repeat_interleave(num_heads // num_groups, dim=-2)
 
 
-def store_states(state: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, rand_seed: int) -> None:
+def store_states(state: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+                 rand_seed: torch.Tensor | None) -> None:
     """state[slots] = values, with stochastic rounding when the pool is fp16/bf16.
 
-    state (S, H, P, N); slots (n,) int64, distinct, all valid; values (n, H, P, N) fp32.
+    state (S, H, P, N); slots (n,) int64, distinct, all valid; values (n, H, P, N) fp32;
+    rand_seed: one-element int64 tensor on state's device, read there (None: seed 0).
     """
     if slots.numel() == 0:
         return
@@ -50,7 +52,7 @@ def store_states(state: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
         state[slots] = values
     else:
         # Random bits depend on (seed, destination element) only: see ops/rounding.py.
-        state[slots] = round_states(values, slots, state.dtype, rand_seed)
+        state[slots] = round_states(values, slots, state.dtype, resolve_seed(rand_seed, state.device))
 
 
 def pick_impl(module: str, name: str, tensor: torch.Tensor, ref: Callable) -> Callable:

@@ -35,6 +35,7 @@ from replayssm.ops._checks import (
     check_tensor,
 )
 from replayssm.ops.common import heads_from_groups, pick_impl, softplus_dt, store_states
+from replayssm.ops.rounding import resolve_seed
 
 
 def _check_cache(state, ring_x, ring_B, ring_dt, ring_start, committed, act_dtypes) -> None:
@@ -110,14 +111,13 @@ def _check_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, r
         used = committed[state_indices[state_indices >= 0].long()]
         if used.numel() and int(used.max()) > window:
             raise ValueError(f"committed: cursors must be <= window = {window}, got {used.tolist()}")
-    check_int("rand_seed", rand_seed, 0)
     if out is not None:
         check_tensor("out", out, tuple(x.shape), (x.dtype,), dev)
 
 
 def replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                   state_indices, window: int, *, dt_softplus: bool = True, rand_seed: int = 0,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   state_indices, window: int, *, dt_softplus: bool = True,
+                   rand_seed: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """ReplaySSM decode/verify step for q tokens per row; returns y (b, q, H, P) in x.dtype.
 
     x (b, q, H, P); dt (b, q, H) raw; B, C (b, q, G, N); A, D, dt_bias (H,) fp32;
@@ -128,6 +128,7 @@ def replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, r
     """
     _check_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
                    state_indices, window, rand_seed, out)
+    rand_seed = resolve_seed(rand_seed, state.device)
     args = (x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
             state_indices, window)
     kwargs = dict(dt_softplus=dt_softplus, rand_seed=rand_seed, out=out)
@@ -135,7 +136,8 @@ def replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, r
 
 
 def replay_forward_ref(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed,
-                       state_indices, window: int, *, dt_softplus: bool = True, rand_seed: int = 0,
+                       state_indices, window: int, *, dt_softplus: bool = True,
+                       rand_seed: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference of `replay_forward` (same contract): vectorized over rows, fp32 math."""
     b, q, H, P = x.shape
@@ -249,7 +251,6 @@ def _check_materialize(A, state, ring_x, ring_B, ring_dt, ring_start, committed,
     m = src_indices.shape[0]
     check_indices("dst_indices", dst_indices, (m,), num_slots, dev, unique=True)
     check_tensor("num_entries", num_entries, (m,), (torch.int32,), dev)
-    check_int("rand_seed", rand_seed, 0)
     if dev.type != "cpu":
         return
     use = (src_indices >= 0) & (dst_indices >= 0)
@@ -261,7 +262,7 @@ def _check_materialize(A, state, ring_x, ring_B, ring_dt, ring_start, committed,
 
 
 def replay_materialize(A, state, ring_x, ring_B, ring_dt, ring_start, committed, src_indices,
-                       num_entries, dst_indices, *, rand_seed: int = 0) -> None:
+                       num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
     """state[dst] = state[src] advanced by the first n committed ring entries of src (n = 0 copies).
 
     A (H,) fp32; state, rings and cursors as in `replay_forward`; src_indices, num_entries,
@@ -270,6 +271,7 @@ def replay_materialize(A, state, ring_x, ring_B, ring_dt, ring_start, committed,
     """
     _check_materialize(A, state, ring_x, ring_B, ring_dt, ring_start, committed, src_indices,
                        num_entries, dst_indices, rand_seed)
+    rand_seed = resolve_seed(rand_seed, state.device)
     args = (A, state, ring_x, ring_B, ring_dt, ring_start, committed, src_indices, num_entries,
             dst_indices)
     impl = pick_impl("replay", "replay_materialize", state, replay_materialize_ref)
@@ -277,7 +279,7 @@ def replay_materialize(A, state, ring_x, ring_B, ring_dt, ring_start, committed,
 
 
 def replay_materialize_ref(A, state, ring_x, ring_B, ring_dt, ring_start, committed, src_indices,
-                           num_entries, dst_indices, *, rand_seed: int = 0) -> None:
+                           num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
     """PyTorch reference of `replay_materialize` (same contract)."""
     rows = ((src_indices >= 0) & (dst_indices >= 0)).nonzero().squeeze(1)
     if rows.numel() == 0:

@@ -29,6 +29,7 @@ from replayssm.ops._checks import (
     check_tensor,
 )
 from replayssm.ops.common import pick_impl, softplus_dt, store_states
+from replayssm.ops.rounding import resolve_seed
 from replayssm.ops.ssd_layout import ChunkLayout, chunk_layout
 
 
@@ -66,7 +67,7 @@ def ssd_chunked_scan_ref(
     *,
     chunk_size: int = 64,
     dt_softplus: bool = True,
-    rand_seed: int = 0,
+    rand_seed: torch.Tensor | None = None,
     boundary_seq: Tensor | None = None,
     boundary_len: Tensor | None = None,
     boundary_dst: Tensor | None = None,
@@ -91,7 +92,7 @@ def ssd_chunked_scan_ref(
 
 def scan_without_boundaries(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor, state: Tensor,
-    lay: ChunkLayout, chunk_size: int, dt_softplus: bool, rand_seed: int,
+    lay: ChunkLayout, chunk_size: int, dt_softplus: bool, rand_seed: torch.Tensor | None,
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The reference scan up to the boundary states: (y, (init, s_in, decay, a_cum, dx, Bc)).
 
@@ -208,7 +209,6 @@ def _check_args(
     check_indices("state_indices", state_indices, (n,), state.shape[0], dev, unique=True)
     check_tensor("has_initial_state", has_initial_state, (n,), (torch.bool,), dev)
     check_int("chunk_size", chunk_size, 1)
-    check_int("rand_seed", rand_seed, 0)
     if cu_seqlens.device.type == "cpu":
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
@@ -248,7 +248,7 @@ def ssd_chunked_scan(
     *,
     chunk_size: int = 64,
     dt_softplus: bool = True,
-    rand_seed: int = 0,
+    rand_seed: torch.Tensor | None = None,
     boundary_seq: Tensor | None = None,
     boundary_len: Tensor | None = None,
     boundary_dst: Tensor | None = None,
@@ -270,6 +270,7 @@ def ssd_chunked_scan(
         x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state,
         chunk_size, rand_seed, boundary_seq, boundary_len, boundary_dst,
     )  # fmt: skip
+    rand_seed = resolve_seed(rand_seed, state.device)
     args = (x, dt, A, B, C, D, dt_bias, state, cu_seqlens, state_indices, has_initial_state)
     kwargs = dict(
         chunk_size=chunk_size, dt_softplus=dt_softplus, rand_seed=rand_seed,

@@ -14,11 +14,11 @@ from replayssm.ops._checks import (
     FLOAT_DTYPES,
     check_group_count,
     check_indices,
-    check_int,
     check_params,
     check_tensor,
 )
 from replayssm.ops.common import heads_from_groups, pick_impl, softplus_dt, store_states
+from replayssm.ops.rounding import resolve_seed
 
 
 def _check_args(state, x, dt, A, B, C, D, dt_bias, state_indices, dst_indices, rand_seed, out) -> None:
@@ -35,7 +35,6 @@ def _check_args(state, x, dt, A, B, C, D, dt_bias, state_indices, dst_indices, r
     check_indices("state_indices", state_indices, (b,), num_slots, dev, unique=dst_indices is None)
     if dst_indices is not None:
         check_indices("dst_indices", dst_indices, (b, q), num_slots, dev, unique=True)
-    check_int("rand_seed", rand_seed, 0)
     if out is not None:
         check_tensor("out", out, tuple(x.shape), (x.dtype,), dev)
 
@@ -53,7 +52,7 @@ def selective_state_update(
     *,
     dst_indices: torch.Tensor | None = None,
     dt_softplus: bool = True,
-    rand_seed: int = 0,
+    rand_seed: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run q tokens per row through the Mamba-2 recurrence from pooled states; return y.
@@ -67,6 +66,7 @@ def selective_state_update(
     Dispatches to Triton for CUDA tensors when it is importable, else to the PyTorch reference.
     """
     _check_args(state, x, dt, A, B, C, D, dt_bias, state_indices, dst_indices, rand_seed, out)
+    rand_seed = resolve_seed(rand_seed, state.device)
     args = (state, x, dt, A, B, C, D, dt_bias, state_indices)
     kwargs = dict(dst_indices=dst_indices, dt_softplus=dt_softplus, rand_seed=rand_seed, out=out)
     return pick_impl("ssu", "selective_state_update", x, selective_state_update_ref)(*args, **kwargs)
@@ -85,7 +85,7 @@ def selective_state_update_ref(
     *,
     dst_indices: torch.Tensor | None = None,
     dt_softplus: bool = True,
-    rand_seed: int = 0,
+    rand_seed: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of `selective_state_update` (same contract), vectorized over rows, fp32 math."""

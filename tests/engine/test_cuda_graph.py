@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import requires_cuda
 
-from replayssm.engine.cuda_graph import bucket_sizes
+from replayssm.engine.context import DeviceSeeds
+from replayssm.engine.cuda_graph import bucket_sizes, graphs_supported
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 
 BASE = {
@@ -18,12 +19,12 @@ BASE = {
 }
 
 
-def make_runner(path, pattern, dtype, graphs, replayssm=True, k=0):
+def make_runner(path, pattern, dtype, graphs, replayssm=True, k=0, device="cuda", **kw):
     config = {**BASE, "hybrid_override_pattern": pattern, "dtype": dtype}
     (path / "config.json").write_text(json.dumps(config))
-    return ModelRunner(path, device="cuda", dtype=dtype, replayssm=replayssm,
+    return ModelRunner(path, device=device, dtype=dtype, replayssm=replayssm,
                        load_format="dummy", num_slots=12, max_num_seqs=6, num_kv_blocks=40, kv_block_size=4,
-                       num_speculative_tokens=k, cuda_graphs=bool(graphs))
+                       num_speculative_tokens=k, cuda_graphs=bool(graphs), **kw)
 
 
 def test_bucket_sizes_cover_every_batch():
@@ -147,3 +148,141 @@ def test_failed_capture_falls_back_to_eager_for_good(monkeypatch):
         assert g.run(batch) is None
     assert g.run(batch) is None  # no second warning: later steps skip the graphs silently
     assert calls == [(4, 1, False)] and "capture" in g.error and g.graphs == {}
+
+
+# ---- 16-bit state: the rounding seeds live on the device --------------------------------------------
+
+
+def decode_steps(runner, num_rows, steps):
+    """Prefill num_rows requests, then `steps` one-token decode steps of all of them (greedy tokens fed
+    back). Returns the tokens of each step and every Mamba state pool after each step."""
+    slots = [9, 2, 7, 0, 11, 5][:num_rows]
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(num_rows)]
+    tables = [[i * 6 + j for j in range(6)] for i in range(num_rows)]
+    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
+    last = runner.execute(rows).argmax(-1).tolist()
+    runner.commit(rows, [1] * num_rows)
+    pos = [len(p) for p in prompts]
+    tokens, states = [], []
+    for _ in range(steps):
+        rows = [ScheduledRow([last[i]], pos[i], tables[i], slots[i], False) for i in range(num_rows)]
+        last = runner.execute(rows).argmax(-1).tolist()
+        runner.commit(rows, [1] * num_rows)
+        pos = [p + 1 for p in pos]
+        tokens.append(last)
+        states.append([s.clone() for s in runner.mamba_cache.state])
+    return tokens, states
+
+
+def test_device_seeds_advance_once_per_step(tmp_path):
+    """Each engine step moves every layer's rounding seed on by one draw (num_layers), and no further:
+    a step of 16-bit state never reuses its predecessor's bits and never skips ahead on the host."""
+    runner = make_runner(tmp_path, "M*M-M", "float32", False, device="cpu", state_dtype="float16",
+                         replay_window=4)
+    seeds = runner.rand_seed
+    L = len(runner.mamba_cache.state)
+    start = seeds.values()
+    assert start == [start[0] + i for i in range(L)]
+    slots, prompt, table = [3, 8], [[5, 6, 7], [9, 10]], [[0, 1, 2], [3, 4, 5]]
+    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompt, table, slots)]
+    runner.execute(rows)
+    runner.commit(rows, [1, 1])
+    assert seeds.values() == [v + L for v in start]
+    for step in range(6):  # crosses flushes of the ring (window 4)
+        rows = [ScheduledRow([11 + step], len(p) + step, t, s, False)
+                for p, t, s in zip(prompt, table, slots)]
+        runner.execute(rows)
+        runner.commit(rows, [1, 1])
+        assert seeds.values() == [v + (step + 2) * L for v in start]
+
+
+def test_graphs_supported_with_16bit_state(tmp_path):
+    """`graphs_supported` no longer refuses float16 and bfloat16 state (only a CUDA device is missing)."""
+    for state_dtype in ("float16", "bfloat16"):
+        runner = make_runner(tmp_path, "M*M-M", "float32", False, device="cpu", state_dtype=state_dtype)
+        assert graphs_supported(runner) == "CUDA graphs need a CUDA device"
+
+
+@requires_cuda
+@pytest.mark.parametrize("state_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("replayssm", [True, False])
+def test_graph_step_equals_eager_16bit_state(tmp_path, state_dtype, replayssm):
+    """16-bit state: graph replays give the eager steps' tokens and write the same states bit for bit,
+    over 12 decode steps that flush the ring (window 4) three times; batches of 4 rows fill their
+    bucket, so graph and eager run the same shapes."""
+    (tmp_path / "g").mkdir()
+    (tmp_path / "e").mkdir()
+    kw = dict(state_dtype=state_dtype, replay_window=4)
+    graph = make_runner(tmp_path / "g", "M*M-M", "float32", True, replayssm, **kw)
+    eager = make_runner(tmp_path / "e", "M*M-M", "float32", False, replayssm, **kw)
+    got, want = decode_steps(graph, 4, 12), decode_steps(eager, 4, 12)
+    assert graph.graphs.num_replays == 12
+    assert got[0] == want[0]
+    for step, (g, w) in enumerate(zip(got[1], want[1])):
+        for layer, (a, b) in enumerate(zip(g, w)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (step, layer)
+    assert graph.rand_seed.values() == eager.rand_seed.values()
+
+
+@requires_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", ["ssu", "replay"])
+def test_graph_replays_draw_fresh_bits(state_dtype, op):
+    """Two replays of one captured state update (same inputs, same state) round with different seeds,
+    so their 16-bit writes differ (a seed frozen at capture would repeat them); each equals the eager
+    call with the seed value that replay read."""
+    from replayssm.ops.replay import replay_forward
+    from replayssm.ops.ssu import selective_state_update
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    S, H, P, N, G, b, W = 10, 8, 64, 128, 2, 6, 4
+    state0 = torch.randn(S, H, P, N, device=dev).to(state_dtype)
+    x, dt = torch.randn(b, 1, H, P, device=dev), torch.randn(b, 1, H, device=dev)
+    B, C = torch.randn(b, 1, G, N, device=dev), torch.randn(b, 1, G, N, device=dev)
+    A, D, dt_bias = -torch.rand(H, device=dev), torch.randn(H, device=dev), torch.randn(H, device=dev)
+    idx = torch.randperm(S)[:b].to(torch.int32).to(dev)
+    R = W + 1
+    rings0 = (torch.randn(S, H, R, P, device=dev), torch.randn(S, G, R, N, device=dev),
+              torch.rand(S, H, R, device=dev) * 0.5)
+    start0 = torch.randint(0, R, (S,), dtype=torch.int32, device=dev)
+    committed = torch.full((S,), W, dtype=torch.int32, device=dev)  # every row flushes (h + q > W)
+    state, rings, start = state0.clone(), [r.clone() for r in rings0], start0.clone()
+    seeds = DeviceSeeds(7, 1, dev)
+    first = seeds.values()
+
+    def step():
+        if op == "ssu":
+            selective_state_update(state, x, dt, A, B, C, D, dt_bias, idx, rand_seed=seeds[0])
+        else:
+            replay_forward(x, dt, A, B, C, D, dt_bias, state, *rings, start, committed, idx, W,
+                           rand_seed=seeds[0])
+        seeds.advance()
+
+    def restore():
+        state.copy_(state0)
+        for r, r0 in zip(rings, rings0):
+            r.copy_(r0)
+        start.copy_(start0)
+
+    stream = torch.cuda.Stream()  # warm-up (compiles) outside the capture, then undone
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    seeds.table[:, 0] = first[0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    outs = []
+    for _ in range(2):
+        restore()
+        graph.replay()
+        outs.append(state.clone())
+    assert seeds.values() == [first[0] + 2]
+    assert not torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    seeds.table[:, 0] = first[0]
+    for k in range(2):
+        restore()
+        step()
+        assert torch.equal(state.view(torch.int16), outs[k].view(torch.int16)), k

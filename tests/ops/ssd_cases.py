@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ssm_oracle import softplus_dt, ssm_recurrence  # noqa: E402
 
 from replayssm.ops.common import store_states  # noqa: E402
+from replayssm.ops.rounding import seed_tensor  # noqa: E402
 from replayssm.ops.ssd import scan_without_boundaries, ssd_chunked_scan_ref  # noqa: E402
 from replayssm.ops.ssd_layout import chunk_layout  # noqa: E402
 
@@ -91,8 +92,9 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
     meta = [t.to(device) for t in (cu, slots, has_init, bseq, blen)]
 
     pool_ref = pool.clone()
-    y_ref, b_ref = ssd_chunked_scan_ref(*cpu, pool_ref, cu, slots, has_init, chunk_size=chunk, rand_seed=5,
-                                        dt_softplus=softplus, boundary_seq=bseq, boundary_len=blen)
+    y_ref, b_ref = ssd_chunked_scan_ref(*cpu, pool_ref, cu, slots, has_init, chunk_size=chunk,
+                                        rand_seed=seed_tensor(5), dt_softplus=softplus, boundary_seq=bseq,
+                                        boundary_len=blen)
     runs = []
     for _ in range(2):
         st = pool.clone().to(device)
@@ -102,20 +104,20 @@ def check_ssd_scan(device, *, lengths, H=4, G=2, P=24, N=20, chunk=16, act=torch
         if full:
             y, s_in = tssd.launch_scan(*dev, st, lay, chunk, softplus, 5, config or tssd.CONFIG, y=y)
         else:
-            y, (_, s_in, *_) = scan_without_boundaries(*dev, st, lay, chunk, softplus, 5)
+            y, (_, s_in, *_) = scan_without_boundaries(*dev, st, lay, chunk, softplus, seed_tensor(5, device))
         b = tssd.launch_boundaries(*dev[:4], dev[6], st, lay, s_in, softplus, out=b)
         runs.append((y, b, st))
     (y, b, st), again = runs[0], runs[1]
     assert all(_same(u, v) for u, v in zip(again, runs[0])), "two runs differ"
     st_pub = pool.clone().to(device)
-    y_pub, b_pub = tssd.ssd_chunked_scan_triton(*dev, st_pub, *meta[:3], chunk_size=chunk, rand_seed=5,
-                                                dt_softplus=softplus, boundary_seq=meta[3],
-                                                boundary_len=meta[4])
+    y_pub, b_pub = tssd.ssd_chunked_scan_triton(*dev, st_pub, *meta[:3], chunk_size=chunk,
+                                                rand_seed=seed_tensor(5, device), dt_softplus=softplus,
+                                                boundary_seq=meta[3], boundary_len=meta[4])
     if full == ENTRY_IS_FULL and config is None:
         assert _same(y_pub, y) and _same(b_pub, b) and _same(st_pub, st), "entry differs"
     runs = ((tssd.ssd_chunked_scan_triton, dev, meta, st_pub, b_pub),
             (ssd_chunked_scan_ref, cpu, [cu, slots, has_init, bseq, blen], pool_ref, b_ref))
-    _check_boundary_dst(pool, runs, dict(chunk_size=chunk, rand_seed=5, dt_softplus=softplus))
+    _check_boundary_dst(pool, runs, dict(chunk_size=chunk, dt_softplus=softplus))
 
     tag = f"lengths={lengths} chunk={chunk} {act} pool {state_dtype} full={full}"
     assert (e := _rel_err(y, y_ref)) < REF_RTOL[act], f"{tag}: y vs ref {e:.2e}"
@@ -155,10 +157,10 @@ def _check_boundary_dst(pool, runs, kw) -> None:
         device = args[0].device
         got = big.clone().to(device)
         _, none = fn(*args, got, *meta_of[:3], boundary_seq=meta_of[3], boundary_len=meta_of[4],
-                     boundary_dst=dst.to(device), **kw)
+                     boundary_dst=dst.to(device), rand_seed=seed_tensor(5, device), **kw)
         want = big.clone().to(device)
         want[:S] = final
-        store_states(want, dst.long().to(device), states, 5)
+        store_states(want, dst.long().to(device), states, seed_tensor(5, device))
         assert none is None and _same(got, want), f"boundary_dst ({fn.__name__}) differs from store_states"
 
 

@@ -16,6 +16,7 @@ from replayssm.ops.replay import (
     replay_forward_ref,
     replay_materialize,
 )
+from replayssm.ops.rounding import seed_tensor
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # Relative to max(|expected|, 1). bf16 outputs carry 2^-9 rounding; fp16/bf16 states one ulp.
@@ -187,10 +188,10 @@ def test_public_op_equals_ref_on_cpu():
     twin = cache.clone()
     idx = torch.tensor([5, -1, 2, 0], dtype=torch.int32)
     step = make_step(4, 2, H, G, P, N, BF16)
-    y = run_forward(cache, step, params, idx, W, rand_seed=11)
+    y = run_forward(cache, step, params, idx, W, rand_seed=seed_tensor(11))
     x, dt, B, C = step
     A, D, dt_bias = params
-    y_ref = replay_forward_ref(x, dt, A, B, C, D, dt_bias, *twin.tensors(), idx, W, rand_seed=11)
+    y_ref = replay_forward_ref(x, dt, A, B, C, D, dt_bias, *twin.tensors(), idx, W, rand_seed=seed_tensor(11))
     assert torch.equal(bits(y), bits(y_ref))
     for a, b in zip(cache.tensors(), twin.tensors()):
         assert torch.equal(bits(a), bits(b))
@@ -256,7 +257,7 @@ def test_materialize_matches_oracle(state_dtype):
     src = torch.tensor([0, 3, -1, 5, 1, 8], dtype=torch.int32)
     dst = torch.tensor([7, 2, 9, 4, 6, -1], dtype=torch.int32)
     n = torch.tensor([6, 0, 3, 2, 3, 1], dtype=torch.int32)
-    replay_materialize(A, *cache.tensors(), src, n, dst, rand_seed=5)
+    replay_materialize(A, *cache.tensors(), src, n, dst, rand_seed=seed_tensor(5))
     written = []
     for s, d, k in zip(src.tolist(), dst.tolist(), n.tolist()):
         if s < 0 or d < 0:
@@ -292,7 +293,7 @@ def test_flush_write_is_unbiased(state_dtype):
     samples = []
     for seed in range(seeds):
         trial = cache.clone()
-        run_forward(trial, step, params, idx, W, rand_seed=seed)
+        run_forward(trial, step, params, idx, W, rand_seed=seed_tensor(seed))
         samples.append(trial.state[1].double())
     ulp = _ulp(v, state_dtype).double()
     err = (torch.stack(samples).mean(0) - v.double()) / ulp  # per element, in ulps

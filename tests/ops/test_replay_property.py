@@ -25,6 +25,7 @@ from test_replay import (
 )
 
 from replayssm.ops.replay import replay_commit, replay_materialize
+from replayssm.ops.rounding import seed_tensor
 
 LIVE, SCRATCH = 3, 2  # live request slots, then checkpoint slots that materialize writes
 
@@ -112,7 +113,7 @@ def test_random_step_sequences_match_recurrence(sc: Scenario):
         inputs = make_step(len(rows), q, H, G, P, N, sc.act_dtype)
         x, dt, B, C = inputs
         before = cache.clone()
-        y = run_forward(cache, inputs, params, idx, W, rand_seed=k)
+        y = run_forward(cache, inputs, params, idx, W, rand_seed=seed_tensor(k))
 
         flushed = set()
         for i, s in enumerate(rows):
@@ -165,7 +166,7 @@ def _check_publish(cache, publish, ckpt, hist, A, D, tol_state, k) -> None:
     # A trailing padding row (dst = -1) must be skipped.
     replay_materialize(A, *cache.tensors(), torch.tensor(src + [0], dtype=torch.int32),
                        torch.tensor(n + [0], dtype=torch.int32),
-                       torch.tensor(dst + [-1], dtype=torch.int32), rand_seed=1000 + k)
+                       torch.tensor(dst + [-1], dtype=torch.int32), rand_seed=seed_tensor(1000 + k))
     for s, m, d in zip(src, n, dst):
         want = advance(ckpt[s], *(t[:m] for t in hist[s]), A, D)
         assert_close(cache.state[d], want, tol_state, f"step {k} materialize {s} n={m}")

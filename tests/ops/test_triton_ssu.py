@@ -67,3 +67,14 @@ def test_rounding_bits_gpu():
     from triton_cases import check_rounding
 
     check_rounding("cuda")
+
+
+@requires_cuda
+def test_fused_rounding_equals_reference_gpu():
+    """On the GPU: the baseline kernel's 16-bit writes equal the reference's bits for the same device seed
+    (plain and per-token verify writes), and a new seed value in the same tensor changes them."""
+    from triton_cases import check_ssu_rounding
+
+    for sd in (torch.float16, torch.bfloat16):
+        check_ssu_rounding("cuda", state_dtype=sd, H=8, P=64, N=128, G=2, b=12, S=40)
+        check_ssu_rounding("cuda", state_dtype=sd, verify=True, q=4, H=8, P=64, N=128, G=2, b=6, S=40)

@@ -18,9 +18,9 @@ import triton.language as tl
 
 from replayssm.ops.conv1d import causal_conv1d_commit_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from replayssm.ops.replay import replay_commit_ref, replay_forward_ref, replay_materialize_ref
-from replayssm.ops.rounding import stochastic_round_ref
+from replayssm.ops.rounding import seed_tensor, stochastic_round_ref
 from replayssm.ops.ssu import selective_state_update_ref
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import load_seed_mix, max_finite, stochastic_round, tl_dtype
 
 TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -62,15 +62,18 @@ def _untouched(name, got, orig, touched: torch.Tensor) -> None:
 
 
 @triton.jit
-def _round_kernel(x_ptr, off_ptr, y_ptr, n, sm, DTYPE: tl.constexpr, MAXV: tl.constexpr, BLOCK: tl.constexpr):
+def _round_kernel(x_ptr, off_ptr, y_ptr, n, seed_ptr, DTYPE: tl.constexpr, MAXV: tl.constexpr,
+                  BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
+    sm = load_seed_mix(seed_ptr, DTYPE)
     y = stochastic_round(tl.load(x_ptr + i, mask=m), tl.load(off_ptr + i, mask=m), sm, DTYPE, MAXV)
     tl.store(y_ptr + i, y, mask=m)
 
 
 def check_rounding(device, n: int = 4099, seed: int = 1234) -> None:
-    """The Triton device function rounds bit-identically to stochastic_round_ref (edge values too)."""
+    """The Triton device function, its seed read from device memory, rounds bit-identically to
+    stochastic_round_ref with the same seed value (edge values and seeds past 2^32 too)."""
     torch.manual_seed(seed)
     x = torch.randn(n) * torch.logspace(-12, 7, n)
     inf = float("inf")
@@ -81,9 +84,11 @@ def check_rounding(device, n: int = 4099, seed: int = 1234) -> None:
         y = torch.empty(x.shape, dtype=dtype, device=device)
         tdt = tl_dtype(dtype)
         grid = (triton.cdiv(x.numel(), 512),)
-        _round_kernel[grid](x, off, y, x.numel(), seed_mix(seed), tdt, max_finite(tdt), BLOCK=512)
-        want = stochastic_round_ref(x, dtype, seed, off)
-        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), f"{dtype}: bits differ"
+        for value in (seed, -seed, 2**40 + seed):
+            seed_ptr = seed_tensor(value, device)
+            _round_kernel[grid](x, off, y, x.numel(), seed_ptr, tdt, max_finite(tdt), BLOCK=512)
+            want = stochastic_round_ref(x, dtype, value, off).view(torch.int16)
+            assert torch.equal(y.view(torch.int16), want), f"{dtype} seed {value}: bits differ"
 
 
 def check_ssu(device, *, H=4, P=12, N=12, G=2, b=5, q=1, S=11, state_dtype=torch.float32, act=torch.float32,
@@ -112,13 +117,48 @@ def check_ssu(device, *, H=4, P=12, N=12, G=2, b=5, q=1, S=11, state_dtype=torch
         y = ssu.launch_ssu(st, *args, dst, True, 7, torch.full_like(x, float("nan")), cfg)
         runs.append((y, st))
     st_ref = state0.clone()
-    y_ref = selective_state_update_ref(st_ref, *args, dst_indices=dst, rand_seed=7)
+    y_ref = selective_state_update_ref(st_ref, *args, dst_indices=dst, rand_seed=seed_tensor(7, device))
     y, st = runs[0]
     assert torch.equal(runs[1][0], y) and torch.equal(runs[1][1], st), "two runs differ"
     _close("y", y, y_ref, act)
     _close("state", st.float(), st_ref.float(), state_dtype)
     touched = idx if dst is None else dst.flatten()
     _untouched("state", st, state0, touched)
+
+
+def check_ssu_rounding(device, *, state_dtype, verify=False, H=4, P=12, N=12, G=2, b=5, q=2, S=11,
+                       config=None) -> None:
+    """The baseline kernel's fused rounding writes the reference's bits for the same device seed.
+
+    Inputs make the fp32 states exact in any evaluation order (A = 0, so every decay is 1; Δ, x, B
+    and the states with few mantissa bits), so both twins round the same fp32 values; and a new
+    seed value in the same tensor changes the bits (the kernel reads it at launch).
+    """
+    from replayssm.ops.triton import ssu
+
+    torch.manual_seed(3)
+    state0 = (torch.randint(-512, 512, (S, H, P, N)) / 128.0).to(state_dtype).to(device)
+    x = (torch.randint(-64, 65, (b, q, H, P)) / 64.0).to(device)
+    dt = (torch.randint(1, 4, (b, q, H)) / 4.0).to(device)
+    B = (torch.randint(-64, 65, (b, q, G, N)) / 64.0).to(device)
+    C = torch.randn(b, q, G, N).to(device)
+    A, D, dt_bias = torch.zeros(H).to(device), torch.randn(H).to(device), torch.full((H,), 0.25).to(device)
+    idx = _slots(b, S, device)
+    dst = None
+    if verify:
+        free = [s for s in torch.randperm(S).tolist() if s not in idx.tolist()][: b * q]
+        dst = torch.tensor(free + [-1] * (b * q - len(free)), dtype=torch.int32).view(b, q).to(device)
+    args = (x, dt, A, B, C, D, dt_bias, idx)
+    seed = seed_tensor(41, device)
+    st = state0.clone()
+    ssu.launch_ssu(st, *args, dst, False, seed, None, config or ssu.CONFIG)
+    st_ref = state0.clone()
+    selective_state_update_ref(st_ref, *args, dst_indices=dst, dt_softplus=False, rand_seed=seed)
+    assert torch.equal(st.view(torch.int16), st_ref.view(torch.int16)), "fused rounding differs from the ref"
+    seed.fill_(42)
+    again = state0.clone()
+    ssu.launch_ssu(again, *args, dst, False, seed, None, config or ssu.CONFIG)
+    assert not torch.equal(again.view(torch.int16), st.view(torch.int16)), "a new seed drew the same bits"
 
 
 def _ring(S, H, G, R, P, N, act, device):
@@ -162,7 +202,8 @@ def check_replay_cycle(device, *, H=4, P=24, N=12, G=2, b=5, q=2, S=11, W=5, ste
         y, tri = outs[0]
         assert torch.equal(outs[1][0], y), "two runs differ (y)"
         assert all(torch.equal(u, v) for u, v in zip(outs[1][1], tri)), "two runs differ (cache)"
-        y_ref = replay_forward_ref(x, dt, A, B, C, D, dt_bias, *ref[:6], idx, W, rand_seed=step)
+        y_ref = replay_forward_ref(x, dt, A, B, C, D, dt_bias, *ref[:6], idx, W,
+                                   rand_seed=seed_tensor(step, device))
         _close(f"y step {step}", y, y_ref, act)
         _close(f"state step {step}", tri[0].float(), ref[0].float(), state_dtype)
         _untouched("state", tri[0], before[0], idx)
@@ -199,7 +240,7 @@ def check_output_passes(device, route, *, H=8, P=64, N=128, G=2, b=12, q=4, S=40
     x, dt, B, C = _tokens(b, q, H, P, G, N, torch.bfloat16, device)
     args = (x, dt, A, B, C, D, dt_bias)
     cpu = [t.to("cpu", copy=True) for t in (*args, *cache, idx)]  # the reference appends and folds in place
-    y_ref = replay_forward_ref(*cpu, W, rand_seed=1, out=torch.empty(x.shape)).double()
+    y_ref = replay_forward_ref(*cpu, W, rand_seed=seed_tensor(1), out=torch.empty(x.shape)).double()
     bound = 2.0**-7 * y_ref.abs().max().item()
     y = replay.launch_replay_forward(*args, *[t.clone() for t in cache], idx, W, True, 1,
                                      torch.full_like(x, float("nan")), route)
@@ -271,11 +312,11 @@ def check_materialize(device, *, H=4, P=12, N=12, G=2, m=4, S=13, W=5, state_dty
     got = []
     for _ in range(2):
         st = state.clone()
-        replay.replay_materialize_triton(A, st, *args[2:], rand_seed=3)
+        replay.replay_materialize_triton(A, st, *args[2:], rand_seed=seed_tensor(3, device))
         got.append(st)
     assert torch.equal(got[0], got[1]), "two runs differ"
     st_ref = state.clone()
-    replay_materialize_ref(A, st_ref, *args[2:], rand_seed=3)
+    replay_materialize_ref(A, st_ref, *args[2:], rand_seed=seed_tensor(3, device))
     _close("state", got[0].float(), st_ref.float(), state_dtype)
     _untouched("state", got[0], state, dst)
     zero = (n == 0) & (dst >= 0)
@@ -549,6 +590,9 @@ def run_interpreter(part: str) -> None:
             check_ssu("cpu", q=1, state_dtype=sd, config=small)
         check_ssu("cpu", q=3, verify=True, state_dtype=torch.float16, act=torch.bfloat16, config=small)
         check_ssu("cpu", q=2, act=torch.float16, config=small)
+        for sd in (torch.float16, torch.bfloat16):
+            check_ssu_rounding("cpu", state_dtype=sd, config=small)
+            check_ssu_rounding("cpu", state_dtype=sd, verify=True, q=3, config=small)
     elif part in REPLAY_PARTS:
         REPLAY_PARTS[part]()
     elif part == "norm":

@@ -72,7 +72,7 @@ class Mamba2Mixer(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         md = ctx.mamba
         Tp = md.num_prefill_tokens
-        seed = ctx.rand_seed + self.mamba_index
+        seed = ctx.rand_seed[self.mamba_index]  # a device tensor (engine/context.py: DeviceSeeds)
         parts = []
         if Tp:
             parts.append(self._prefill(xBC[:Tp], dt[:Tp], A, weight, ctx, seed))
@@ -118,7 +118,7 @@ class Mamba2Mixer(nn.Module):
         return (x.reshape(*lead, self.H, self.P).contiguous(), B.reshape(*lead, self.G, self.N).contiguous(),
                 C.reshape(*lead, self.G, self.N).contiguous())
 
-    def _prefill(self, xbc, dt, A, weight, ctx, seed: int) -> torch.Tensor:
+    def _prefill(self, xbc, dt, A, weight, ctx, seed: torch.Tensor) -> torch.Tensor:
         """Packed prefill tokens (Tp, ...): conv from the slot's window, chunked scan from its state."""
         md, cache, li = ctx.mamba, ctx.mamba_cache, self.mamba_index
         Tp = xbc.shape[0]
@@ -150,7 +150,7 @@ class Mamba2Mixer(nn.Module):
         win = torch.where(src.has_window, win, torch.zeros((), dtype=win.dtype, device=win.device))
         conv[md.publish_dst] = torch.where(src.from_token, tok.to(conv.dtype), win)
 
-    def _decode(self, xbc, dt, A, weight, ctx, seed: int) -> torch.Tensor:
+    def _decode(self, xbc, dt, A, weight, ctx, seed: torch.Tensor) -> torch.Tensor:
         """Decode rows padded to (b, q): conv update, then ReplaySSM or the baseline state update."""
         md, cache, li = ctx.mamba, ctx.mamba_cache, self.mamba_index
         b, q = md.num_decode_rows, md.decode_q

@@ -38,6 +38,7 @@ from replayssm.ops.triton.replay_mono import launch_mono
 from replayssm.ops.triton.replay_mono_mma import JOIN_ROWS, launch_mono_mma
 from replayssm.ops.triton.replay_step import launch_step
 from replayssm.ops.triton.replay_stream import launch_stream, stream_supported
+from replayssm.ops.triton.rounding import device_seed
 
 __all__ = ["ROUTES", "Fallback", "Lean", "Mono", "MonoMMA", "Row", "Stream", "pick_route",
            "replay_commit_triton", "replay_forward_triton", "replay_materialize_triton"]
@@ -241,6 +242,7 @@ def launch_replay_forward(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, rin
     y = out if out is not None else torch.empty_like(x)
     if b == 0:
         return y
+    rand_seed = device_seed(rand_seed, state.device)
     S, H, P, N = state.shape
     r = pick_route(b, q, H, P, N, state.dtype) if route is None else route
     if not isinstance(r, (Mono, MonoMMA, Lean, Stream, Fallback)):
@@ -284,7 +286,7 @@ def replay_forward_triton(
     window: int,
     *,
     dt_softplus: bool = True,
-    rand_seed: int = 0,
+    rand_seed: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ReplaySSM forward (`ops.replay.replay_forward`); arguments validated by that public op.

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, stochastic_round, tl_dtype
 
 FLUSH_PROGRAMS_PER_SM = 4
 # Rows per iteration of the one-program flush list kernels: fixed, so every batch size (every CUDA
@@ -62,13 +62,14 @@ def _lean_list_kernel(idx_ptr, committed_ptr, ring_start_ptr, list_ptr, count_pt
     tl.store(count_ptr, base)
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def _lean_flush_kernel(
-    list_ptr, count_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, r_ptr, seed_mix,
+    list_ptr, count_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, y_ptr, w_ptr, sc_ptr, r_ptr, seed_ptr,
     sC_b, sC_g, sy_b, sy_h, H, G, R, b, few,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, FEW: tl.constexpr = False,
 ):
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     # Persistent over the (head, P tile) pieces of the listed rows (one token each). A piece loads its
     # tile once, writes y = e^{Λ} (S0 C) + r, then folds S0 <- e^{Λ_h} S0 + Σ_j f_j x_j B_jᵀ with one
     # (BLOCK_P, KB) x (KB, N) 3xTF32 tensor-core product onto the decayed tile (~2^-21 relative error
@@ -137,7 +138,7 @@ def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices,
                             BLOCK=LIST_BLOCK, num_warps=4)
     programs = min(b * H * (P // block_p), flush_programs(C.device))
     _lean_flush_kernel[(programs,)](
-        records, count, C, state, ring_x, ring_B, y, w, sc, r, seed_mix(rand_seed),
+        records, count, C, state, ring_x, ring_B, y, w, sc, r, device_seed(rand_seed, state.device),
         C.stride(0), C.stride(2), y.stride(0), y.stride(2), H, G, R, b,
         flush_programs(C.device, few_programs_per_sm) if few_programs_per_sm else 0,
         Q=q, QB=triton.next_power_of_2(q), HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,

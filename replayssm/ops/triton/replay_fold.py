@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, stochastic_round, tl_dtype
 
 
 @triton.jit
@@ -31,10 +31,10 @@ def fold(S, rx_ptr, rB_ptr, rdt_ptr, xrow0, Brow0, dtrow0, o, count, A, R, p, n,
     return S
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def replay_fold_kernel(
     state_ptr, rx_ptr, rB_ptr, rdt_ptr, A_ptr, ring_start_ptr, committed_ptr, idx_ptr,
-    seed_mix, window, H, G, R,
+    seed_ptr, window, H, G, R,
     Q: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
@@ -43,6 +43,7 @@ def replay_fold_kernel(
     Grid (P tiles, H, b); rows that do not flush exit after reading their cursor. Reads only
     history rows, so it may run after the output launch appended the new entries.
     """
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
@@ -76,20 +77,21 @@ def launch_fold(state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_
     block_p = min(block_p, triton.next_power_of_2(P))
     replay_fold_kernel[(triton.cdiv(P, block_p), H, b)](
         state, ring_x, ring_B, ring_dt, A, ring_start, committed, state_indices,
-        seed_mix(rand_seed), int(window), H, ring_B.shape[1], ring_x.shape[2],
+        device_seed(rand_seed, state.device), int(window), H, ring_B.shape[1], ring_x.shape[2],
         Q=q, HB=triton.next_power_of_2(int(window)), P=P, N=N, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(N), STATE_DTYPE=tl_dtype(state.dtype),
         MAXV=max_finite(tl_dtype(state.dtype)), num_warps=num_warps,
     )
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def _replay_materialize_kernel(
     A_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr, ring_start_ptr, src_ptr, n_ptr, dst_ptr,
-    seed_mix, H, G, R,
+    seed_ptr, H, G, R,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, JB: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
@@ -120,7 +122,7 @@ def replay_materialize_triton(A: torch.Tensor, state: torch.Tensor, ring_x: torc
                               ring_B: torch.Tensor, ring_dt: torch.Tensor, ring_start: torch.Tensor,
                               committed: torch.Tensor,
                               src_indices: torch.Tensor, num_entries: torch.Tensor, dst_indices: torch.Tensor,
-                              *, rand_seed: int = 0) -> None:
+                              *, rand_seed: int | torch.Tensor = 0) -> None:
     """state[dst] = state[src] advanced by its first n ring entries (`ops.replay.replay_materialize`).
 
     Same fp32 per-token fold as the forward's flush; rows with src or dst = -1 are skipped.
@@ -133,7 +135,7 @@ def replay_materialize_triton(A: torch.Tensor, state: torch.Tensor, ring_x: torc
     block_p = min(32, triton.next_power_of_2(P))
     _replay_materialize_kernel[(triton.cdiv(P, block_p), H, m)](
         A, state, ring_x, ring_B, ring_dt, ring_start, src_indices, num_entries, dst_indices,
-        seed_mix(rand_seed), H, ring_B.shape[1], ring_x.shape[2],
+        device_seed(rand_seed, state.device), H, ring_B.shape[1], ring_x.shape[2],
         P=P, N=N, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N),
         # n <= committed <= W < R bounds the unrolled fold.
         JB=triton.next_power_of_2(ring_x.shape[2]),

@@ -27,22 +27,23 @@ import triton.language as tl
 
 from replayssm.ops.triton.replay_mono import _appends, _decays, _fold, _ordered_row, _row_head
 from replayssm.ops.triton.replay_stream import regs, stream_supported
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, stochastic_round, tl_dtype
 from replayssm.ops.triton.tf32 import dot_out, dot_split
 
 JOIN_ROWS = 32  # rows of a joined flush tile per pass of `_joined_pass`
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def _mono_mma_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, rx_ptr, rB_ptr, rdt_ptr,
-    ring_start_ptr, committed_ptr, idx_ptr, y_ptr, seed_mix, window,
+    ring_start_ptr, committed_ptr, idx_ptr, y_ptr, seed_ptr, window,
     sx_b, sx_t, sx_h, sdt_b, sdt_t, sdt_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr, OUT16: tl.constexpr, ORDER: tl.constexpr,
     JOIN: tl.constexpr, FP: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     if SPLIT > 1:
@@ -227,7 +228,8 @@ def launch_mono_mma(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, 
     sdt = tl_dtype(state.dtype)
     _mono_mma_kernel[(P // block_p, H, b * (split + 1 if split > 1 else 1 + order))](
         x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ring_start, committed, state_indices, y,
-        seed_mix(rand_seed), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3], *C.stride()[:3],
+        device_seed(rand_seed, state.device), int(window), *x.stride()[:3], *dt.stride(), *B.stride()[:3],
+        *C.stride()[:3],
         *y.stride()[:3], H, G, R,
         Q=q, QB=max(16, triton.next_power_of_2(q)), HB=max(16, triton.next_power_of_2(int(window))), P=P, N=N,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), NS=min(N, 32), DT_SOFTPLUS=bool(dt_softplus),

@@ -29,22 +29,23 @@ import triton.language as tl
 from replayssm.ops.triton.replay_flush import LIST_BLOCK, flush_programs
 from replayssm.ops.triton.replay_pieces import _piece_mma, c_chunks
 from replayssm.ops.triton.replay_step import gdc_wait, launch_weights, pdl_supported
-from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
+from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, tl_dtype
 
 WEIGHTS_WARPS = 1  # the weights launch is bound by its chains of dependent loads: small programs, more per SM
 STREAM_STAGES = 2  # the streaming loop's pipeline depth
 FLUSH_STAGES = 3  # the flush loop's pipeline depth over column parts
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def _stream_kernel(
     x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr, idx_ptr, y_ptr,
-    w_ptr, sc_ptr, seed_mix, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    w_ptr, sc_ptr, seed_ptr, window, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
     PDL: tl.constexpr = False, HOIST_C: tl.constexpr = False,
 ):
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     # Non-flush rows only (flush rows are the flush launch's). ITEMS divides H * (P / BLOCK_P), so
     # every program stays inside one row.
     w0 = tl.program_id(0) * ITEMS
@@ -86,14 +87,15 @@ def _flush_list_kernel(idx_ptr, committed_ptr, list_ptr, count_ptr, b, window, Q
     tl.store(count_ptr, base)
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def _flush_kernel(
     list_ptr, count_ptr, x_ptr, D_ptr, C_ptr, state_ptr, rx_ptr, rB_ptr, ring_start_ptr, committed_ptr,
-    idx_ptr, y_ptr, w_ptr, sc_ptr, seed_mix, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
+    idx_ptr, y_ptr, w_ptr, sc_ptr, seed_ptr, sx_b, sx_t, sx_h, sC_b, sC_t, sC_g, sy_b, sy_t, sy_h, H, G, R,
     Q: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, NS: tl.constexpr, MMA: tl.constexpr, STATE_DTYPE: tl.constexpr,
     MAXV: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     # Persistent over the pieces of the listed flush rows: a fixed, small grid whatever the batch,
     # so the fold's registers never throttle the launch of programs with nothing to do, and the
     # work of few flush rows still spreads over every SM.
@@ -177,7 +179,8 @@ def launch_stream(x, dt, A, B, C, D, dt_bias, state, ring_x, ring_B, ring_dt, ri
                            state_indices, window, dt_softplus, bc_dot=True, pdl=pdl, num_warps=WEIGHTS_WARPS)
     k = stream_items(H, P, block_p, items)
     sdt = tl_dtype(state.dtype)
-    common = (seed_mix(rand_seed), *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
+    seed = device_seed(rand_seed, state.device)
+    common = (seed, *x.stride()[:3], *C.stride()[:3], *y.stride()[:3], H, G, R)
     mma = piece_products(C, y)
     if flush_parts > 1 and N % (min(N, 32) * flush_parts):
         raise ValueError(f"{flush_parts} column parts need N a multiple of {min(N, 32) * flush_parts}")

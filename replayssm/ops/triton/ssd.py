@@ -26,7 +26,7 @@ from torch import Tensor
 
 from replayssm.ops.ssd_layout import ChunkLayout, chunk_layout
 from replayssm.ops.triton import ssd_scan_kernels as kern
-from replayssm.ops.triton.rounding import max_finite, seed_mix, tl_dtype
+from replayssm.ops.triton.rounding import device_seed, max_finite, tl_dtype
 from replayssm.ops.triton.ssd_boundary import launch_boundaries
 
 
@@ -84,7 +84,7 @@ def _dense(t: Tensor) -> Tensor:
 
 
 def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-                state: Tensor, lay: ChunkLayout, chunk_size: int, dt_softplus: bool, rand_seed: int,
+                state: Tensor, lay: ChunkLayout, chunk_size: int, dt_softplus: bool, rand_seed: int | Tensor,
                 config: LaunchConfig = CONFIG, y: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Outputs y (T, H, P) in x.dtype and the states entering each chunk (nc, H, P, N) fp32; writes the
     final states of the sequences with a slot."""
@@ -115,7 +115,7 @@ def launch_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
         sd = tl_dtype(state.dtype)
         kern.chunk_pass_kernel[(n, sh.H, triton.cdiv(sh.P, pass_p) * triton.cdiv(sh.N, pass_n))](
             s, sums, state, lay.chunk_offsets if nc else lay.seq_chunks, lay.seq_chunks,
-            lay.init_slot, lay.final_slot, seed_mix(rand_seed), sh.H,
+            lay.init_slot, lay.final_slot, device_seed(rand_seed, state.device), sh.H,
             P=sh.P, N=sh.N, BLOCK_P=pass_p, BLOCK_N=pass_n, STATE_DTYPE=sd, MAXV=max_finite(sd),
             num_warps=config.pass_warps,
         )  # fmt: skip
@@ -146,7 +146,7 @@ def ssd_chunked_scan_triton(
     *,
     chunk_size: int = 64,
     dt_softplus: bool = True,
-    rand_seed: int = 0,
+    rand_seed: Tensor | None = None,
     boundary_seq: Tensor | None = None,
     boundary_len: Tensor | None = None,
     boundary_dst: Tensor | None = None,

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from replayssm.ops.ssd_layout import ChunkLayout
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, stochastic_round, tl_dtype
 from replayssm.ops.triton.ssd_scan_kernels import chunk_delta
 from replayssm.ops.triton.tf32 import dot_split
 
@@ -82,15 +82,16 @@ def advance(s, x_ptr, B_ptr, dt_ptr, sx_t, sB_t, sdt_t, start, n_live, A, bias, 
     return s
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def boundary_walk_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr, idx_ptr, len_ptr, s_ptr, state_ptr, init_ptr,
-    w_chunk_ptr, w_rank_ptr, w_start_ptr, w_count_ptr, order_ptr, pos_ptr, dst_ptr, out_ptr, seed_mix,
+    w_chunk_ptr, w_rank_ptr, w_start_ptr, w_count_ptr, order_ptr, pos_ptr, dst_ptr, out_ptr, seed_ptr,
     sx_t, sx_h, sdt_t, sdt_h, sB_t, sB_g, H, HPG, L,
     P: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, TO_POOL: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
     """Grid (walk items, H, P tiles): the states of an item's boundaries, in position order."""
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     w = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -132,7 +133,7 @@ def boundary_walk_kernel(
 
 def launch_boundaries(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, dt_bias: Tensor, state: Tensor,
                       lay: ChunkLayout, s_in: Tensor, dt_softplus: bool, *, dst: Tensor | None = None,
-                      rand_seed: int = 0, config: BoundaryConfig = BOUNDARY_CONFIG,
+                      rand_seed: int | torch.Tensor = 0, config: BoundaryConfig = BOUNDARY_CONFIG,
                       out: Tensor | None = None) -> Tensor | None:
     """Boundary states after the scan (s_in (nc, H, P, N) fp32: the states entering each chunk).
 
@@ -157,7 +158,8 @@ def launch_boundaries(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, dt_bias: Tens
     boundary_walk_kernel[grid](
         x, dt, A, B, dt_bias, idx, clen, s_ptr, state, lay.init_slot,
         lay.w_chunk, lay.w_rank, lay.w_start, lay.w_count, lay.b_order, lay.b_pos,
-        dst if dst is not None else lay.b_order, out if out is not None else state, seed_mix(rand_seed),
+        dst if dst is not None else lay.b_order, out if out is not None else state,
+        device_seed(rand_seed, state.device),
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), H, H // G,
         lay.idx.shape[1],
         P=P, N=N, BLOCK_K=config.block_k, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(N)),

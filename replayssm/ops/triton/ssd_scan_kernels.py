@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import stochastic_round
+from replayssm.ops.triton.rounding import load_seed_mix, stochastic_round
 from replayssm.ops.triton.tf32 import dot_split
 
 
@@ -92,15 +92,16 @@ def chunk_state_kernel(
     tl.store(s_ptr + base + p[:, None] * N + n[None, :], acc, mask=pm[:, None] & nm[None, :])
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def chunk_pass_kernel(
-    s_ptr, sum_ptr, state_ptr, offsets_ptr, count_ptr, init_ptr, final_ptr, seed_mix, H,
+    s_ptr, sum_ptr, state_ptr, offsets_ptr, count_ptr, init_ptr, final_ptr, seed_ptr, H,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
     """Grid (n, H, P tiles x N tiles), sequences in rank order: chunk states from zero in s become the
     states entering each chunk (in place); the final state goes to the sequence's slot, stochastically
     rounded."""
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     r = tl.program_id(0)
     h = tl.program_id(1)
     NT: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import max_finite, seed_mix, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, stochastic_round, tl_dtype
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,10 @@ def softplus_dt(dt, bias, DT_SOFTPLUS: tl.constexpr):
     return v
 
 
-@triton.jit(do_not_specialize=["seed_mix"])
+@triton.jit
 def _ssu_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, idx_ptr, dst_ptr, y_ptr,
-    seed_mix,
+    seed_ptr,
     sx_b, sx_t, sx_h,
     sdt_b, sdt_t, sdt_h,
     sB_b, sB_t, sB_g,
@@ -53,6 +53,7 @@ def _ssu_kernel(
     HAS_DST: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr,
 ):
+    seed_mix = load_seed_mix(seed_ptr, STATE_DTYPE)
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
@@ -109,7 +110,7 @@ def launch_ssu(state, x, dt, A, B, C, D, dt_bias, state_indices, dst_indices, dt
     grid = (triton.cdiv(P, block_p), H, b)
     _ssu_kernel[grid](
         state, x, dt, A, B, C, D, dt_bias, state_indices, dst, y,
-        seed_mix(rand_seed),
+        device_seed(rand_seed, state.device),
         x.stride(0), x.stride(1), x.stride(2),
         dt.stride(0), dt.stride(1), dt.stride(2),
         B.stride(0), B.stride(1), B.stride(2),
@@ -137,7 +138,7 @@ def selective_state_update_triton(
     *,
     dst_indices: torch.Tensor | None = None,
     dt_softplus: bool = True,
-    rand_seed: int = 0,
+    rand_seed: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Baseline SSU (`ops.ssu.selective_state_update`); arguments validated by the public op.
