@@ -10,10 +10,15 @@ mirrors (and the device cursors) are identical on every rank. Only rank 0 sees t
                                execute(rows) on shard 0  <-- all-reduce per block -->
                                logits (all-gathered vocab)      (logits dropped)
     commit / copy_slots ...    same pattern, no collectives inside
+
+A drafter with its own sharded model (the MTP head) is attached to every rank's runner:
+`attach(name, factory, *args)` builds `factory(runner, *args)` on each rank as `runner.<name>` and
+returns a proxy whose calls are mirrored the same way (`name.method` on the workers).
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +79,16 @@ class TPModelRunner:
                              "close() an LLM before building the next")
         self.group.send(("call", name, args, kwargs))
         try:
-            return getattr(self.local, name)(*args, **kwargs)
+            return resolve_call(self.local, name)(*args, **kwargs)
         except RuntimeError as e:
             # A collective failed: most likely a worker died mid-step.
             raise self.group.dead_worker_error(e) from e
+
+    def attach(self, name: str, factory: str, *args: Any) -> Any:
+        """Build `factory(runner, *args)` ("module:function") on every rank as runner.<name>; returns
+        a proxy whose method calls run on every rank (rank 0's result returned)."""
+        self._mirror("attach", (name, factory) + args, {})
+        return _Attached(self, name)
 
     def execute(self, rows: list) -> Any:
         """ModelRunner.execute on every rank; returns the full fp32 logits here."""
@@ -99,3 +110,31 @@ class TPModelRunner:
             self.group.release(self)
         self.group = None
         self.local = None
+
+
+class _Attached:
+    """Rank 0's handle on an attached object: `proxy.method(...)` runs runner.<name>.method on every rank."""
+
+    def __init__(self, runner: TPModelRunner, name: str) -> None:
+        self._runner, self._name = runner, name
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *args, **kwargs: self._runner._mirror(f"{self._name}.{method}", args, kwargs)
+
+
+def attach(runner: ModelRunner, name: str, factory: str, *args: Any) -> None:
+    """runner.<name> = factory(runner, *args), factory given as "module:function" (picklable)."""
+    module, _, attr = factory.partition(":")
+    setattr(runner, name, getattr(importlib.import_module(module), attr)(runner, *args))
+
+
+def resolve_call(runner: ModelRunner, name: str) -> Any:
+    """The callable a mirrored call names: "attach", a runner method, or "<attached>.<method>"."""
+    if name == "attach":
+        return lambda *args: attach(runner, *args)
+    target: Any = runner
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target

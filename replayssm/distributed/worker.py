@@ -5,7 +5,8 @@ Messages (pickled, broadcast from rank 0 on the control group):
     ("init", model_path, kwargs)   build ModelRunner(model_path, tp_rank, tp_size, **kwargs) on this
                                    rank's device; answer None or the traceback (gather to rank 0)
     ("call", name, args, kwargs)   runner.<name>(*args, **kwargs); the result is dropped (logits
-                                   reach rank 0 through the all-gather inside execute)
+                                   reach rank 0 through the all-gather inside execute). name may
+                                   be "attach" or "<attached>.<method>" (runner.py: attach)
     ("release",)                   drop the runner (the LLM on rank 0 was closed)
     ("exit",)                      leave the loop
 
@@ -35,6 +36,7 @@ def _receive(control: Any) -> tuple:
 
 def run_worker(rank: int, size: int, device: str, control: Any) -> None:
     """Serve rank 0's messages until ("exit",); returns normally then."""
+    from replayssm.distributed.runner import resolve_call
     from replayssm.engine.model_runner import ModelRunner
 
     runner = None
@@ -60,7 +62,7 @@ def run_worker(rank: int, size: int, device: str, control: Any) -> None:
             assert kind == "call", message
             _, name, args, kwargs = message
             try:
-                getattr(runner, name)(*args, **kwargs)
+                resolve_call(runner, name)(*args, **kwargs)
             except ValueError:
                 pass  # rank 0 raised the same error from the same arguments
             except Exception:

@@ -222,7 +222,7 @@ def test_synthetic_verify_rows_agree_across_paths():
 
 def test_mtp_head_positions_match_one_call():
     """The rotary MTP head gives the same output over a sequence in one call as position by position."""
-    mtp = make_llm(num_speculative_tokens=2, speculative_method="mtp").engine.spec.proposer
+    mtp = make_llm(num_speculative_tokens=2, speculative_method="mtp").engine.spec.proposer.head
     g = torch.Generator().manual_seed(3)
     T, H = 11, 64
     toks, hid = torch.randint(0, 256, (T,), generator=g).tolist(), torch.randn(T, H, generator=g)
