@@ -18,12 +18,12 @@ returns a proxy whose calls are mirrored the same way (`name.method` on the work
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 from replayssm.distributed.group import TPGroup, acquire_group
 from replayssm.distributed.sharding import check_shardable
+from replayssm.distributed.worker import resolve_call
 from replayssm.engine.model_runner import ModelRunner
 from replayssm.models.config import ModelConfig
 
@@ -88,7 +88,7 @@ class TPModelRunner:
         """Build `factory(runner, *args)` ("module:function") on every rank as runner.<name>; returns
         a proxy whose method calls run on every rank (rank 0's result returned)."""
         self._mirror("attach", (name, factory) + args, {})
-        return _Attached(self, name)
+        return _Attached(self._mirror, name)
 
     def execute(self, rows: list) -> Any:
         """ModelRunner.execute on every rank; returns the full fp32 logits here."""
@@ -115,26 +115,11 @@ class TPModelRunner:
 class _Attached:
     """Rank 0's handle on an attached object: `proxy.method(...)` runs runner.<name>.method on every rank."""
 
-    def __init__(self, runner: TPModelRunner, name: str) -> None:
-        self._runner, self._name = runner, name
+    def __init__(self, mirror: Any, name: str) -> None:
+        self._mirror, self._name = mirror, name  # mirror: TPModelRunner._mirror(name, args, kwargs)
 
     def __getattr__(self, method: str) -> Any:
         if method.startswith("_"):
             raise AttributeError(method)
-        return lambda *args, **kwargs: self._runner._mirror(f"{self._name}.{method}", args, kwargs)
+        return lambda *args, **kwargs: self._mirror(f"{self._name}.{method}", args, kwargs)
 
-
-def attach(runner: ModelRunner, name: str, factory: str, *args: Any) -> None:
-    """runner.<name> = factory(runner, *args), factory given as "module:function" (picklable)."""
-    module, _, attr = factory.partition(":")
-    setattr(runner, name, getattr(importlib.import_module(module), attr)(runner, *args))
-
-
-def resolve_call(runner: ModelRunner, name: str) -> Any:
-    """The callable a mirrored call names: "attach", a runner method, or "<attached>.<method>"."""
-    if name == "attach":
-        return lambda *args: attach(runner, *args)
-    target: Any = runner
-    for part in name.split("."):
-        target = getattr(target, part)
-    return target

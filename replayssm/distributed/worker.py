@@ -19,6 +19,7 @@ sockets so rank 0 fails instead of waiting.
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import sys
 import traceback
@@ -36,7 +37,6 @@ def _receive(control: Any) -> tuple:
 
 def run_worker(rank: int, size: int, device: str, control: Any) -> None:
     """Serve rank 0's messages until ("exit",); returns normally then."""
-    from replayssm.distributed.runner import resolve_call
     from replayssm.engine.model_runner import ModelRunner
 
     runner = None
@@ -70,3 +70,19 @@ def run_worker(rank: int, size: int, device: str, control: Any) -> None:
                 print(f"replayssm tensor-parallel worker rank {rank}: {name}() failed; exiting",
                       file=sys.stderr, flush=True)
                 os._exit(1)
+
+
+def attach(runner: Any, name: str, factory: str, *args: Any) -> None:
+    """runner.<name> = factory(runner, *args), factory given as "module:function" (picklable)."""
+    module, _, attr = factory.partition(":")
+    setattr(runner, name, getattr(importlib.import_module(module), attr)(runner, *args))
+
+
+def resolve_call(runner: Any, name: str) -> Any:
+    """The callable a mirrored call names: "attach", a runner method, or "<attached>.<method>"."""
+    if name == "attach":
+        return lambda *args: attach(runner, *args)
+    target: Any = runner
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
