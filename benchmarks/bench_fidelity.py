@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="generated tokens per prompt (default: 2048)")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts (default: 4)")
     parser.add_argument("--prompt-len", type=int, default=None, help="tokens per random prompt (default: 64)")
+    parser.add_argument("--replay-window", type=int, default=None,
+                        help="ReplaySSM window W, also the KV block size (default: 16; with --quick 4)")
     parser.add_argument("--out", default=None,
                         help="results directory (default: benchmarks/results; with --quick a temporary one)")
     args = parser.parse_args(argv)
@@ -217,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and not torch.cuda.is_available():
         parser.error("the full run needs CUDA; --quick runs the demo model on the CPU")
     changes = {k: v for k, v in (("model", args.model), ("num_tokens", args.num_tokens),
-                                  ("num_prompts", args.num_prompts), ("prompt_len", args.prompt_len))
+                                  ("num_prompts", args.num_prompts), ("prompt_len", args.prompt_len),
+                                  ("window", args.replay_window), ("kv_block_size", args.replay_window))
                if v is not None}
-    for k, v in changes.items():
-        if k != "model" and v < 1:
-            parser.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    for flag in ("num_tokens", "num_prompts", "prompt_len", "replay_window"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     cfg = FidelityConfig(**{**asdict(cfg), **changes})
     out = args.out or (tempfile.mkdtemp(prefix="replayssm-fidelity-") if args.quick
                        else str(ROOT / "benchmarks" / "results"))
