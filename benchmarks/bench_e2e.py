@@ -11,6 +11,14 @@ one process, so ON/OFF ratios come from one run with drift cancelled:
     (b) spec     k=3 synthetic drafts (acceptance length 3.1151); OFF = ReplaySSM off
                  (baseline verify, 1 + k state slots per request), ON = ReplaySSM on
     (c) prefix   multi-turn over one long shared context; OFF/ON = prefix caching off/on
+    (s) seeds    the seeds' prefix-caching run: (c)'s conversation at 51,200 shared tokens, 20 turns
+                 of 2,048 in / 1,024 out (x `--scale`), with k=3 synthetic drafts (acceptance
+                 3.1151) and fp16 state; OFF/ON = prefix caching off/on. Not in the default modes.
+
+`--state-dtype float32,float16` runs (a), (b) and (c) once per state dtype (each its own
+OFF/ON/ON/OFF set), so the ON/OFF ratios per dtype and the ON(fp16) / ON(fp32) ratio come from one
+process. `--tensor-parallel-size N` runs every engine over N GPUs. Every row records its state
+dtype and TP size.
 
 (c) defaults to 12,800 shared tokens and 4 turns of 1,024 in / 128 out (x `--scale`), so the
 whole benchmark fits in about ten minutes on an H200; `--shared-context 51200 --turns 20
@@ -96,7 +104,10 @@ MODEL_SHAPES = {"nemotron-h-8b": (NEMOTRON_H_8B, TINY),
                 "granite-4.0-h-tiny": (GRANITE_4_H_TINY, TINY_GRANITE)}
 ORDER = ("off", "on", "on", "off")
 ACCEPTANCE_LENGTH = 3.1151
-TARGETS = {"a": 1.45, "b": 2.2, "c": 0.88}
+STATE_DTYPES = ("float32", "float16", "bfloat16")
+SEED_STATE_DTYPE = "float16"  # mode (s): the seeds' FP16 SSM state
+# ON/OFF targets per mode, and "a:float16" = mode (a) ON with fp16 state over ON with fp32 state.
+TARGETS = {"a": 1.45, "b": 2.2, "c": 0.88, "a:float16": 1.12}
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,14 @@ class Workload:
     turn_input: int = 1024
     turn_output: int = 128
     max_num_batched_tokens: int = 8192
+    # (s): the seeds' prefix-caching conversation (k = spec_k synthetic drafts, fp16 state).
+    seed_shared_context: int = 51200
+    seed_turns: int = 20
+    seed_turn_input: int = 2048
+    seed_turn_output: int = 1024
+    # (a), (b), (c) run once per state dtype (s always runs SEED_STATE_DTYPE).
+    state_dtypes: tuple[str, ...] = ("float32",)
+    tensor_parallel_size: int = 1
     # (c) ON turns all spare cache memory into checkpoint slots; a lower share keeps room for the
     # 8,192-token prefill chunks of one long conversation (a single conversation needs little cache).
     prefix_gpu_memory_utilization: float = 0.8
@@ -146,19 +165,23 @@ class Workload:
         n = lambda v: max(2, round(v * s))  # noqa: E731
         return dataclasses.replace(self, decode_output=n(self.decode_output), spec_output=n(self.spec_output),
                                    shared_context=n(self.shared_context), turn_input=n(self.turn_input),
-                                   turn_output=n(self.turn_output))
+                                   turn_output=n(self.turn_output),
+                                   seed_shared_context=n(self.seed_shared_context),
+                                   seed_turn_input=n(self.seed_turn_input),
+                                   seed_turn_output=n(self.seed_turn_output))
 
 
 def warmup_sizes(w: Workload) -> Workload:
     """The warm-up's workload: same batches, prompts and contexts (the kernels' shapes), outputs cut to
-    two replay windows plus two tokens (every ring flush path runs), at most two turns of (c) (the
-    second hits the prefix cache). (b) keeps its whole outputs: its requests finish over many steps
-    (acceptance varies), so its batch shrinks through the small graph buckets, whose first use
+    two replay windows plus two tokens (every ring flush path runs), at most two turns of (c) and
+    (s) (the second hits the prefix cache). (b) keeps its whole outputs: its requests finish over
+    many steps (acceptance varies), so its batch shrinks through the small graph buckets, whose first use
     compiles kernel variants (several seconds on the H200, which would land in the first timed
     ON run)."""
     cut = 2 * w.window + 2
     return dataclasses.replace(w, decode_output=min(w.decode_output, cut), turns=min(w.turns, 2),
-                               turn_output=min(w.turn_output, cut))
+                               turn_output=min(w.turn_output, cut), seed_turns=min(w.seed_turns, 2),
+                               seed_turn_output=min(w.seed_turn_output, cut))
 
 
 def _shape(name: str) -> tuple[dict, dict]:
@@ -178,6 +201,7 @@ def quick_workload(model_shape: str = "nemotron-h-8b") -> Workload:
                     decode_output=6, spec_batches=(4,), spec_prompt=5, spec_output=6,
                     spec_max_num_batched_tokens=64,
                     conversations=2, shared_context=24, turns=2, turn_input=6, turn_output=3,
+                    seed_shared_context=24, seed_turns=2, seed_turn_input=6, seed_turn_output=6,
                     max_num_batched_tokens=64, kv_block_size=4, window=4, warmup=False, smoke=True)
 
 
@@ -227,18 +251,26 @@ def _decode_workload(engine, w: Workload, batch: int, prompt: int, output: int, 
     return trace
 
 
-def _multiturn_workload(engine, w: Workload, rng: random.Random) -> Trace:
+def conversation(w: Workload, mode: str) -> tuple[int, int, int, int]:
+    """(shared context, turns, turn input, turn output) of mode (c) or (s)."""
+    if mode == "s":
+        return w.seed_shared_context, w.seed_turns, w.seed_turn_input, w.seed_turn_output
+    return w.shared_context, w.turns, w.turn_input, w.turn_output
+
+
+def _multiturn_workload(engine, w: Workload, rng: random.Random, mode: str = "c") -> Trace:
     """Each conversation: shared context + turn input -> output; the next turn appends both."""
     trace = Trace()
     vocab = w.config["vocab_size"]
-    shared = [rng.randrange(3, vocab) for _ in range(w.shared_context)]
+    shared_context, turns, turn_input, turn_output = conversation(w, mode)
+    shared = [rng.randrange(3, vocab) for _ in range(shared_context)]
     history = {f"c{c}": list(shared) for c in range(w.conversations)}
-    for t in range(w.turns):
+    for t in range(turns):
         prompts = {}
         for c, h in history.items():
-            h.extend(rng.randrange(3, vocab) for _ in range(w.turn_input))
+            h.extend(rng.randrange(3, vocab) for _ in range(turn_input))
             prompts[f"{c}t{t}"] = list(h)
-        drive(engine, prompts, w.turn_output, trace, turn=t)
+        drive(engine, prompts, turn_output, trace, turn=t)
         for c in history:
             history[c].extend(trace.outputs[f"{c}t{t}"])
     return trace
@@ -290,11 +322,34 @@ def summarize(trace: Trace, metrics: dict[str, Any], wall_s: float, *, ttft_from
 
 def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     """(mode, label, engine kwargs, workload fn(engine, rng, sizes)) for every run, OFF/ON/ON/OFF within
-    each group; the kwargs come from w, the fn runs the sizes it is given (w, or warmup_sizes(w))."""
-    base = dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype="float32",
+    each group, (a), (b), (c) once per state dtype; the kwargs come from w, the fn runs the sizes it
+    is given (w, or warmup_sizes(w))."""
+    runs = []
+    for state_dtype in w.state_dtypes:
+        runs += _dtype_runs(w, state_dtype)
+    seed_runs = []
+    shared_context, turns, turn_input, turn_output = conversation(w, "s")
+    total = shared_context + turns * (turn_input + turn_output) + w.spec_k + 1
+    for s in ORDER:
+        kw = dict(_base_kwargs(w, SEED_STATE_DTYPE), replayssm=True, enable_prefix_caching=s == "on",
+                  max_num_seqs=max(w.conversations, 1), max_model_len=total, num_speculative_tokens=w.spec_k,
+                  speculative_method="synthetic", synthetic_acceptance_length=ACCEPTANCE_LENGTH,
+                  gpu_memory_utilization=w.prefix_gpu_memory_utilization)
+        seed_runs.append(("s", s, kw, lambda e, rng, ww: _multiturn_workload(e, ww, rng, "s")))
+    return runs + seed_runs
+
+
+def _base_kwargs(w: Workload, state_dtype: str) -> dict[str, Any]:
+    return dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype=state_dtype,
                 kv_block_size=w.kv_block_size, max_num_batched_tokens=w.max_num_batched_tokens,
                 load_format="dummy", cuda_graphs=w.cuda_graphs, async_scheduling=w.async_scheduling,
+                tensor_parallel_size=w.tensor_parallel_size,
                 **({} if w.replay_stagger is None else {"replay_stagger": w.replay_stagger}))
+
+
+def _dtype_runs(w: Workload, state_dtype: str) -> list[tuple[str, str, dict[str, Any], Any]]:
+    """Modes (a), (b), (c) with `state_dtype` state."""
+    base = _base_kwargs(w, state_dtype)
     runs = []
     for s in ORDER:
         kw = dict(base, replayssm=s == "on", max_num_seqs=w.decode_batch,
@@ -353,6 +408,7 @@ def _run_engine(engine_cls, config, workload, rng: random.Random, sizes: Workloa
            "graph_replays": graphs.num_replays if graphs is not None else 0,
            "async_scheduling": engine.async_scheduling, "interleave": engine.interleave,
            "graph_error": graphs.error if graphs is not None else None}
+    engine.close()  # with tensor parallelism, the workers drop their shards now
     del engine, graphs
     gc.collect()
     if torch.cuda.is_available():  # free this run's caches before the next engine allocates
@@ -374,24 +430,30 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
         runs = [r for r in mode_runs(w) if r[0] in modes]
         reps: dict[tuple, int] = {}
         for order, (mode, setting, kw, workload) in enumerate(runs):
-            batch = kw["max_num_seqs"]
+            batch, state_dtype = kw["max_num_seqs"], kw["state_dtype"]
+            label = f"({mode}) {setting:3s} batch {batch:4d}" + \
+                ("" if state_dtype == "float32" else f" {state_dtype}")
             config = EngineConfig.from_kwargs(model_dir, **kw)
-            if w.warmup and (mode, setting, batch) not in reps:
+            if w.warmup and (mode, setting, batch, state_dtype) not in reps:
                 # Untimed: compiles every kernel this config's shapes reach and fills the JIT caches.
                 warm = _run_engine(LLMEngine, config, workload, random.Random(f"warm-{mode}-{batch}"),
                                    warmup_sizes(w))
-                warmups.append({"mode": mode, "setting": setting, "batch": batch, "build_s": warm["build_s"],
+                warmups.append({"mode": mode, "setting": setting, "batch": batch, "state_dtype": state_dtype,
+                                "build_s": warm["build_s"],
                                 "wall_s": warm["wall"], "steps": warm["trace"].steps,
                                 "num_requests_fit": warm["metrics"].get("num_requests_fit"),
                                 "graph_replays": warm["graph_replays"]})
-                log(f"bench: ({mode}) {setting:3s} batch {batch:4d} warm-up (not recorded): "
+                log(f"bench: {label} warm-up (not recorded): "
                     f"{warm['trace'].steps} steps, {warm['wall']:.1f} s")
                 del warm
-            rep = reps[(mode, setting, batch)] = reps.get((mode, setting, batch), -1) + 1
-            rng = random.Random(f"{mode}-{batch}-{rep}")  # ON and OFF of one rep get the same prompts
+            key = (mode, setting, batch, state_dtype)
+            rep = reps[key] = reps.get(key, -1) + 1
+            # ON and OFF of one rep get the same prompts, and so do the state dtypes.
+            rng = random.Random(f"{mode}-{batch}-{rep}")
             run = _run_engine(LLMEngine, config, workload, rng, w)
             m = run["metrics"]
             row = {"mode": mode, "setting": setting, "batch": batch, "rep": rep, "order": order,
+                   "state_dtype": state_dtype, "tensor_parallel_size": w.tensor_parallel_size,
                    "build_s": run["build_s"], "num_requests_fit": m.get("num_requests_fit"),
                    "num_slots": m.get("num_slots"), **mode_sizes(mode, w),
                    # Graphs on (asked for, or the engine's default where supported), replays done, and
@@ -402,12 +464,12 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
                    "async_scheduling": run["async_scheduling"], "ahead_steps": m.get("num_ahead_steps", 0),
                    "interleave": run.get("interleave", False), "replay_stagger": config.replay_stagger,
                    **summarize(run["trace"], m, run["wall"],
-                               ttft_from_turn=1 if mode == "c" and w.turns > 1 else 0,
+                               ttft_from_turn=1 if mode in "cs" and conversation(w, mode)[1] > 1 else 0,
                                k=kw.get("num_speculative_tokens", 0))}
             rows.append(row)
             if on_row is not None:
                 on_row(_result(w, modes, rows, warmups))
-            log(f"bench: ({mode}) {setting:3s} batch {batch:4d} rep {rep}: {row['output_tok_s']:.1f} tok/s, "
+            log(f"bench: {label} rep {rep}: {row['output_tok_s']:.1f} tok/s, "
                 f"TTFT {row['ttft_s'] * 1e3:.1f} ms, peak decoding {row['peak_decoding_requests']}, "
                 f"{run['wall']:.1f} s")
     return _result(w, modes, rows, warmups)
@@ -419,8 +481,9 @@ def mode_sizes(mode: str, w: Workload) -> dict[str, int]:
         return {"prompt_len": w.decode_prompt, "output_len": w.decode_output}
     if mode == "b":
         return {"prompt_len": w.spec_prompt, "output_len": w.spec_output, "k": w.spec_k}
-    return {"shared_context": w.shared_context, "turns": w.turns, "turn_input": w.turn_input,
-            "output_len": w.turn_output}
+    shared_context, turns, turn_input, turn_output = conversation(w, mode)
+    return {"shared_context": shared_context, "turns": turns, "turn_input": turn_input,
+            "output_len": turn_output, **({"k": w.spec_k} if mode == "s" else {})}
 
 
 def _result(w: Workload, modes: str, rows: list[dict], warmups: list[dict]) -> dict[str, Any]:

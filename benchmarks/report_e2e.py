@@ -21,12 +21,28 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT_HINT = "no plot: matplotlib is not installed (pip install -e '.[bench]' adds it)"
-# What each mode's ratio measures (the targets are bench_e2e.TARGETS).
+# What each mode's ratio measures (the targets are bench_e2e.TARGETS); (s) reports two.
 RATIO_SPEC = {
     "a": ("output_tok_s", "ON/OFF output tok/s (ReplaySSM on vs off, plain decode)", ">="),
     "b": ("output_tok_s", "ON/OFF output tok/s (spec k=3, ReplaySSM on vs off)", ">="),
     "c": ("ttft_s", "TTFT reduction, turns after the first (prefix caching on vs off)", ">="),
+    "s": ("ttft_s", "seeds' workload: TTFT reduction, turns after the first (prefix caching on vs off)",
+          ">="),
 }
+EXTRA_RATIOS = {"s": ("output_tok_s", "seeds' workload: ON/OFF output tok/s (prefix caching on vs off)")}
+# Rows written before the state dtype and TP size were recorded ran fp32 state on one GPU.
+ROW_DEFAULTS = {"state_dtype": "float32", "tensor_parallel_size": 1}
+
+
+def state_dtype(row: dict) -> str:
+    return row.get("state_dtype", ROW_DEFAULTS["state_dtype"])
+
+
+DTYPE_ORDER = ("float32", "float16", "bfloat16")  # the order of --state-dtype's choices
+
+
+def _dtype_order(dtype: str) -> int:
+    return DTYPE_ORDER.index(dtype) if dtype in DTYPE_ORDER else len(DTYPE_ORDER)
 
 
 def run_meta(command: list[str]) -> dict[str, Any]:
@@ -61,27 +77,52 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 def compute_ratios(rows: list[dict], targets: dict[str, float] | None) -> list[dict[str, Any]]:
-    """Per (mode, batch): ON and OFF means over the repetitions, their ratio, and the ratio against
-    the target (targets None: no target, as in the CPU smoke run)."""
-    groups: dict[tuple[str, int], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    """Per (mode, batch, state dtype): ON and OFF means over the repetitions, their ratio, and the
+    ratio against the mode's target where it has one (targets None: none, as in the CPU smoke run).
+    TTFT ratios are reductions (1 - ON/OFF)."""
+    groups: dict[tuple[str, int, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        groups[(r["mode"], r["batch"])][r["setting"]].append(r)
+        groups[(r["mode"], r["batch"], state_dtype(r))][r["setting"]].append(r)
     out = []
-    for (mode, batch), by in sorted(groups.items()):
+    order = lambda g: (g[0][0], g[0][1], _dtype_order(g[0][2]))  # noqa: E731
+    for (mode, batch, dtype), by in sorted(groups.items(), key=order):
         if not by["on"] or not by["off"]:
             continue
-        key, what, _ = RATIO_SPEC[mode]
-        on, off = _mean(by["on"], key), _mean(by["off"], key)
-        if mode == "c":
-            value = 1.0 - on / off if off > 0 else 0.0
-        else:
-            value = on / off if off > 0 else 0.0
-        peak_on = _mean(by["on"], "peak_decoding_requests")
-        peak_off = _mean(by["off"], "peak_decoding_requests")
-        q = {"mode": mode, "batch": batch, "metric": key, "what": what, "on": on, "off": off, "value": value,
-             "peak_decoding_on": peak_on, "peak_decoding_off": peak_off}
-        if targets is not None:
-            q.update(target=targets[mode], meets_target=value >= targets[mode])
+        for key, what in (RATIO_SPEC[mode][:2],) + ((EXTRA_RATIOS[mode],) if mode in EXTRA_RATIOS else ()):
+            on, off = _mean(by["on"], key), _mean(by["off"], key)
+            if key == "ttft_s":
+                value = 1.0 - on / off if off > 0 else 0.0
+            else:
+                value = on / off if off > 0 else 0.0
+            peak_on = _mean(by["on"], "peak_decoding_requests")
+            peak_off = _mean(by["off"], "peak_decoding_requests")
+            q = {"mode": mode, "batch": batch, "state_dtype": dtype, "metric": key, "what": what, "on": on,
+                 "off": off, "value": value, "peak_decoding_on": peak_on, "peak_decoding_off": peak_off}
+            # The targets are fp32-state ones (the state-dtype comparison has its own, dtype_ratios).
+            if targets is not None and mode in targets and dtype == "float32" and key == RATIO_SPEC[mode][0]:
+                q.update(target=targets[mode], meets_target=value >= targets[mode])
+            out.append(q)
+    return out
+
+
+def dtype_ratios(rows: list[dict], targets: dict[str, float] | None) -> list[dict[str, Any]]:
+    """Per (mode, batch) and 16-bit state dtype: ON output tok/s with that state over ON with fp32
+    state (means over the repetitions), with the target "mode:dtype" where one exists."""
+    on: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["setting"] == "on" and r["mode"] != "s":
+            on[(r["mode"], r["batch"], state_dtype(r))].append(r)
+    out = []
+    for (mode, batch, dtype), rs in sorted(on.items()):
+        ref = on.get((mode, batch, "float32"))
+        if dtype == "float32" or not ref:
+            continue
+        num, den = _mean(rs, "output_tok_s"), _mean(ref, "output_tok_s")
+        q = {"mode": mode, "batch": batch, "state_dtype": dtype, "on": num, "on_float32": den,
+             "value": num / den if den > 0 else 0.0}
+        target = (targets or {}).get(f"{mode}:{dtype}")
+        if target is not None:
+            q.update(target=target, meets_target=q["value"] >= target)
         out.append(q)
     return out
 
@@ -93,11 +134,13 @@ SPREAD_LIMIT = 0.2
 def spread_warnings(rows: list[dict], limit: float = SPREAD_LIMIT) -> list[str]:
     """One line per (mode, batch, setting) whose repetitions differ by more than `limit` in the ratio's
     metric (max / min - 1), or whose caches were planned differently (num_requests_fit, num_slots)."""
-    groups: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
+    groups: dict[tuple[str, int, str, str], list[dict]] = defaultdict(list)
     for r in rows:
-        groups[(r["mode"], r["batch"], r["setting"])].append(r)
+        groups[(r["mode"], r["batch"], r["setting"], state_dtype(r))].append(r)
     out = []
-    for (mode, batch, setting), rs in sorted(groups.items()):
+    for (mode, batch, setting, dtype), rs in sorted(groups.items()):
+        if dtype != "float32":
+            setting = f"{setting} {dtype}"
         if len(rs) < 2:
             continue
         key = RATIO_SPEC[mode][0]
@@ -124,7 +167,8 @@ def mode_runs_meta(rows: list[dict]) -> dict[str, dict[str, Any]]:
     return out
 
 
-COLUMNS = (("mode", "{}"), ("setting", "{}"), ("batch", "{}"), ("rep", "{}"), ("output_tok_s", "{:.1f}"),
+COLUMNS = (("mode", "{}"), ("setting", "{}"), ("batch", "{}"), ("state_dtype", "{}"),
+           ("tensor_parallel_size", "{}"), ("rep", "{}"), ("output_tok_s", "{:.1f}"),
            ("decode_tok_s_per_request", "{:.2f}"), ("ttft_s", "{:.3f}"), ("peak_decoding_requests", "{}"),
            ("preemptions", "{}"), ("prefix_hit_tokens", "{}"), ("acceptance_length", "{:.3f}"),
            ("wall_s", "{:.1f}"))
@@ -141,6 +185,10 @@ def mode_notes(w: dict[str, Any], modes: str) -> dict[str, str]:
         "c": f"(c) {w['conversations']} conversation(s) over {w['shared_context']} shared tokens, "
              f"{w['turns']} turns of {w['turn_input']} in / {w['turn_output']} out; TTFT over turns "
              f"2..{w['turns']}",
+        "s": f"(s) the seeds' prefix-caching workload: {w['conversations']} conversation(s) over "
+             f"{w.get('seed_shared_context')} shared tokens, {w.get('seed_turns')} turns of "
+             f"{w.get('seed_turn_input')} in / {w.get('seed_turn_output')} out, k = {w['spec_k']} synthetic "
+             f"drafts (acceptance length 3.1151), float16 state; TTFT over turns 2..{w.get('seed_turns')}",
     }
     return {m: n for m, n in notes.items() if m in modes}
 
@@ -166,7 +214,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
               for r in doc["rows"] if r.get("graph_error")]
     lines += ["", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in doc["rows"]:
-        lines.append("| " + " | ".join(f.format(r[c]) for c, f in COLUMNS) + " |")
+        lines.append("| " + " | ".join(f.format(r.get(c, ROW_DEFAULTS.get(c))) for c, f in COLUMNS) + " |")
     runs = doc.get("runs_by_mode") or {}
     if len({(tuple(m["commits"]), tuple(m["commands"])) for m in runs.values()}) > 1:
         lines += ["", "Rows of different commands (per mode):", ""]
@@ -180,6 +228,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [f"- WARNING {w}" for w in doc["spread_warnings"]]
     lines += ["", "## ON/OFF (means over repetitions, OFF/ON/ON/OFF order)", ""]
     lines += _ratio_lines(doc["ratios"])
+    if doc.get("dtype_ratios"):
+        lines += ["", "## 16-bit state against fp32 state (ON output tok/s, means over repetitions)", ""]
+        for q in doc["dtype_ratios"]:
+            line = f"- ({q['mode']}) batch {q['batch']}: ON {q['state_dtype']} / ON float32: " \
+                f"{q['value']:.2f}x ({q['on']:.4g} vs {q['on_float32']:.4g} tok/s)"
+            if "target" in q:
+                line += f"; target {q['target']}x: {'met' if q['meets_target'] else 'below target'}"
+            lines.append(line)
     if doc.get("ratios_rep1") and not smoke:
         lines += ["", "## Secondary view: second repetitions only (rep 1 of each setting)", "",
                   "Each setting's rep 1 runs after its rep 0; a secondary view, not the measurement above.",
@@ -191,11 +247,16 @@ def render_markdown(doc: dict[str, Any]) -> str:
 def _ratio_lines(ratios: list[dict[str, Any]]) -> list[str]:
     lines = []
     for q in ratios:
-        value = f"{q['value']:.1%}" if q["mode"] == "c" else f"{q['value']:.2f}x"
-        line = f"- ({q['mode']}) batch {q['batch']}: {q['what']}: {value} (ON {q['on']:.4g}, " \
+        reduction = q.get("metric", RATIO_SPEC[q["mode"]][0]) == "ttft_s"
+        value = f"{q['value']:.1%}" if reduction else f"{q['value']:.2f}x"
+        dtype = q.get("state_dtype", "float32")
+        state = "" if dtype == "float32" else f", {dtype} state"
+        if q["mode"] == "s":
+            state = ""  # (s) always runs the seeds' fp16 state (see its note)
+        line = f"- ({q['mode']}) batch {q['batch']}{state}: {q['what']}: {value} (ON {q['on']:.4g}, " \
             f"OFF {q['off']:.4g})"
         if "target" in q:
-            target = f"{q['target']:.0%}" if q["mode"] == "c" else f"{q['target']}x"
+            target = f"{q['target']:.0%}" if reduction else f"{q['target']}x"
             line += f"; target {target}: {'met' if q['meets_target'] else 'below target'}"
         lines.append(line + f"; peak decoding requests ON {q['peak_decoding_on']:.0f} vs OFF "
                      f"{q['peak_decoding_off']:.0f}")
@@ -222,7 +283,8 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
     rows = doc["rows"]
     if not rows:
         return "no rows: no plot"
-    labels = [f"{r['mode']} {r['setting']} b{r['batch']} #{r['rep']}" for r in rows]
+    labels = [f"{r['mode']} {r['setting']} b{r['batch']}"
+              f"{'' if state_dtype(r) == 'float32' else ' ' + state_dtype(r)} #{r['rep']}" for r in rows]
     colors = ["tab:green" if r["setting"] == "on" else "tab:gray" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, len(rows) * 0.6), 4.5))
     panels = ((axes[0], "output_tok_s", "output tokens/s"), (axes[1], "ttft_s", "mean TTFT (s)"))
@@ -280,6 +342,7 @@ def assemble(meta: dict[str, Any], result: dict[str, Any], targets: dict[str, fl
     targets = None if smoke else targets
     return {**meta, **result, "runs_by_mode": mode_runs_meta(rows), "ratios": compute_ratios(rows, targets),
             "ratios_rep1": compute_ratios([r for r in rows if r["rep"] == 1], targets),
+            "dtype_ratios": dtype_ratios(rows, targets),
             "spread_warnings": [] if smoke else spread_warnings(rows)}
 
 

@@ -135,7 +135,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")
     parser.add_argument("--modes", default="abc",
-                        help="which modes to run: a decode, b speculative, c prefix caching (default: abc)")
+                        help="which modes to run: a decode, b speculative, c prefix caching, s the seeds' "
+                        "prefix-caching workload (51,200 shared tokens, 20 turns of 2,048 in / 1,024 out x "
+                        "--scale, k=3 synthetic drafts, float16 state) (default: abc)")
+    parser.add_argument("--state-dtype", default="float32",
+                        help="Mamba state dtype(s) of modes a, b, c, comma separated among float32, float16, "
+                        "bfloat16; each runs its own OFF/ON/ON/OFF set and a 16-bit one is also compared "
+                        "with float32 (default: float32; mode s always runs float16)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="run every engine over N GPUs (N CPU processes with --quick) (default: 1)")
     parser.add_argument("--out", default=None,
                         help="results directory (default: benchmarks/results; with --quick a new temporary "
                         "directory, so the smoke run never replaces measured results)")
@@ -230,8 +238,14 @@ def run_bench(args: argparse.Namespace) -> int:
     bench, report = _load_benchmark("bench_e2e"), _load_benchmark("report_e2e")
     if not args.scale > 0:
         raise ValueError(f"--scale must be > 0, got {args.scale}")
-    if not args.modes or set(args.modes) - set("abc"):
-        raise ValueError(f"--modes must be letters among a, b, c, got {args.modes!r}")
+    if not args.modes or set(args.modes) - set("abcs"):
+        raise ValueError(f"--modes must be letters among a, b, c, s, got {args.modes!r}")
+    state_dtypes = tuple(dict.fromkeys(d.strip() for d in args.state_dtype.split(",")))
+    if not state_dtypes or set(state_dtypes) - set(bench.STATE_DTYPES):
+        raise ValueError(f"--state-dtype must be a comma-separated list among "
+                         f"{', '.join(bench.STATE_DTYPES)}, got {args.state_dtype!r}")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.quick:
         workload = bench.quick_workload(args.model_shape).scaled(args.scale)
     elif torch.cuda.is_available():
@@ -242,7 +256,8 @@ def run_bench(args: argparse.Namespace) -> int:
     for f, v in sizes.items():
         if v is not None and v < 1:
             raise ValueError(f"--{f.replace('_', '-')} must be >= 1, got {v}")
-    workload = dataclasses.replace(workload, **{f: v for f, v in sizes.items() if v is not None})
+    workload = dataclasses.replace(workload, **{f: v for f, v in sizes.items() if v is not None},
+                                   state_dtypes=state_dtypes, tensor_parallel_size=args.tensor_parallel_size)
     if args.cuda_graphs is not None:
         workload = dataclasses.replace(workload, cuda_graphs=args.cuda_graphs)
     if args.no_async_scheduling:

@@ -215,11 +215,6 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.cuda_graphs:
             raise ValueError("cuda_graphs=True does not support tensor_parallel_size > 1 yet "
                              "(graphs with NCCL collectives are untested)")
-        if self.tensor_parallel_size > 1 and self.spec.num_speculative_tokens and \
-                self.spec.speculative_method == "mtp":
-            # The MTP head reads the target's embedding and LM head, which TP shards across ranks.
-            raise ValueError("speculative_method='mtp' does not support tensor_parallel_size > 1 yet "
-                             "(use ngram or draft)")
         q_max = 1 + self.spec.num_speculative_tokens
         # A verify step appends its 1 + k tokens to the ring; the baseline keeps no ring.
         if self.replayssm and q_max > self.replay_window:

@@ -10,6 +10,10 @@ mirrors (and the device cursors) are identical on every rank. Only rank 0 sees t
                                execute(rows) on shard 0  <-- all-reduce per block -->
                                logits (all-gathered vocab)      (logits dropped)
     commit / copy_slots ...    same pattern, no collectives inside
+
+A drafter with its own sharded model (the MTP head) is attached to every rank's runner:
+`attach(name, factory, *args)` builds `factory(runner, *args)` on each rank as `runner.<name>` and
+returns a proxy whose calls are mirrored the same way (`name.method` on the workers).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from replayssm.distributed.group import TPGroup, acquire_group
 from replayssm.distributed.sharding import check_shardable
+from replayssm.distributed.worker import resolve_call
 from replayssm.engine.model_runner import ModelRunner
 from replayssm.models.config import ModelConfig
 
@@ -74,10 +79,16 @@ class TPModelRunner:
                              "close() an LLM before building the next")
         self.group.send(("call", name, args, kwargs))
         try:
-            return getattr(self.local, name)(*args, **kwargs)
+            return resolve_call(self.local, name)(*args, **kwargs)
         except RuntimeError as e:
             # A collective failed: most likely a worker died mid-step.
             raise self.group.dead_worker_error(e) from e
+
+    def attach(self, name: str, factory: str, *args: Any) -> Any:
+        """Build `factory(runner, *args)` ("module:function") on every rank as runner.<name>; returns
+        a proxy whose method calls run on every rank (rank 0's result returned)."""
+        self._mirror("attach", (name, factory) + args, {})
+        return _Attached(self._mirror, name)
 
     def execute(self, rows: list) -> Any:
         """ModelRunner.execute on every rank; returns the full fp32 logits here."""
@@ -99,3 +110,16 @@ class TPModelRunner:
             self.group.release(self)
         self.group = None
         self.local = None
+
+
+class _Attached:
+    """Rank 0's handle on an attached object: `proxy.method(...)` runs runner.<name>.method on every rank."""
+
+    def __init__(self, mirror: Any, name: str) -> None:
+        self._mirror, self._name = mirror, name  # mirror: TPModelRunner._mirror(name, args, kwargs)
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *args, **kwargs: self._mirror(f"{self._name}.{method}", args, kwargs)
+

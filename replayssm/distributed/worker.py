@@ -5,7 +5,8 @@ Messages (pickled, broadcast from rank 0 on the control group):
     ("init", model_path, kwargs)   build ModelRunner(model_path, tp_rank, tp_size, **kwargs) on this
                                    rank's device; answer None or the traceback (gather to rank 0)
     ("call", name, args, kwargs)   runner.<name>(*args, **kwargs); the result is dropped (logits
-                                   reach rank 0 through the all-gather inside execute)
+                                   reach rank 0 through the all-gather inside execute). name may
+                                   be "attach" or "<attached>.<method>" (runner.py: attach)
     ("release",)                   drop the runner (the LLM on rank 0 was closed)
     ("exit",)                      leave the loop
 
@@ -18,6 +19,7 @@ sockets so rank 0 fails instead of waiting.
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import sys
 import traceback
@@ -60,7 +62,7 @@ def run_worker(rank: int, size: int, device: str, control: Any) -> None:
             assert kind == "call", message
             _, name, args, kwargs = message
             try:
-                getattr(runner, name)(*args, **kwargs)
+                resolve_call(runner, name)(*args, **kwargs)
             except ValueError:
                 pass  # rank 0 raised the same error from the same arguments
             except Exception:
@@ -68,3 +70,19 @@ def run_worker(rank: int, size: int, device: str, control: Any) -> None:
                 print(f"replayssm tensor-parallel worker rank {rank}: {name}() failed; exiting",
                       file=sys.stderr, flush=True)
                 os._exit(1)
+
+
+def attach(runner: Any, name: str, factory: str, *args: Any) -> None:
+    """runner.<name> = factory(runner, *args), factory given as "module:function" (picklable)."""
+    module, _, attr = factory.partition(":")
+    setattr(runner, name, getattr(importlib.import_module(module), attr)(runner, *args))
+
+
+def resolve_call(runner: Any, name: str) -> Any:
+    """The callable a mirrored call names: "attach", a runner method, or "<attached>.<method>"."""
+    if name == "attach":
+        return lambda *args: attach(runner, *args)
+    target: Any = runner
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target

@@ -183,10 +183,7 @@ class SpecDecoder:
         row_index[i] of the last execute (finished requests left out)."""
         if not requests:
             return
-        hidden = None
-        if getattr(self.proposer, "needs_hidden", False):
-            hidden = [self.runner.row_hidden(i, n) for i, n in zip(row_index, num_computed)]
-        self.proposer.observe(requests, starts, num_computed, hidden)
+        self.proposer.observe(requests, starts, num_computed, row_index)
 
     def release(self, request: Request) -> None:
         self.proposer.release(request)

@@ -13,15 +13,24 @@ Nemotron-H MTP design. One MTP step at position i takes the target's final hidde
 Checkpoint names: mtp.layers.{i}.{norm,mixer.*}, plus enorm / hnorm / eh_proj on layer 0 and
 final_layernorm on the last layer. The MTP attention layers keep their own paged KV cache,
 addressed with the request's block table (the same block ids as the target's KV).
+
+Under tensor parallelism the MTP blocks shard like the target's (attention heads, MLP and expert
+intermediate slices; each block all-reduces its output once); enorm, hnorm, eh_proj and
+final_layernorm are replicated. The shared embedding and LM head are the target's vocab-parallel
+ones, so the MTP logits come from the same all-gather as the target's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.distributed.sharding import check_shardable, read_shard
 from replayssm.models.config import ATTENTION, LAYER_TYPES, MAMBA, ModelConfig
 from replayssm.models.hybrid import HybridBlock
 from replayssm.models.layers.norm import RMSNorm
@@ -32,8 +41,8 @@ class MTPLayer(HybridBlock):
     """A Nemotron-H block plus the MTP fusion (first layer) or the closing norm (last layer)."""
 
     def __init__(self, cfg: ModelConfig, kind: str, index_of_kind: int, *, first: bool, last: bool,
-                 device=None, dtype=None) -> None:
-        super().__init__(cfg, kind, index_of_kind, device=device, dtype=dtype)
+                 device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cfg, kind, index_of_kind, device=device, dtype=dtype, tp=tp)
         kw = dict(device=device, dtype=dtype)
         if first:
             self.enorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
@@ -46,7 +55,7 @@ class MTPLayer(HybridBlock):
 class NemotronHMTP(nn.Module):
     """(next-token embeddings (T, hidden), normed target hidden (T, hidden), ctx) -> (T, hidden)."""
 
-    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if cfg.num_nextn_predict_layers != 1 or not cfg.mtp_layer_types:
             raise ValueError("speculative_method='mtp' needs a checkpoint with num_nextn_predict_layers=1 "
@@ -59,7 +68,7 @@ class NemotronHMTP(nn.Module):
         n = len(cfg.mtp_layer_types)
         for i, kind in enumerate(cfg.mtp_layer_types):
             layers.append(MTPLayer(cfg, kind, counts[kind], first=i == 0, last=i == n - 1,
-                                   device=device, dtype=dtype))
+                                   device=device, dtype=dtype, tp=tp))
             counts[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.num_attention_layers = counts[ATTENTION]
@@ -79,10 +88,22 @@ def mtp_tensor_name(key: str) -> str | None:
     return key[len("mtp."):] if key.startswith("mtp.") else None
 
 
-def load_mtp(cfg: ModelConfig, path: str | Path, *, device: torch.device, dtype: torch.dtype) -> NemotronHMTP:
-    """Build the MTP head and fill every parameter from the checkpoint's mtp.* tensors."""
+def mtp_config(cfg: ModelConfig) -> ModelConfig:
+    """The config whose layer_types are the MTP layers (for sharding rules and the KV cache)."""
+    return dataclasses.replace(cfg, layer_types=cfg.mtp_layer_types)
+
+
+def load_mtp(cfg: ModelConfig, path: str | Path, *, device: torch.device, dtype: torch.dtype,
+             tp: TensorParallel = SINGLE) -> NemotronHMTP:
+    """Build the MTP head (rank tp.rank's shard) and fill every parameter from the checkpoint's
+    mtp.* tensors."""
     with torch.device("meta"):
-        mtp = NemotronHMTP(cfg, dtype=dtype)
+        mtp = NemotronHMTP(cfg, dtype=dtype, tp=tp)
     mtp = mtp.to_empty(device=device)
-    load_weights(mtp, path, rename=mtp_tensor_name)
+    if tp.size == 1:
+        load_weights(mtp, path, rename=mtp_tensor_name)
+    else:
+        layers = mtp_config(cfg)
+        check_shardable(layers, tp.size)
+        load_weights(mtp, path, rename=mtp_tensor_name, read=functools.partial(read_shard, layers, tp))
     return mtp.eval().requires_grad_(False)

@@ -45,9 +45,10 @@ class Proposer:
         raise NotImplementedError
 
     def observe(self, requests: list[Request], starts: list[int], num_computed: list[int],
-                row_hidden: list[torch.Tensor] | None) -> None:
-        """requests[i] just computed tokens [starts[i], starts[i] + num_computed[i]); row_hidden[i]
-        (num_computed[i], hidden) are the target's hidden states there (pre final norm)."""
+                row_index: list[int]) -> None:
+        """requests[i] just computed tokens [starts[i], starts[i] + num_computed[i]) in row
+        row_index[i] of the last execute (a model drafter reads the target's hidden states there
+        with the runner's `row_hidden`)."""
 
     def release(self, request: Request) -> None:
         """Forget a finished request."""

@@ -190,6 +190,43 @@ def test_cli_flag_reaches_engine_kwargs():
     assert engine_kwargs(args)["tensor_parallel_size"] == 2
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="mtp"):
-        LLM(_checkpoint(2), **ENGINE, tensor_parallel_size=2, num_speculative_tokens=2,
-            speculative_method="mtp")
+
+
+# A small vocabulary, so that the random MTP head's drafts are accepted now and then.
+MTP_VOCAB = 12
+
+
+def _mtp_run(path: str, **kw) -> tuple[list[list[int]], list[list[list[int]]], dict]:
+    """Greedy k=3 MTP generation: (output tokens, every propose() call's drafts, spec metrics)."""
+    from replayssm.speculative.mtp import MTPProposer
+
+    drafts: list[list[list[int]]] = []
+    propose = MTPProposer.propose
+
+    def recording(self, requests, num_drafts):
+        out = propose(self, requests, num_drafts)
+        drafts.append([d.tokens for d in out])
+        return out
+
+    prompts = [[t % MTP_VOCAB for t in _prompts()[1]], [t % MTP_VOCAB for t in _prompts()[2]]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    MTPProposer.propose = recording
+    try:
+        with LLM(path, **ENGINE, num_speculative_tokens=3, speculative_method="mtp", **kw) as llm:
+            tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            metrics = {k: v for k, v in llm.get_metrics().items() if k.startswith("spec_")}
+    finally:
+        MTPProposer.propose = propose
+    return tokens, drafts, metrics
+
+
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+def test_tp2_mtp_drafts_and_tokens_equal_tp1(replayssm):
+    """MTP drafting (greedy, k=3) on TP=2 proposes TP=1's drafts, accepts as many, outputs TP=1's tokens."""
+    path = cached_checkpoint("nemotron_h", mtp=True, vocab_size=MTP_VOCAB)[0]
+    ref = _mtp_run(path, replayssm=replayssm)
+    tokens, drafts, metrics = _mtp_run(path, replayssm=replayssm, tensor_parallel_size=2)
+    assert ref[2]["spec_accepted_tokens"] > 0
+    assert tokens == ref[0]
+    assert drafts == ref[1]
+    assert metrics == ref[2]

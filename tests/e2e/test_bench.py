@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from replayssm.cli import main
 
 FIELDS = ("mode", "setting", "batch", "rep", "order", "output_tok_s", "decode_tok_s_per_request", "ttft_s",
@@ -243,3 +245,39 @@ def test_bench_granite_model_shape(tmp_path, capsys):
     assert 31e9 < parameter_bytes(full) / 2 < 33e9
     assert main(["bench", "--quick", "--model-shape", "llama-7b", "--out", str(tmp_path / "x")]) == 2
     assert "--model-shape must be one of" in capsys.readouterr().err
+
+
+def test_bench_quick_state_dtypes_seed_mode_and_tp(tmp_path):
+    """--state-dtype float32,float16 runs mode (a) once per state dtype (ratios per dtype and ON fp16 /
+    ON fp32), mode s runs the seeds' workload (fp16 state, k=3 drafts, prefix hits when ON) with TTFT
+    and tok/s ratios, and every row records its state dtype and TP size (2 here, over gloo)."""
+    argv = ["bench", "--quick", "--modes", "as", "--state-dtype", "float32,float16", "--tensor-parallel-size",
+            "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert all(r["tensor_parallel_size"] == 2 for r in doc["rows"])
+    for dtype in ("float32", "float16"):
+        rows = sorted((r for r in doc["rows"] if r["mode"] == "a" and r["state_dtype"] == dtype),
+                      key=lambda r: r["order"])
+        assert [r["setting"] for r in rows] == ["off", "on", "on", "off"]
+        assert any(q["mode"] == "a" and q["state_dtype"] == dtype for q in doc["ratios"])
+    (cross,) = doc["dtype_ratios"]
+    assert (cross["mode"], cross["state_dtype"]) == ("a", "float16") and cross["value"] > 0
+    seed = [r for r in doc["rows"] if r["mode"] == "s"]
+    assert [r["setting"] for r in seed] == ["off", "on", "on", "off"]
+    assert all(r["state_dtype"] == "float16" and r["k"] == 3 and r["spec_draft_tokens"] > 0 for r in seed)
+    assert all((r["prefix_hit_tokens"] > 0) == (r["setting"] == "on") for r in seed)
+    assert {q["metric"] for q in doc["ratios"] if q["mode"] == "s"} == {"ttft_s", "output_tok_s"}
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| state_dtype | tensor_parallel_size |" in md and "ON float16 / ON float32" in md
+    assert "seeds' prefix-caching workload" in md
+
+
+@pytest.mark.parametrize("flag", [["--state-dtype", "float32,int8"], ["--tensor-parallel-size", "0"],
+                                  ["--modes", "ax"]])
+def test_bench_refuses_bad_flags(flag, tmp_path, capsys):
+    """A bad --state-dtype, --tensor-parallel-size or --modes is a usage error naming the flag."""
+    assert main(["bench", "--quick", *flag, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "replayssm bench: error:" in err and flag[0] in err
+    assert not (tmp_path / "e2e.json").exists()

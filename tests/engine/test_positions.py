@@ -97,7 +97,7 @@ def test_build_inputs_positions_count_cached_tokens():
 def test_rotary_layers_are_built_from_the_config():
     """rope_theta > 0 gives every attention layer (the MTP head's too) one shared rotary table."""
     llm = make_llm(num_speculative_tokens=2, speculative_method="mtp")
-    model, mtp = llm.engine.runner.model, llm.engine.spec.proposer.mtp
+    model, mtp = llm.engine.runner.model, llm.engine.spec.proposer.head.mtp
     rotaries = [m.rotary for m in (*model.modules(), *mtp.modules()) if type(m).__name__ == "Attention"]
     assert len(rotaries) == 3 and all(r is not None and r.rotary_dim == 8 for r in rotaries)
     assert len({id(r.cos_sin(torch.device("cpu"))) for r in rotaries}) == 1
@@ -222,7 +222,7 @@ def test_synthetic_verify_rows_agree_across_paths():
 
 def test_mtp_head_positions_match_one_call():
     """The rotary MTP head gives the same output over a sequence in one call as position by position."""
-    mtp = make_llm(num_speculative_tokens=2, speculative_method="mtp").engine.spec.proposer
+    mtp = make_llm(num_speculative_tokens=2, speculative_method="mtp").engine.spec.proposer.head
     g = torch.Generator().manual_seed(3)
     T, H = 11, 64
     toks, hid = torch.randint(0, 256, (T,), generator=g).tolist(), torch.randn(T, H, generator=g)

@@ -70,7 +70,7 @@ def test_synthetic_outputs_are_flagged_as_not_model_output():
 def test_mtp_head_is_kv_consistent():
     """The MTP head gives the same output over a sequence in one call as position by position."""
     llm = make_llm(num_speculative_tokens=2, speculative_method="mtp")
-    mtp = llm.engine.spec.proposer
+    mtp = llm.engine.spec.proposer.head
     g = torch.Generator().manual_seed(3)
     T, H = 11, llm.engine.model_config.hidden_size
     toks, hid, table = (
@@ -90,7 +90,7 @@ def test_mtp_weights_come_from_the_checkpoint():
     from safetensors.torch import load_file
 
     llm = make_llm(num_speculative_tokens=1, speculative_method="mtp")
-    params = dict(llm.engine.spec.proposer.mtp.named_parameters())
+    params = dict(llm.engine.spec.proposer.head.mtp.named_parameters())
     file = load_file(f"{target()}/model.safetensors")
     assert torch.equal(params["layers.0.eh_proj.weight"], file["mtp.layers.0.eh_proj.weight"])
     assert torch.equal(

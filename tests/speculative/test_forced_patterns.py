@@ -46,7 +46,7 @@ class ForcedDrafter(Proposer):
             out.append(Drafts(drafts))
         return out
 
-    def observe(self, requests, starts, num_computed, row_hidden):
+    def observe(self, requests, starts, num_computed, row_index):
         for r, n in zip(requests, num_computed):
             if r.request_id not in self.pending:
                 continue
