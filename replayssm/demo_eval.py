@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any
 
-from replayssm.demo_task import NUM_TEST, extract_answer, few_shot_prefix, test_set
+from replayssm.demo_task import NUM_TEST, extract_answer, few_shot_prefix, held_out_set
 
 
 def evaluate(model: str = "demo", *, limit: int | None = None, few_shot: int = 0, max_tokens: int = 96,
@@ -30,7 +30,7 @@ def evaluate(model: str = "demo", *, limit: int | None = None, few_shot: int = 0
         raise ValueError(f"few_shot must be an int >= 0, got {few_shot!r}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    problems = test_set()[:limit]
+    problems = held_out_set()[:limit]
     prefix = few_shot_prefix(few_shot)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=["\n"])
     with LLM(model, **engine_kwargs) as llm:

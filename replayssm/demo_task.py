@@ -79,7 +79,7 @@ def is_test(problem: Problem) -> bool:
     return int.from_bytes(digest, "little") % TEST_BUCKETS == 0
 
 
-def test_set(n: int = NUM_TEST) -> list[Problem]:
+def held_out_set(n: int = NUM_TEST) -> list[Problem]:
     """The fixed held-out set: the first n distinct test-bucket problems of TEST_SEED's stream."""
     rng, seen, out = random.Random(TEST_SEED), set(), []
     while len(out) < n:

@@ -88,7 +88,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (self.weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -96,8 +97,8 @@ class Attention(nn.Module):
 
     def __init__(self, c: dict) -> None:
         super().__init__()
-        h, self.nh, self.nkv, self.hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], \
-            c["head_dim"]
+        h, self.hd = c["hidden_size"], c["head_dim"]
+        self.nh, self.nkv = c["num_attention_heads"], c["num_key_value_heads"]
         self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
@@ -140,7 +141,8 @@ class MLP(nn.Module):
 
 
 class MTPBlock(nn.Module):
-    """h + mixer(norm(h)); the first block owns the fusion (enorm, hnorm, eh_proj), the last the closing norm."""
+    """h + mixer(norm(h)); the first block also owns the fusion (enorm, hnorm, eh_proj), the last the
+    closing norm."""
 
     def __init__(self, c: dict, kind: str, first: bool, last: bool) -> None:
         super().__init__()
@@ -188,7 +190,8 @@ class DemoLM(nn.Module):
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
         self.config = config
-        self.hf = NemotronHForCausalLM(NemotronHConfig(**{k: v for k, v in config.items() if k not in _NOT_HF}))
+        hf_fields = {k: v for k, v in config.items() if k not in _NOT_HF}
+        self.hf = NemotronHForCausalLM(NemotronHConfig(**hf_fields))
         self.mtp = MTPHead(config)
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -264,7 +267,8 @@ def make_batch(stream, batch: int, length: int) -> tuple[torch.Tensor, torch.Ten
     return torch.stack(rows), torch.stack(masks)
 
 
-def losses(model: DemoLM, ids: torch.Tensor, mask: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+def losses(model: DemoLM, ids: torch.Tensor, mask: torch.Tensor,
+           depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(next-token loss, mean MTP loss over depths) on the answer characters of rows ids (B, L)."""
     h = model.hidden(ids[:, :-1])
     ce = lambda logits, target, m: (F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")  # noqa: E731
@@ -292,7 +296,8 @@ def save_checkpoint(model: DemoLM, out: str, dtype: torch.dtype = torch.bfloat16
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({**model.config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
-    tensors = {k: t.detach().to("cpu", dtype).contiguous() for k, t in model.state_dict_for_checkpoint().items()}
+    tensors = {k: t.detach().to("cpu", dtype).contiguous()
+               for k, t in model.state_dict_for_checkpoint().items()}
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     write_demo_tokenizer(out)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
@@ -326,8 +331,9 @@ def train(out: str, *, size: str = "demo", steps: int | None = None, time_budget
     stream = train_stream(seed)
     total = steps or 10**9
     warmup = 100 if size == "demo" else 5
-    log(f"demo_train: {params / 1e6:.2f}M parameters, {size} size, device {device}, batch {batch} x {seq_len} "
-        f"tokens, {'%d steps' % steps if steps else 'time budget %.0f s' % time_budget}")
+    length = f"{steps} steps" if steps else f"time budget {time_budget:.0f} s"
+    log(f"demo_train: {params / 1e6:.2f}M parameters, {size} size, device {device}, "
+        f"batch {batch} x {seq_len} tokens, {length}")
     history, start, step = [], time.perf_counter(), 0
     timed_from = None
     while step < total:
@@ -368,7 +374,8 @@ def train(out: str, *, size: str = "demo", steps: int | None = None, time_budget
            "seed": seed, "mtp_depth": mtp_depth, "mtp_weight": mtp_weight, "device": device,
            "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
            "wall_time_s": round(wall, 1), "step_time_ms": round(steady * 1e3, 2),
-           "final_loss": history[-1][1] if history else None, "final_mtp_loss": history[-1][2] if history else None,
+           "final_loss": history[-1][1] if history else None,
+           "final_mtp_loss": history[-1][2] if history else None,
            "history": history, "command": ["python", "-m", "replayssm.demo_train", *sys.argv[1:]]}
     log(f"demo_train: {step} steps in {wall:.0f} s ({steady * 1e3:.1f} ms/step); wrote {out}")
     _write_log(out, doc)
@@ -395,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="demo", choices=sorted(SIZES), help="model size (default: demo)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (reproducible; or --time-budget)")
     p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds of training: the step count comes from the step time measured at steps 10-40 "
+                   help="seconds of training: the step count comes from the step time measured at steps "
+                   "10-40 "
                    "(train_log.json records it; --steps N reproduces the run)")
     p.add_argument("--batch", type=int, default=64, help="rows per step (default: 64)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per row (default: 512)")
@@ -406,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp-weight", type=float, default=0.5, help="weight of the MTP loss (default: 0.5)")
     p.add_argument("--log-every", type=int, default=50, help="steps between progress lines (default: 50)")
     p.add_argument("--eval-limit", type=int, default=200,
-                   help="held-out questions evaluated with the engine after training, 0 = none (default: 200)")
+                   help="held-out questions evaluated with the engine after training, 0 = none "
+                   "(default: 200)")
     a = p.parse_args(argv)
     if a.steps is None and a.time_budget is None:
         p.error("give --steps N or --time-budget SECONDS")
