@@ -53,6 +53,8 @@ def evaluate(model: str = "demo", *, limit: int | None = None, few_shot: int = 0
         "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"],
         "prefix_cache_query_tokens": m["prefix_cache_query_tokens"],
         "generation_tokens": m["generation_tokens"],
+        # One character per question, "1" right / "0" wrong: paired comparisons between settings.
+        "per_question": "".join("01"[a == p.value] for a, p in zip(answers, problems)),
         "elapsed_s": round(elapsed, 3),
         "few_shot": few_shot,
         "settings": {"model": model, **engine_kwargs},

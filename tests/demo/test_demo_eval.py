@@ -97,3 +97,31 @@ def test_cli_eval_refuses_bad_values(argv, field, capsys):
     """A bad --limit, --few-shot or --max-tokens exits 2 with one line naming the field."""
     assert main(["eval", "--model", toy_checkpoint(), "--device", "cpu", *argv]) == 2
     assert field in capsys.readouterr().err
+
+
+def test_eval_table_writes_rows_with_paired_differences(tmp_path, monkeypatch):
+    """benchmarks/eval_table.py writes eval.{json,md}: one row per setting, each non-reference row with
+    its difference from its reference and the paired standard error sqrt(discordant) / n."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "eval_table.py"
+    spec = importlib.util.spec_from_file_location("eval_table_under_test", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    marks = {False: "1101", True: "0111"}  # per question; ReplaySSM off gets the other mark
+
+    def fake_evaluate(model, *, limit, few_shot, device, **settings):
+        per = marks[settings.get("replayssm", True) is False]
+        return {"num_questions": 4, "correct": per.count("1"), "accuracy": per.count("1") / 4, "stderr": 0.2,
+                "mean_acceptance_length": None, "prefix_cache_hit_tokens": 0, "elapsed_s": 0.0,
+                "per_question": per, "examples": []}
+
+    monkeypatch.setattr(table, "evaluate", fake_evaluate)
+    assert table.main(["--model", "x", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "eval.json").read_text())
+    rows = {r["row"]: r for r in doc["rows"]}
+    assert len(rows) == len(table.ROWS) and (tmp_path / "eval.md").is_file()
+    off = rows["ReplaySSM off"]
+    assert (off["diff"], off["discordant"], off["diff_stderr"]) == (0.0, 2, math.sqrt(2) / 4)
+    assert rows["state bf16"]["discordant"] == 0 and doc["meta"]["commit"]
