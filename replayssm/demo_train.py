@@ -53,7 +53,6 @@ BASE_CONFIG = {
     "pad_token_id": 0,
     "bos_token_id": BOS,
     "eos_token_id": EOS,
-    "time_step_limit": [0.0, float("inf")],
     "num_nextn_predict_layers": 1,
     "mtp_layers_block_type": ["attention", "mlp"],
 }
@@ -192,6 +191,11 @@ class DemoLM(nn.Module):
         self.config = config
         hf_fields = {k: v for k, v in config.items() if k not in _NOT_HF}
         self.hf = NemotronHForCausalLM(NemotronHConfig(**hf_fields))
+        # transformers floors Δ at time_step_min in its scan (its initializer needs that field); the
+        # engine applies no floor (ModelConfig.time_step_min), so the training forward applies none.
+        for module in self.hf.modules():
+            if hasattr(module, "time_step_limit"):
+                module.time_step_limit = (0.0, float("inf"))
         self.mtp = MTPHead(config)
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:

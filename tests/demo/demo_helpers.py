@@ -55,3 +55,27 @@ def toy_checkpoint_random_mtp() -> str:
             tensors[name] = r.to(t.dtype)
     save_file(tensors, file, metadata={"format": "pt"})
     return root
+
+
+@functools.cache
+def toy_checkpoint_small_dt() -> str:
+    """toy_checkpoint() with every Mamba dt_bias at -14 (Δ = softplus(dt + dt_bias) below transformers'
+    default time_step_min 1e-3), D at 0 (the scan's output is the state's alone, so a floor on Δ would
+    change it by orders of magnitude) and the Mamba out_proj scaled up 30x (the layers move the
+    logits); removed at exit."""
+    from safetensors.torch import load_file, save_file
+
+    root = tempfile.mkdtemp(prefix="replayssm-demo-dt-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    shutil.copytree(toy_checkpoint(), root, dirs_exist_ok=True)
+    file = f"{root}/model.safetensors"
+    tensors = load_file(file)
+    for name, t in tensors.items():
+        if name.endswith("mixer.dt_bias"):
+            tensors[name] = torch.full_like(t, -14.0)
+        elif name.endswith("mixer.D"):
+            tensors[name] = torch.zeros_like(t)
+        elif name.endswith("mixer.out_proj.weight"):
+            tensors[name] = t * 30.0
+    save_file(tensors, file, metadata={"format": "pt"})
+    return root

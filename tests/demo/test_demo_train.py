@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from demo_helpers import prompt_ids, toy_checkpoint, toy_checkpoint_random_mtp
+from demo_helpers import prompt_ids, toy_checkpoint, toy_checkpoint_random_mtp, toy_checkpoint_small_dt
 
 from replayssm.demo_task import held_out_set
 from replayssm.demo_train import NEWLINE, Attention, DemoLM, make_batch, model_config, train
@@ -54,6 +54,24 @@ def test_engine_greedy_equals_training_model():
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                             use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("make", [toy_checkpoint, toy_checkpoint_small_dt])
+def test_engine_logprobs_equal_training_model(make):
+    """The engine's prompt and output log-probabilities (fp32, CPU) equal the training model's, also
+    where Δ is below transformers' time_step_min (neither applies a floor)."""
+    path = make()
+    model = DemoLM.from_checkpoint(path)
+    prompt = prompt_ids(held_out_set(1))[0]
+    with LLM(path, device="cpu") as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    seq = prompt + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model.logits(model.hidden(torch.tensor([seq])))[0], -1)
+    expected = ref[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
+    got = torch.tensor(out.prompt_logprobs[1:] + out.logprobs)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_engine_mtp_drafts_equal_training_head(monkeypatch):
