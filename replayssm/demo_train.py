@@ -2,16 +2,11 @@
 
     python -m replayssm.demo_train --out OUT_DIR [--time-budget 240 | --steps N] [--device cuda]
 
-The trunk is transformers' NemotronHForCausalLM (its PyTorch path is differentiable); the MTP layer
-is `MTPHead` below, the training twin of replayssm/speculative/mtp_model.py under the same tensor
-names (`mtp.layers.0.{norm,mixer.*,enorm,hnorm,eh_proj}`, `mtp.layers.1.{norm,mixer.*,final_layernorm}`).
-Loss: next token on answer characters + `mtp_weight` x the MTP loss of depths 1..mtp_depth. Depth d
-runs the MTP layer on its own depth d-1 output, as the engine drafts d_2, d_3, ...: at position p it
-reads x_{p+1} and the previous depth's output at p - 1, predicts x_{p+2}, and its attention sees what
-the engine's MTP KV cache holds when it drafts (depth-1 keys up to p - d + 1, then one key of each
-deeper level). Rows pack whole problems after <s>, so few-shot prompts are in distribution.
-OUT_DIR gets config.json, model.safetensors (bf16), tokenizer files, generation_config.json
-(the newline that ends an answer is an end-of-sequence token) and train_log.json.
+The model is demo_net.DemoLM (plain PyTorch, checkpoint names). Rows pack whole problems after <s>,
+so few-shot prompts are in distribution. Loss: next token on answer characters + `mtp_weight` x the
+mean MTP loss of depths 1..mtp_depth (chained as the engine drafts, see demo_net). OUT_DIR gets
+config.json, model.safetensors (bf16), the tokenizer files, generation_config.json (the newline
+that ends an answer is an end-of-sequence token) and train_log.json.
 """
 
 from __future__ import annotations
@@ -25,9 +20,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from replayssm.demo import CHARACTERS, SPECIAL_TOKENS, write_demo_tokenizer
+from replayssm.demo_net import DemoLM
 from replayssm.demo_task import train_stream
 
 VOCAB = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARACTERS)}
@@ -65,8 +60,6 @@ SIZES = {
                 ssm_state_size=16, n_groups=1, chunk_size=16, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=16, intermediate_size=64),
 }
-# Fields of config.json that transformers' NemotronHConfig does not take (the MTP layer is ours).
-_NOT_HF = ("architectures", "model_type", "num_nextn_predict_layers", "mtp_layers_block_type", "dtype")
 
 
 def model_config(size: str) -> dict:
@@ -75,178 +68,6 @@ def model_config(size: str) -> dict:
     c = {**BASE_CONFIG, **SIZES[size]}
     c["num_hidden_layers"] = len(c["hybrid_override_pattern"])
     return c
-
-
-class RMSNorm(nn.Module):
-    """Nemotron-H's RMSNorm: normalize and weight in fp32, cast to the input dtype."""
-
-    def __init__(self, n: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype)
-
-
-class Attention(nn.Module):
-    """Nemotron-H attention (GQA, no positional encoding) over the MTP depths' keys (module docstring)."""
-
-    def __init__(self, c: dict) -> None:
-        super().__init__()
-        h, self.hd = c["hidden_size"], c["head_dim"]
-        self.nh, self.nkv = c["num_attention_heads"], c["num_key_value_heads"]
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
-
-    def forward(self, x: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x (B, L, hidden) of depth d = len(kv) + 1; kv holds depths 1..d-1's (k, v), and gets d's."""
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)
-        rep = self.nh // self.nkv
-        k = self.k_proj(x).view(b, n, self.nkv, self.hd).transpose(1, 2).repeat_interleave(rep, 1)
-        v = self.v_proj(x).view(b, n, self.nkv, self.hd).transpose(1, 2).repeat_interleave(rep, 1)
-        kv.append((k, v))
-        d = len(kv)
-        if d == 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            # Query p reads depth d - o's key at p - o for o < d - 1, depth 1's keys at p - d + 1 and before.
-            i = torch.arange(n, device=x.device)
-            offset = i[:, None] - i[None, :]
-            scale = self.hd ** -0.5
-            scores = (q @ kv[0][0].transpose(-1, -2)) * scale
-            for o in range(d - 1):
-                scores = torch.where(offset == o, (q @ kv[d - 1 - o][0].transpose(-1, -2)) * scale, scores)
-            probs = torch.softmax(scores.float().masked_fill(offset < 0, float("-inf")), -1).to(q.dtype)
-            out = torch.where(offset >= d - 1, probs, 0) @ kv[0][1]
-            for o in range(d - 1):
-                out = out + torch.where(offset == o, probs, 0) @ kv[d - 1 - o][1]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.nh * self.hd))
-
-
-class MLP(nn.Module):
-    def __init__(self, c: dict) -> None:
-        super().__init__()
-        self.up_proj = nn.Linear(c["hidden_size"], c["intermediate_size"], bias=False)
-        self.down_proj = nn.Linear(c["intermediate_size"], c["hidden_size"], bias=False)
-
-    def forward(self, x: torch.Tensor, kv) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
-
-
-class MTPBlock(nn.Module):
-    """h + mixer(norm(h)); the first block also owns the fusion (enorm, hnorm, eh_proj), the last the
-    closing norm."""
-
-    def __init__(self, c: dict, kind: str, first: bool, last: bool) -> None:
-        super().__init__()
-        h, eps = c["hidden_size"], c["layer_norm_epsilon"]
-        self.norm = RMSNorm(h, eps)
-        self.mixer = Attention(c) if kind == "attention" else MLP(c)
-        if first:
-            self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
-            self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        if last:
-            self.final_layernorm = RMSNorm(h, eps)
-
-    def forward(self, h: torch.Tensor, kv) -> torch.Tensor:
-        return h + self.mixer(self.norm(h), kv)
-
-
-class MTPHead(nn.Module):
-    """The MTP layer of mtp_model.py, for training: depth-d outputs for every position at once."""
-
-    def __init__(self, c: dict) -> None:
-        super().__init__()
-        kinds = c["mtp_layers_block_type"]
-        self.layers = nn.ModuleList(MTPBlock(c, k, i == 0, i == len(kinds) - 1) for i, k in enumerate(kinds))
-
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """embeds: embedding of x_{p+1} (B, L, hidden); hidden: normed trunk output at p. Returns the
-        outputs (after final_layernorm) of depths 1..depth; depth d's row p predicts x_{p+2}."""
-        first, kv = self.layers[0], [[] for _ in self.layers]
-        outs = []
-        for d in range(depth):
-            # Depth d + 1 reads depth d's output one position back (row 0 gets zeros; its loss is masked).
-            h = hidden if d == 0 else F.pad(outs[-1][:, :-1], (0, 0, 1, 0))
-            x = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(h)], dim=-1))
-            for layer, layer_kv in zip(self.layers, kv):
-                x = layer(x, layer_kv)
-            outs.append(self.layers[-1].final_layernorm(x))
-        return outs
-
-
-class DemoLM(nn.Module):
-    """transformers' Nemotron-H trunk + MTPHead, sharing the embedding and the LM head."""
-
-    def __init__(self, config: dict) -> None:
-        super().__init__()
-        from transformers import NemotronHConfig, NemotronHForCausalLM
-
-        self.config = config
-        hf_fields = {k: v for k, v in config.items() if k not in _NOT_HF}
-        self.hf = NemotronHForCausalLM(NemotronHConfig(**hf_fields))
-        # transformers floors Δ at time_step_min in its scan (its initializer needs that field); the
-        # engine applies no floor (ModelConfig.time_step_min), so the training forward applies none.
-        for module in self.hf.modules():
-            if hasattr(module, "time_step_limit"):
-                module.time_step_limit = (0.0, float("inf"))
-        self.mtp = MTPHead(config)
-
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (B, L) -> trunk output after norm_f (B, L, hidden)."""
-        return self.hf.base_model(input_ids=ids, use_cache=False).last_hidden_state
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.hf.lm_head(h).float()
-
-    def mtp_logits(self, ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """ids (B, L) -> logits of depths 1..depth at positions 0..L-2 (row p predicts x_{p+2})."""
-        h = self.hidden(ids)
-        embeds = self.hf.get_input_embeddings()(ids[:, 1:])
-        return [self.logits(o) for o in self.mtp(embeds, h[:, :-1], depth)]
-
-    @torch.no_grad()
-    def greedy(self, ids: list[int], max_tokens: int) -> list[int]:
-        """Greedy continuation of one prompt (full recompute each step, no stop tokens)."""
-        seq = list(ids)
-        device = next(self.parameters()).device
-        for _ in range(max_tokens):
-            h = self.hidden(torch.tensor([seq], device=device))
-            seq.append(int(self.logits(h[:, -1]).argmax(-1)))
-        return seq[len(ids):]
-
-    def state_dict_for_checkpoint(self) -> dict[str, torch.Tensor]:
-        """Every tensor under the checkpoint's names (backbone.*, lm_head.weight, mtp.*)."""
-        prefix = self.hf.base_model_prefix + "."
-        out = {}
-        for k, t in self.hf.state_dict().items():
-            out["backbone." + k[len(prefix):] if k.startswith(prefix) else k] = t
-        out.update({"mtp." + k: t for k, t in self.mtp.state_dict().items()})
-        return out
-
-    @classmethod
-    def from_checkpoint(cls, path: str) -> DemoLM:
-        """The training model with a checkpoint's weights (upcast to fp32)."""
-        from safetensors.torch import load_file
-
-        with open(os.path.join(path, "config.json")) as f:
-            model = cls(json.load(f))
-        prefix = model.hf.base_model_prefix + "."
-        hf, mtp = {}, {}
-        for k, t in load_file(os.path.join(path, "model.safetensors")).items():
-            if k.startswith("mtp."):
-                mtp[k[4:]] = t.float()
-            else:
-                hf[prefix + k[len("backbone."):] if k.startswith("backbone.") else k] = t.float()
-        model.hf.load_state_dict(hf, strict=True)
-        model.mtp.load_state_dict(mtp, strict=True)
-        return model.eval()
 
 
 def encode(text: str) -> torch.Tensor:
@@ -278,7 +99,7 @@ def losses(model: DemoLM, ids: torch.Tensor, mask: torch.Tensor,
     ce = lambda logits, target, m: (F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")  # noqa: E731
                                     * m.flatten()).sum() / m.sum().clamp(min=1)
     next_loss = ce(model.logits(h), ids[:, 1:], mask[:, 1:].float())
-    outs = model.mtp(model.hf.get_input_embeddings()(ids[:, 1:-1]), h[:, :-1], depth)
+    outs = model.mtp(model.backbone.embeddings(ids[:, 1:-1]), h[:, :-1], depth)
     mtp_loss = 0.0
     for d, o in enumerate(outs):
         m = mask[:, 2:].float()
@@ -300,8 +121,7 @@ def save_checkpoint(model: DemoLM, out: str, dtype: torch.dtype = torch.bfloat16
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({**model.config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
-    tensors = {k: t.detach().to("cpu", dtype).contiguous()
-               for k, t in model.state_dict_for_checkpoint().items()}
+    tensors = {k: t.detach().to("cpu", dtype).contiguous() for k, t in model.state_dict().items()}
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     write_demo_tokenizer(out)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
@@ -326,7 +146,9 @@ def train(out: str, *, size: str = "demo", steps: int | None = None, time_budget
         torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(seed)
     config = model_config(size)
-    model = DemoLM(config).to(device).train()
+    model = DemoLM(config)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    model = model.to(device).train()
     params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -385,6 +207,8 @@ def train(out: str, *, size: str = "demo", steps: int | None = None, time_budget
     _write_log(out, doc)
     if eval_limit:
         del model, opt
+        if cuda:
+            torch.cuda.empty_cache()  # the engine plans its cache from the free CUDA memory
         from replayssm.demo_eval import evaluate
 
         doc["eval"] = evaluate(out, limit=eval_limit, device=device, speculative_method="mtp",

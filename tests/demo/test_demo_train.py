@@ -9,8 +9,9 @@ import pytest
 import torch
 from demo_helpers import prompt_ids, toy_checkpoint, toy_checkpoint_random_mtp, toy_checkpoint_small_dt
 
+from replayssm.demo_net import Attention, DemoLM
 from replayssm.demo_task import held_out_set
-from replayssm.demo_train import NEWLINE, Attention, DemoLM, make_batch, model_config, train
+from replayssm.demo_train import NEWLINE, make_batch, model_config, train
 from replayssm.engine.llm import LLM
 from replayssm.models.config import ModelConfig
 from replayssm.sampling_params import SamplingParams
@@ -72,6 +73,21 @@ def test_engine_logprobs_equal_training_model(make):
     expected = ref[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
     got = torch.tensor(out.prompt_logprobs[1:] + out.logprobs)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_transformers_reproduces_training_trunk():
+    """transformers' NemotronHForCausalLM reads the checkpoint and gives the training model's logits
+    (Mamba-heavy weights: D = 0, out_proj x30, Δ below time_step_min)."""
+    from transformers import NemotronHForCausalLM
+
+    path = toy_checkpoint_small_dt()
+    hf = NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = DemoLM.from_checkpoint(path)
+    for prompt in prompt_ids(held_out_set(2)):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            torch.testing.assert_close(model.logits(model.hidden(ids)), hf(ids).logits.float(), atol=1e-4,
+                                       rtol=1e-4)
 
 
 def test_engine_mtp_drafts_equal_training_head(monkeypatch):
