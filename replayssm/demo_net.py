@@ -6,7 +6,7 @@ engine loads it as is. It is the training twin of replayssm/models (trunk) and
 replayssm/speculative/mtp_model.py (MTP layer); tests/demo checks that the engine reproduces its
 log-probabilities and MTP drafts, and that transformers' NemotronH reproduces its trunk. The Mamba-2
 scan is the chunked SSD of mamba_ssm's ssd_minimal.py (einsum contractions: nothing of size
-B x L x heads x head_dim x state is materialized), in fp32.
+B x L x heads x head_dim x state is materialized), in fp32 also under bf16 autocast.
 
 MTP depths: depth d at position p reads the token x_{p+1} and depth d-1's output at p - 1 (depth 1:
 the trunk's normed output at p) and predicts x_{p+2}. This is how the engine drafts d_2, d_3, ...,
@@ -102,7 +102,8 @@ class Mamba2Mixer(nn.Module):
         B = B.reshape(b, l, self.ng, self.n).repeat_interleave(rep, 2)
         C = C.reshape(b, l, self.ng, self.n).repeat_interleave(rep, 2)
         padded = [F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x * dt[..., None], A * dt, B, C)]
-        y = ssd(*padded, self.chunk)[:, :l] + self.D.float()[:, None] * x
+        with torch.autocast(u.device.type, enabled=False):  # the scan stays fp32 under bf16 autocast
+            y = ssd(*padded, self.chunk)[:, :l] + self.D.float()[:, None] * x
         # Gated RMSNorm over each group's channels, in fp32, as transformers' NemotronHRMSNormGated.
         y = (y.reshape(b, l, self.inner) * F.silu(z.float())).reshape(b, l, self.ng, -1)
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(b, l, self.inner)
