@@ -50,6 +50,8 @@ BASE_CONFIG = {
     "eos_token_id": EOS,
     "num_nextn_predict_layers": 1,
     "mtp_layers_block_type": ["attention", "mlp"],
+    # Δ has no floor in training or in the engine; transformers floors it at time_step_min (default 1e-3).
+    "time_step_min": 0.0,
 }
 # "demo": the shipped model (about 3.5M parameters); "toy": the CPU tests' model.
 SIZES = {
