@@ -1,4 +1,4 @@
-"""Command line: ``replayssm generate | serve | bench [serve]``.
+"""Command line: ``replayssm generate | serve | bench [serve] | eval``.
 
 Engine flags and their defaults come from the config dataclasses' fields (config_flags.py), so
 the CLI and the Python API cannot drift apart; a bad value raises the dataclass's ValueError,
@@ -312,12 +312,40 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- eval (accuracy of the demo task's held-out set; demo_eval.py) ---------------------------------
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser, model_required=False)
+    parser.set_defaults(model="demo")
+    e = parser.add_argument_group("eval")
+    e.add_argument("--limit", type=int, default=None,
+                   help="evaluate the first N held-out questions (default: all 500)")
+    e.add_argument("--few-shot", type=int, default=0,
+                   help="put K solved training problems before every question, a prefix shared by all "
+                   "questions that prefix caching can reuse (default: 0)")
+    e.add_argument("--max-tokens", type=int, default=96, help="tokens per answer at most (default: 96)")
+    e.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from replayssm.demo_eval import evaluate, render
+
+    kw = engine_kwargs(args)
+    result = evaluate(args.model or "demo", limit=args.limit, few_shot=args.few_shot,
+                      max_tokens=args.max_tokens, **kw)
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
 Handler = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 SUBCOMMANDS: dict[str, Handler] = {
     "generate": ("generate text for one or more prompts", add_generate_args, run_generate),
     "serve": ("serve a checkpoint over an OpenAI-compatible HTTP API", add_serve_args, run_serve),
     "bench": ("end-to-end speed: ReplaySSM, speculative and prefix-caching ON/OFF runs", add_bench_args,
               run_bench),
+    "eval": ("accuracy on the demo task's held-out questions (exact answer), with any engine settings",
+             add_eval_args, run_eval),
 }
 
 

@@ -89,7 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
         "--model",
         required=model_required,
         help="checkpoint directory (Hugging Face layout), or 'demo' for "
-        "the built-in random-weight Nemotron-H-shaped model",
+        "the built-in demo model (docs/demo.md)",
     )
     for cls, names in ENGINE_FLAGS.items():
         by_name = {f.name: f for f in dataclasses.fields(cls)}

@@ -1,8 +1,11 @@
-"""The built-in demo checkpoint: a small Nemotron-H-shaped model with seeded random weights.
+"""The built-in demo checkpoint.
 
 ``--model demo`` runs the whole engine on a fresh machine without downloading anything and
-without transformers: the config, the safetensors weights (named as Hugging Face writes them)
-and a character-level tokenizer are generated here. The text it produces is random.
+without transformers. It is the trained checkpoint shipped in ``replayssm/demo_model/`` (a small
+Nemotron-H with an MTP layer that answers the arithmetic problems of demo_task.py; written by
+demo_train.py, see docs/demo.md) when that folder holds one. Otherwise it is a Nemotron-H-shaped
+model with seeded random weights, generated here: the config, the safetensors weights (named as
+Hugging Face writes them) and the same character-level tokenizer. Its text is random.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import math
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 
 DEMO_VERSION = 1
+PACKAGED_DEMO = Path(__file__).resolve().parent / "demo_model"
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Printable ASCII and newline, one token each, so any sampled token decodes to visible text.
 CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -162,9 +167,18 @@ def write_demo_checkpoint(path: str, seed: int = 0) -> None:
     write_demo_tokenizer(path)
 
 
+def packaged_demo() -> str | None:
+    """The trained demo checkpoint shipped in the package, or None when the package holds none."""
+    return str(PACKAGED_DEMO) if (PACKAGED_DEMO / "model.safetensors").is_file() else None
+
+
 def demo_checkpoint(seed: int = 0, cache_dir: str | None = None) -> str:
-    """Path of the demo checkpoint, written once into ``cache_dir`` (default
-    ``$REPLAYSSM_CACHE`` or ``~/.cache/replayssm``, else a temp dir when that is not writable)."""
+    """Path of the demo checkpoint: the packaged trained one (``packaged_demo``), else the random one
+    of ``seed``, written once into ``cache_dir`` (default ``$REPLAYSSM_CACHE`` or
+    ``~/.cache/replayssm``, else a temp dir when that is not writable)."""
+    packaged = packaged_demo()
+    if packaged is not None:
+        return packaged
     root = (
         cache_dir
         or os.environ.get("REPLAYSSM_CACHE")
