@@ -172,11 +172,11 @@ def packaged_demo() -> str | None:
     return str(PACKAGED_DEMO) if (PACKAGED_DEMO / "model.safetensors").is_file() else None
 
 
-def demo_checkpoint(seed: int = 0, cache_dir: str | None = None) -> str:
-    """Path of the demo checkpoint: the packaged trained one (``packaged_demo``), else the random one
-    of ``seed``, written once into ``cache_dir`` (default ``$REPLAYSSM_CACHE`` or
-    ``~/.cache/replayssm``, else a temp dir when that is not writable)."""
-    packaged = packaged_demo()
+def demo_checkpoint(seed: int = 0, cache_dir: str | None = None, trained: bool = True) -> str:
+    """Path of the demo checkpoint: the packaged trained one (``packaged_demo``), else (or with
+    trained=False) the random one of ``seed``, written once into ``cache_dir`` (default
+    ``$REPLAYSSM_CACHE`` or ``~/.cache/replayssm``, else a temp dir when that is not writable)."""
+    packaged = packaged_demo() if trained else None
     if packaged is not None:
         return packaged
     root = (

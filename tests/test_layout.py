@@ -92,9 +92,12 @@ PUBLIC_UNDERSCORED = {"_version"}
 
 
 def _is_private_read(node: ast.Attribute, imported: set[str]) -> bool:
-    """`obj._name` with obj other than self, cls or an imported module, `_name` no dunder."""
+    """`obj._name` with obj other than self, cls, super() or an imported module, `_name` no dunder."""
     attr, owner = node.attr, node.value
     if not attr.startswith("_") or attr.startswith("__") or attr in PUBLIC_UNDERSCORED:
+        return False
+    # super()._name: an override calling the method it overrides, on self.
+    if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
         return False
     # self/cls: the class's own state; an imported name: a module's member, e.g. torch._dynamo.
     return not (isinstance(owner, ast.Name) and owner.id in ("self", "cls", *imported))
@@ -126,7 +129,7 @@ def test_no_private_attribute_reads():
 def test_checks_find_what_they_look_for():
     """The cycle and private-read checks report a planted cycle and a planted private read."""
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    tree = ast.parse("def f(runner):\n    return runner._committed, self._ok, runner.__class__\n")
+    tree = ast.parse("def f(runner):\n    return runner._committed, self._ok, runner.__class__, super()._ok\n")
     reads = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
              and _is_private_read(n, set())]
     assert reads == ["runner._committed"]

@@ -377,10 +377,10 @@ class LLMEngine:
                 self.metrics.spec_draft_tokens += len(drafts[i].tokens)
                 self.metrics.spec_accepted_tokens += len(toks) - 1
             for j, t in enumerate(toks):
+                # The grammar ends on an end-of-sequence token (also with ignore_eos): a stop token.
+                grammar_end = r.grammar is not None and accept_token(r.grammar, t)
                 reason = self.output.append_token(r, t, lps[j] if lps is not None else None,
-                                                    tops[j] if tops is not None else None)
-                if r.grammar is not None and accept_token(r.grammar, t) and reason is None:
-                    reason = "stop"  # the grammar ended (end-of-sequence accepted, also with ignore_eos)
+                                                  tops[j] if tops is not None else None, grammar_end)
                 self.metrics.generation_tokens += 1
                 if reason is not None:
                     # Tokens after a stop are dropped: computed positions end before the last token.

@@ -113,9 +113,11 @@ class OutputProcessor:
         self._detokenizers.pop(r.request_id, None)
 
     def append_token(self, r: Request, token: int, logprob: float | None,
-                     top: list[tuple[int, float]] | None = None) -> str | None:
+                     top: list[tuple[int, float]] | None = None, grammar_end: bool = False) -> str | None:
         """Append ``token`` (its logprob, and its position's most likely tokens ``top``: at least
-        params.logprobs pairs when that is > 0) to ``r``; return a finish reason or None."""
+        params.logprobs pairs when that is > 0) to ``r``; return a finish reason or None.
+        grammar_end: the request's grammar ended on this (end-of-sequence) token, a stop token
+        whatever ignore_eos and min_tokens say; like eos, its text is left out of the output."""
         p = r.params
         r.output_token_ids.append(token)
         if p.logprobs is not None:
@@ -123,7 +125,7 @@ class OutputProcessor:
         if p.top_logprobs:
             r.output_top_logprobs.append(top[: p.top_logprobs])
         may_stop = len(r.output_token_ids) >= p.min_tokens
-        stop_token = may_stop and ((not p.ignore_eos and token in self.eos_token_ids) or bool(
+        stop_token = grammar_end or may_stop and ((not p.ignore_eos and token in self.eos_token_ids) or bool(
             p.stop_token_ids and token in p.stop_token_ids))
         detok = self._detokenizers.get(r.request_id)
         if detok is not None and (not stop_token or p.include_stop_str_in_output):

@@ -13,6 +13,7 @@ import torch
 from conftest import requires_cuda
 
 from replayssm import LLM, SamplingParams
+from replayssm.demo import demo_checkpoint
 from replayssm.engine.structured import (
     StructuredOutputs,
     apply_token_bitmask,
@@ -38,6 +39,9 @@ SCHEMA = {
 }
 REGEX = r"[a-z]{2,5}-\d{3}"
 SPECS = {"json_object": {"json_object": True}, "json_schema": {"json": SCHEMA}, "regex": {"regex": REGEX}}
+# The random-weight demo: its outputs wander over the whole vocabulary, so every spec is exercised
+# (the trained demo answers arithmetic and rarely closes a free JSON object).
+RANDOM_DEMO = demo_checkpoint(trained=False)
 ENGINE = dict(device="cpu", max_model_len=256, max_num_seqs=8)
 
 
@@ -101,7 +105,7 @@ def params(kind: str | None, temperature: float, seed: int = 0) -> list[Sampling
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("demo", **ENGINE)
+    return LLM(RANDOM_DEMO, **ENGINE)
 
 
 @pytest.fixture(scope="module", params=["ngram", "synthetic"])
@@ -109,7 +113,7 @@ def spec_llm(request):
     kw = dict(num_speculative_tokens=3, speculative_method=request.param)
     if request.param == "synthetic":
         kw.update(synthetic_acceptance_length=3.0)
-    return LLM("demo", **ENGINE, **kw)
+    return LLM(RANDOM_DEMO, **ENGINE, **kw)
 
 
 # Greedy free JSON objects from random weights run their first string into max_tokens: sampled only.
@@ -142,7 +146,7 @@ def test_speculative_greedy_equals_plain_greedy(llm, interleave):
     """Greedy structured decoding with n-gram drafts emits exactly plain greedy structured decoding's
     tokens (the verify masks follow the drafts and roll back), also with two interleaved request
     groups whose verify steps read back one turn later."""
-    spec = LLM("demo", **ENGINE, num_speculative_tokens=3, speculative_method="ngram",
+    spec = LLM(RANDOM_DEMO, **ENGINE, num_speculative_tokens=3, speculative_method="ngram",
                async_scheduling=interleave)
     assert spec.engine.interleave == interleave
     for kind in ("json_schema", "regex"):
@@ -158,7 +162,7 @@ def test_async_scheduling_mixed_batch(llm):
     mixed = params("json_schema", 1.0) + params(None, 1.0, seed=10)
     prompts = PROMPTS + PROMPTS
     sync = llm.generate(prompts, mixed, use_tqdm=False)
-    fast = LLM("demo", **ENGINE, async_scheduling=True)
+    fast = LLM(RANDOM_DEMO, **ENGINE, async_scheduling=True)
     got = fast.generate(prompts, mixed, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in sync]
     check_outputs("json_schema", got[: len(PROMPTS)])
@@ -244,8 +248,8 @@ def test_cuda_plain_and_interleaved_speculative():
     free rows keep their own tokens beside structured ones is checked on the CPU: on the GPU a row's
     logits move in the last bits with the batch's size, which can change a sampled token.)"""
     kw = dict(ENGINE, device="cuda", cuda_graphs=True)
-    plain = LLM("demo", **kw)
-    spec = LLM("demo", **kw, num_speculative_tokens=3, speculative_method="ngram")
+    plain = LLM(RANDOM_DEMO, **kw)
+    spec = LLM(RANDOM_DEMO, **kw, num_speculative_tokens=3, speculative_method="ngram")
     assert plain.engine.async_scheduling and spec.engine.interleave
     for llm in (plain, spec):
         llm.generate(PROMPTS, params(None, 1.0, seed=10), use_tqdm=False)  # alone: steps launch ahead
@@ -257,3 +261,17 @@ def test_cuda_plain_and_interleaved_speculative():
             assert any(o.finish_reason != "stop" for o in mixed) or not all(
                 _follows(kind, o.text) for o in mixed), [o.text for o in mixed]
     assert plain.get_metrics()["num_ahead_steps"] > 0
+
+
+def test_grammar_end_token_text_is_left_out():
+    """The trained demo ends lines with a printable end-of-sequence token ("\\n"); a grammar that ends
+    on it finishes with "stop" and, as for any eos, its text is not in the output (ignore_eos too)."""
+    llm = LLM("demo", **ENGINE)
+    eos_texts = {llm.engine.tokenizer.decode([t]) for t in llm.engine.output.eos_token_ids}
+    assert "\n" in eos_texts  # the property needs a printable end-of-sequence token
+    outs = llm.generate(["Q: Ann has 7 pens. How many pens does Ann have? A:"] * 4,
+                        [SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True,
+                                        structured=SPECS["regex"]) for i in range(4)])
+    for out in outs:
+        assert out.finish_reason == "stop"
+        assert re.fullmatch(REGEX, out.text), out.text

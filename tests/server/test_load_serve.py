@@ -39,7 +39,7 @@ def server(tmp_path_factory):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    path = demo_checkpoint(cache_dir=str(tmp_path_factory.mktemp("demo")))
+    path = demo_checkpoint(cache_dir=str(tmp_path_factory.mktemp("demo")), trained=False)
     # 32 seats for 64 clients (requests wait), 48 KV blocks of 16 tokens (preemptions).
     llm = LLM(path, device="cpu", max_model_len=128, max_num_seqs=32, num_kv_blocks=48, async_scheduling=True)
     try:
