@@ -41,7 +41,8 @@ def assert_close(actual, expected, tol: float, what: str = "") -> None:
 
 
 def make_tokens(b, n, Hk, Hv, Dk, Dv, dtype=F32):
-    """Random raw q, k (b, n, Hk, Dk), v (b, n, Hv, Dv) in dtype; g in [-0.8, -0.02], beta in [0.05, 0.95] fp32."""
+    """Random raw q, k (b, n, Hk, Dk), v (b, n, Hv, Dv) in dtype; fp32 g in [-0.8, -0.02], beta in
+    [0.05, 0.95]."""
     q, k = torch.randn(b, n, Hk, Dk).to(dtype), torch.randn(b, n, Hk, Dk).to(dtype)
     v = torch.randn(b, n, Hv, Dv).to(dtype)
     return q, k, v, -(torch.rand(b, n, Hv) * 0.78 + 0.02), torch.rand(b, n, Hv) * 0.9 + 0.05
