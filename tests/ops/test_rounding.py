@@ -51,13 +51,14 @@ if triton is not None:
 
     @triton.jit
     def _round_pairs_kernel(
-        x_ptr, out_ptr, base, seed_ptr, DTYPE: tl.constexpr, MAXV: tl.constexpr, R: tl.constexpr, C: tl.constexpr
+        x_ptr, out_ptr, base, seed_ptr, DTYPE: tl.constexpr, MAXV: tl.constexpr, R: tl.constexpr,
+        C: tl.constexpr,
     ):
         # One (R, C) tile of a pool at offset `base`, laid out like a state tile p * N + n.
         tile = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
         x = tl.load(x_ptr + tile)
         mix = load_seed_mix(seed_ptr, DTYPE)
-        tl.store(out_ptr + tile, stochastic_round_pairs(x, base + tile, mix, DTYPE, MAXV))
+        tl.store(out_ptr + tile, stochastic_round_pairs(x, base + tile, mix, DTYPE, MAXV, C))
 
 
 LOW = [torch.float16, torch.bfloat16]

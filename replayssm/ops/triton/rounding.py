@@ -9,9 +9,9 @@ seed on the device lets a captured CUDA graph draw fresh bits at every replay.
 The rounding is integer work on the fp32 bit pattern (add 16 or 13 random bits below the kept ones,
 shift): no division and no conversion unit (float<->int and f32->f16 conversions issue at a quarter
 or less of the integer rate). One lowbias32 hash serves two elements (offsets 2k and 2k + 1).
-`stochastic_round_pairs` hashes once per pair: it takes a 2D tile whose last dimension runs over
-consecutive offsets from an even one (a state tile `base + p * N + n` with N and base even), the form
-every state-writing kernel stores. `stochastic_round` takes any layout and hashes per element.
+`stochastic_round_pairs` hashes once per pair: it takes a 2D state tile whose rows run over
+consecutive offsets (`base + p * N + n`), the form the state update and the replay flushes store.
+`stochastic_round` takes any layout and hashes per element.
 """
 
 from __future__ import annotations
@@ -118,19 +118,24 @@ def stochastic_round(x, offsets, seed_mix, DTYPE: tl.constexpr, MAXV: tl.constex
 
 
 @triton.jit
-def stochastic_round_pairs(x, offsets, seed_mix, DTYPE: tl.constexpr, MAXV: tl.constexpr):
-    """`stochastic_round` with one hash per pair of elements.
+def stochastic_round_pairs(x, offsets, seed_mix, DTYPE: tl.constexpr, MAXV: tl.constexpr, N: tl.constexpr):
+    """`stochastic_round` of a state tile with one hash per pair of elements (same bits).
 
-    x, offsets: 2D (R, C), C even, offsets[i, 2j + 1] == offsets[i, 2j] + 1 and offsets[i, 2j] even.
+    x, offsets: 2D (R, C), offsets = base + p * N + n over C consecutive columns n from an even one,
+    base a multiple of N. With N and C even each pair (2k, 2k + 1) sits side by side in a row; with
+    either odd this is `stochastic_round`.
     """
     out = x
     if DTYPE != tl.float32:
         R: tl.constexpr = x.shape[0]
         C: tl.constexpr = x.shape[1]
-        x_even, x_odd = tl.split(tl.reshape(x, (R, C // 2, 2)))
-        o_even, _ = tl.split(tl.reshape(offsets, (R, C // 2, 2)))
-        v = _lowbias32((o_even >> 1).to(tl.uint32) + seed_mix)
-        y_even = _round16(x_even, v >> 16, DTYPE, MAXV)
-        y_odd = _round16(x_odd, v & 0xFFFF, DTYPE, MAXV)
-        out = tl.reshape(tl.join(y_even, y_odd), (R, C))
+        if N % 2 == 0 and C % 2 == 0:
+            x_even, x_odd = tl.split(tl.reshape(x, (R, C // 2, 2)))
+            o_even, _ = tl.split(tl.reshape(offsets, (R, C // 2, 2)))
+            v = _lowbias32((o_even >> 1).to(tl.uint32) + seed_mix)
+            y_even = _round16(x_even, v >> 16, DTYPE, MAXV)
+            y_odd = _round16(x_odd, v & 0xFFFF, DTYPE, MAXV)
+            out = tl.reshape(tl.join(y_even, y_odd), (R, C))
+        else:
+            out = _round16(x, random_bits(offsets, seed_mix), DTYPE, MAXV)
     return out
