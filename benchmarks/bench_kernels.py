@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_kernels.py [--out benchmarks/results] [--shapes nemotron-h-8b,...]
         [--batches 1,32,256] [--qs 1,4] [--dtypes fp32,fp16] [--lockstep] [--no-flush] [--flashinfer]
+        [--sweep-baseline 16x4,32x4,...]
 
 The defaults run the grid the results table reports: the Nemotron-H 8B shape (H = 128, P = 64,
 N = 128) and the Nemotron-3 Super TP8 shape (H = 16), batch 1 / 32 / 256, q = 1 and 4 tokens per
@@ -17,6 +18,10 @@ ahead with the reference commit (q = 1 accepts 1; q > 1 accepts uniform in [1, q
 replays the same per-row mix of flush and non-flush rows every time (--lockstep: every row starts
 at the same cursor, as a batch that began together; --no-flush: no row flushes). Slot sets rotate
 so each graph touches >= 4x L2 of state. Bytes are the fewest each kernel must move.
+
+--sweep-baseline times the baseline at each listed tile (block_p x num_warps) beside the replay route
+on every case, writes kernels_sweep.json (no report) and prints the tile with the least total time
+per state dtype: the candidate for that dtype's row of `ops/triton/ssu.py: CONFIGS`.
 """
 
 from __future__ import annotations
@@ -146,9 +151,11 @@ class Bench:
                    + q * (H * P * a + H * 4 + G * N * a))  # + history reads, + appends
         return tokens + float(per_row.sum(1).mean()) / self.n_sets
 
-    def body(self, impl: str, route=None):
+    def body(self, impl: str, route=None, tile: LaunchConfig | None = None):
         """The launches of one graph: W recorded steps over every slot set. impl "baseline" (the SSU at
-        BASELINE_TILE) or "replay" (route: a settings object of `ops.triton.replay`; None: its table)."""
+        tile, None: BASELINE_TILE) or "replay" (route: a settings object of `ops.triton.replay`; None:
+        its table)."""
+        tile = tile or BASELINE_TILE
 
         def run():
             for k in range(WINDOW):
@@ -156,8 +163,7 @@ class Bench:
                 for j in range(self.n_sets):
                     if impl == "baseline":
                         tssu.launch_ssu(self.state, self.x, self.dt, self.A, self.B, self.C, self.D,
-                                        self.dt_bias, self.idx[j], self.dst[j], True, k, self.y,
-                                        BASELINE_TILE)
+                                        self.dt_bias, self.idx[j], self.dst[j], True, k, self.y, tile)
                     else:
                         treplay.launch_replay_forward(
                             self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.state,
@@ -201,22 +207,37 @@ def time_graph(run, steps: int) -> tuple[float, int]:
     return statistics.median(times) * 1e3 / steps, reps
 
 
-def measure(bench: Bench, impl: str, route=None) -> dict:
-    """One row: µs per step of impl on the bench's case (route: as `Bench.body`)."""
+def measure(bench: Bench, impl: str, route=None, tile: LaunchConfig | None = None) -> dict:
+    """One row: µs per step of impl on the bench's case (route: as `Bench.body`; tile: the baseline's,
+    None: BASELINE_TILE)."""
     bench.y.fill_(float("nan"))
-    us, reps = time_graph(bench.body(impl, route), WINDOW * bench.n_sets)
+    us, reps = time_graph(bench.body(impl, route, tile), WINDOW * bench.n_sets)
     assert not bench.y.isnan().any(), f"{impl}: NaN output"
     c = bench.case
     nbytes = bench.bytes_per_step(impl)
     H, P, N, G = SHAPES[c.shape]
+    sweep = tile is not None
     if impl == "baseline":
-        name, tile = "ssu", BASELINE_TILE
+        name, tile = "ssu", tile or BASELINE_TILE
     else:
         tile = route or treplay.pick_route(c.batch, c.q, H, P, N, STATE_DTYPES[c.state_dtype])
         name = repr(tile)
     return dict(asdict(c), H=H, P=P, N=N, G=G, window=WINDOW, act_dtype="bf16", impl=impl, route=name,
                 block_p=tile.block_p, num_warps=tile.num_warps, us_per_step=us, bytes_per_step=nbytes,
-                gbps=nbytes / us / 1e3, n_sets=bench.n_sets, reps=reps, sweep=False)
+                gbps=nbytes / us / 1e3, n_sets=bench.n_sets, reps=reps, sweep=sweep)
+
+
+def print_sweep_winners(rows: list[dict]) -> None:
+    """Per state dtype: each swept baseline tile's total µs over the cases, and the fastest."""
+    for sd in dict.fromkeys(r["state_dtype"] for r in rows):
+        totals: dict[str, float] = {}
+        for r in rows:
+            if r["sweep"] and r["state_dtype"] == sd:
+                key = f"{r['block_p']}x{r['num_warps']}"
+                totals[key] = totals.get(key, 0.0) + r["us_per_step"]
+        ranked = sorted(totals.items(), key=lambda kv: kv[1])
+        print(f"{sd} baseline tiles, total us over the cases: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in ranked) + f" -> winner {ranked[0][0]}", flush=True)
 
 
 def git_commit() -> str:
@@ -247,7 +268,11 @@ def main() -> None:
                     help="also time FlashInfer's kernels on fp32 cases (bench_flashinfer.py)")
     ap.add_argument("--fi-target", default="/tmp/fi", help="where flashinfer_build.py installed FlashInfer")
     ap.add_argument("--fi-workspace", default="/tmp/fiws")
+    ap.add_argument("--sweep-baseline", default="", metavar="TILES",
+                    help="comma-separated baseline tiles BLOCK_PxWARPS (e.g. 32x4,64x8) timed on every case; "
+                         "prints the fastest per state dtype")
     args = ap.parse_args()
+    sweep = [LaunchConfig(*map(int, t.split("x"))) for t in args.sweep_baseline.split(",") if t]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(commit=git_commit(), device=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -268,17 +293,24 @@ def main() -> None:
             for q in (int(v) for v in args.qs.split(",")):
                 for b in (int(v) for v in args.batches.split(",")):
                     bench = Bench(Case(shape, b, sd, q, args.lockstep, args.no_flush))
-                    for impl in IMPLS:
-                        r = measure(bench, impl)
+                    runs = [("baseline", t) for t in sweep] + [("replay", None)] if sweep else [
+                        (impl, None) for impl in IMPLS]
+                    for impl, tile in runs:
+                        r = measure(bench, impl, tile=tile)
                         rows.append(r)
-                        print(f"{shape} {sd} q={q} b={b} {impl}: {r['us_per_step']:.2f} us "
+                        at = f" {r['block_p']}x{r['num_warps']}" if tile else ""
+                        print(f"{shape} {sd} q={q} b={b} {impl}{at}: {r['us_per_step']:.2f} us "
                               f"{r['gbps']:.0f} GB/s ({r['route']})", flush=True)
                     if fi is not None:
                         rows += fi.rows(bench, time_graph)
                     del bench
                     torch.cuda.empty_cache()
                     # Written after every case, so a run cut short still leaves its numbers.
-                    (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+                    name = "kernels_sweep.json" if sweep else "kernels.json"
+                    (out / name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    if sweep:
+        print_sweep_winners(rows)
+        return
     from report import write_report  # benchmarks/ is the script's own folder on sys.path
 
     print(write_report(out))

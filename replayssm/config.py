@@ -164,6 +164,12 @@ class EngineConfig:
         "auto", "weights: auto (the checkpoint's safetensors) or dummy (seeded random weights from "
         "config.json alone, for benchmarks)"
     )
+    quantization: str | None = _doc(
+        None, "fp8: quantize a bf16 / fp32 checkpoint's Mamba in/out, attention, MLP and expert weights to "
+        "FP8 E4M3 at load time (per-channel scales; FP8 GEMMs with per-token activation scales on CUDA "
+        "with compute capability >= 8.9, the dequantized weights elsewhere). FP8 checkpoints "
+        "(compressed-tensors, ModelOpt) load as FP8 without it"
+    )
     cuda_graphs: bool | None = _doc(
         None, "replay decode/verify steps as CUDA graphs (tested against eager steps on an H200). None = "
         "on wherever they are supported: a CUDA device, tensor_parallel_size 1, state_dtype float32, "
@@ -205,6 +211,8 @@ class EngineConfig:
         _check_int("seed", self.seed, 0)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("host_threads", self.host_threads, 0)
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):

@@ -31,7 +31,7 @@ _SIZE_UNITS = {
 ENGINE_FLAGS = {
     EngineConfig: (
         "device", "dtype", "replayssm", "replay_window", "replay_stagger", "tokenizer", "load_format",
-        "cuda_graphs", "tensor_parallel_size", "host_threads", "async_scheduling",
+        "quantization", "cuda_graphs", "tensor_parallel_size", "host_threads", "async_scheduling",
     ),
     CacheConfig: (
         "memory_budget",

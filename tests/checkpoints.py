@@ -12,6 +12,7 @@ import atexit
 import functools
 import inspect
 import math
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -285,3 +286,84 @@ def hf_greedy(model, prompts, max_new_tokens: int) -> list[list[int]]:
                              pad_token_id=0)
         outs.append(seq[0, len(p) :].tolist())
     return outs
+
+
+# FP8 checkpoints: which tensors the published FP8 checkpoints quantize (projections and experts;
+# norms, conv, router, embeddings stay), and the config each format declares.
+_FP8_WEIGHT = re.compile(r"\.(in_proj|out_proj|[qkvo]_proj|up_proj|down_proj)\.weight$")
+FP8_FORMATS = ("ct-channel-dynamic", "ct-tensor-static", "ct-channel-weight-only", "modelopt")
+
+
+def _ct_config(strategy: str, activations: dict | None, ignore: list[str]) -> dict:
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "group_size": None, "block_structure": None, "observer": "minmax"}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+             "output_activations": None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "config_groups": {"group_0": group}, "ignore": ignore,
+            "kv_cache_scheme": None}
+
+
+def write_fp8_checkpoint(src: str | Path, dst: str | Path, twin: str | Path, fmt: str,
+                         quantize_lm_head: bool = False) -> None:
+    """Quantize the checkpoint at `src` to FP8 E4M3 in format `fmt` (FP8_FORMATS) at `dst`, and write its
+    dequantized twin (E4M3 value * scale, fp32, the source's config) at `twin`.
+
+    ct-*: compressed-tensors (llm-compressor) with per-channel (N, 1) or per-tensor (1,) weight scales;
+    modelopt: per-tensor () weight scales and static () input scales, declared in hf_quant_config.json.
+    quantize_lm_head also quantizes lm_head (else it is in the ignore / exclude list).
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst, twin = Path(src), Path(dst), Path(twin)
+    assert fmt in FP8_FORMATS, fmt
+    per_channel = "channel" in fmt
+    gen = torch.Generator().manual_seed(7)
+    quantized, dequantized = {}, {}
+    for file in sorted(src.glob("*.safetensors")):
+        for key, w in load_file(str(file)).items():
+            wanted = _FP8_WEIGHT.search(key) or (quantize_lm_head and key == "lm_head.weight")
+            if not wanted or w.dim() != 2:
+                quantized[key] = dequantized[key] = w
+                continue
+            w = w.float()
+            amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1, 1)
+            scale = amax / 448.0
+            q = (w / scale).to(torch.float8_e4m3fn)
+            dequantized[key] = q.float() * scale
+            stem = key.removesuffix("weight")
+            quantized[key] = q
+            if fmt == "modelopt":
+                quantized[stem + "weight_scale"] = scale.reshape(())
+                quantized[stem + "input_scale"] = (0.01 + torch.rand((), generator=gen)).float()
+            else:
+                quantized[stem + "weight_scale"] = scale if per_channel else scale.reshape(1)
+                if fmt == "ct-tensor-static":
+                    quantized[stem + "input_scale"] = (0.01 + torch.rand(1, generator=gen)).float()
+    config = json.loads((src / "config.json").read_text())
+    ignore = [] if quantize_lm_head else ["lm_head"]
+    for out in (dst, twin):
+        out.mkdir(parents=True, exist_ok=True)
+        for extra in src.iterdir():
+            if extra.suffix != ".safetensors" and extra.name not in ("config.json",
+                                                                     "model.safetensors.index.json"):
+                shutil.copy(extra, out / extra.name)
+    save_file(dequantized, str(twin / "model.safetensors"))
+    (twin / "config.json").write_text(json.dumps(config))
+    save_file(quantized, str(dst / "model.safetensors"))
+    if fmt == "modelopt":
+        (dst / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt", "version": "0.0"},
+            "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ignore}}))
+    else:
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                       "strategy": "token"}
+        if fmt == "ct-tensor-static":
+            activations = {**activations, "dynamic": False, "strategy": "tensor"}
+        elif fmt == "ct-channel-weight-only":
+            activations = None
+        strategy = "channel" if per_channel else "tensor"
+        config["quantization_config"] = _ct_config(strategy, activations, ignore)
+    (dst / "config.json").write_text(json.dumps(config))

@@ -17,6 +17,9 @@
     norms, routers, latent projections, Zamba2    replicated                everything
     `linear`
     bias of a row-parallel projection             rank 0 only               zeros elsewhere
+    FP8 weight_scale (N, 1) per channel           as its weight's rows      its rows' scales (all of
+                                                                            them when row-parallel)
+    FP8 weight_scale per tensor, input_scale      replicated                everything
 
 Groups (g): with G >= size each rank keeps G / size whole groups; with G < size the ranks that
 share a group each keep a copy of it (G must divide size). The gated RMSNorm normalizes over a
@@ -218,7 +221,12 @@ def read_shard(cfg: ModelConfig, tp: TensorParallel, f, key: str, name: str) -> 
     """This rank's part of checkpoint tensor `key` (our name `name`), read with safetensors get_slice.
 
     f is an open `safe_open(..., framework="pt")` handle; only the slices this rank keeps are read.
+    FP8 scales are named `<weight>_scale` and `<module>.input_scale` (models/loader.py).
     """
+    if name.endswith(".input_scale"):
+        return f.get_tensor(key)
+    if name.endswith("_scale"):
+        return _read_scale(cfg, tp, f, key, name.removesuffix("_scale"))
     if name in ("embeddings.weight", "lm_head.weight"):
         start, stop, rows = vocab_range(cfg.vocab_size, tp)
         part = f.get_slice(key)[start:stop]
@@ -231,6 +239,23 @@ def read_shard(cfg: ModelConfig, tp: TensorParallel, f, key: str, name: str) -> 
     sl = f.get_slice(key)
     if rule == "rank0":
         return f.get_tensor(key) if tp.rank == 0 else torch.zeros(sl.get_shape(), dtype=_dtype(sl))
+    dim, ranges = rule
+    parts = [sl[(slice(None),) * dim + (slice(s, e),)] for s, e in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _read_scale(cfg: ModelConfig, tp: TensorParallel, f, key: str, weight: str) -> torch.Tensor:
+    """A weight_scale: the rows its weight keeps where it has one scale per row, else all of it."""
+    sl = f.get_slice(key)
+    shape = sl.get_shape()
+    if weight == "lm_head.weight" and len(shape) == 2 and shape[0] > 1:
+        start, stop, rows = vocab_range(cfg.vocab_size, tp)
+        part = sl[start:stop]
+        return torch.cat([part, part.new_ones(rows - part.shape[0], *part.shape[1:])])
+    where = _locate(cfg, weight)
+    rule = _rules(cfg, *where, tp) if where else None
+    if rule is None or rule == "rank0" or len(shape) <= rule[0] or shape[rule[0]] == 1:
+        return f.get_tensor(key)
     dim, ranges = rule
     parts = [sl[(slice(None),) * dim + (slice(s, e),)] for s, e in ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

@@ -78,7 +78,7 @@ class ModelRunner:
                  num_kv_blocks: int = 64, kv_block_size: int = 16, num_slots: int = 8, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
                  cuda_graphs: bool | None = False, tp_rank: int = 0, tp_size: int = 1,
-                 replay_stagger: bool = True) -> None:
+                 replay_stagger: bool = True, quantization: str | None = None) -> None:
         # The sizes come validated from EngineConfig (config.py), the one place that checks them.
         self.q_max = 1 + num_speculative_tokens
         assert not replayssm or self.q_max <= replay_window, (num_speculative_tokens, replay_window)
@@ -87,7 +87,8 @@ class ModelRunner:
         self.tp.check_group()
         self.model, self.model_config = load_model(model_path, device=self.device,
                                                    dtype=None if dtype is None else as_dtype(dtype, "dtype"),
-                                                   load_format=load_format, tp=self.tp)
+                                                   load_format=load_format, tp=self.tp,
+                                                   quantization=quantization)
         cfg = self.model_config
         # Caches hold this rank's heads only: they are sized from the shard's config.
         self.shard_config = local = local_config(cfg, tp_size)

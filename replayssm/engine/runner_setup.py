@@ -143,6 +143,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         seed=config.seed,
         **({"load_format": "dummy"} if dummy else {}),
+        **({"quantization": config.quantization} if config.quantization else {}),
         **({"cuda_graphs": config.cuda_graphs} if tp == 1 and config.cuda_graphs is not False else {}),
         **({"tensor_parallel_size": tp} if tp > 1 else {}),
     )

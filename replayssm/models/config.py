@@ -11,6 +11,7 @@ config_two_part.py: `GraniteMoeHybridForCausalLM` (Granite 4.0-H) and `BambaForC
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from replayssm.models.config_fields import dtype_of as _dtype
 from replayssm.models.config_fields import eos_ids as _eos
 from replayssm.models.config_fields import field as _field
 from replayssm.models.config_fields import layer_list as _layer_list
+from replayssm.models.config_quant import QuantConfig, quant_config_from_hf
 from replayssm.models.config_two_part import TWO_PART, two_part_fields
 from replayssm.models.config_zamba2 import ZAMBA2, Zamba2Shared, zamba2_fields
 
@@ -105,6 +107,8 @@ class ModelConfig:
     falcon_h1: FalconH1Multipliers | None = None
     # Zamba2's shared transformer blocks; set exactly for Zamba2, whose hybrid layers are PARALLEL.
     zamba2: Zamba2Shared | None = None
+    # FP8 weights of a pre-quantized checkpoint (config_quant.py); None: the weights are bf16 / fp32.
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -188,7 +192,7 @@ class ModelConfig:
     def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> ModelConfig:
         """Read a checkpoint directory, a config.json path, or an already-parsed dict."""
         if isinstance(path_or_dict, dict):
-            return _parse(path_or_dict, "<config dict>")
+            return _with_quant(_parse(path_or_dict, "<config dict>"), path_or_dict, None, "<config dict>")
         path = Path(path_or_dict)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
@@ -199,7 +203,12 @@ class ModelConfig:
             raise ValueError(f"{file}: unreadable config.json ({e})") from e
         if not isinstance(raw, dict):
             raise ValueError(f"{file}: config.json is not a JSON object")
-        return _parse(raw, str(file))
+        return _with_quant(_parse(raw, str(file)), raw, file.parent, str(file))
+
+
+def _with_quant(cfg: ModelConfig, raw: dict, root: Path | None, source: str) -> ModelConfig:
+    quant = quant_config_from_hf(raw, root, source)
+    return cfg if quant is None else dataclasses.replace(cfg, quantization=quant)
 
 
 def _parse(raw: dict, source: str) -> ModelConfig:

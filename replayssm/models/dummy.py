@@ -2,7 +2,8 @@
 
 Every parameter is drawn on its own device from a seeded generator, at a scale that keeps
 activations finite through many layers (fan-in scaled matrices, unit norms, a few tokens of
-Mamba memory per head), so timing runs see real-looking data, never zeros or NaN.
+Mamba memory per head), so timing runs see real-looking data, never zeros or NaN. FP8 weights
+(layers/fp8_linear.py) are drawn the same way and quantized with their scales.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from torch import nn
 
 from replayssm.models import model_class
 from replayssm.models.config import ModelConfig
+from replayssm.ops.fp8 import FP8_DTYPE, quantize_fp8
 
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter of `model` in place with seeded random values (see module docstring)."""
     gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if name.endswith("_scale"):
+            continue  # an FP8 weight's scale: written with its weight below
         if p.device not in gens:
             gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
         g = gens[p.device]
@@ -35,6 +40,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             p.normal_(0.0, 0.1, generator=g)
         elif name.startswith("embeddings"):
             p.normal_(0.0, 1.0, generator=g)
+        elif p.dtype == FP8_DTYPE:
+            w = torch.empty(p.shape, device=p.device).normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+            scale = params[name + "_scale"]
+            q, s = quantize_fp8(w, per_channel=scale.shape[-2:] != (1, 1) and scale.dim() > 1)
+            p.copy_(q)
+            scale.copy_(s.reshape(scale.shape))
         else:
             # Matrices (and stacked experts, conv taps) keep unit output scale: std 1/sqrt(fan-in).
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)

@@ -98,8 +98,8 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """h (n, hidden) -> logits (n, vocab), fp32 (fp32=False: the weight's dtype, same values)."""
-        weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        logits = parallel_logits(self.norm_f(h), weight, self.config.vocab_size, self.tp, fp32=False)
+        head = self.embeddings.weight if self.lm_head is None else self.lm_head
+        logits = parallel_logits(self.norm_f(h), head, self.config.vocab_size, self.tp, fp32=False)
         scaled = self.scale_logits(logits)
         logits = logits if scaled is None else scaled
         return logits.float() if fp32 else logits

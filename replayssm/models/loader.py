@@ -14,6 +14,7 @@ naming the file and the tensor. Under tensor parallelism each rank reads only it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -28,9 +29,13 @@ from replayssm.distributed.parallel import SINGLE, TensorParallel
 from replayssm.distributed.sharding import check_shardable, read_shard
 from replayssm.models import model_class
 from replayssm.models.config import ModelConfig
+from replayssm.models.config_quant import QUANTIZATIONS, RUNTIME_FP8
 from replayssm.models.dummy import init_dummy_weights
+from replayssm.models.layers.fp8_linear import apply_fp8, runtime_fp8_params, scale_name
+from replayssm.ops.fp8 import FP8_DTYPE, quantize_fp8
 
 LOAD_FORMATS = ("auto", "dummy")
+_SCALES = ("weight_scale", "input_scale")  # FP8 scales, beside their `weight` in the checkpoint
 _EXPERT = re.compile(r"^(layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 
 
@@ -73,6 +78,37 @@ def _read_whole(f, key: str, name: str) -> torch.Tensor:
     return f.get_tensor(key)
 
 
+def _weight_key(key: str) -> tuple[str, str | None]:
+    """(the checkpoint name of the weight a tensor belongs to, which scale it is or None for the weight)."""
+    for kind in _SCALES:
+        if key.endswith("." + kind):
+            return key[: -len(kind)] + "weight", kind
+    return key, None
+
+
+def _target(rename, key: str, params: dict) -> tuple[str, int | None, str | None] | None:
+    """(our parameter, expert row or None, scale kind or None) that checkpoint tensor `key` fills, or None
+    when we do not serve it. A weight_scale fills the scale of its weight (fp8_linear.scale_name); an
+    input_scale fills the Fp8Linear's input_scale (the experts run dequantized and read none)."""
+    weight_key, kind = _weight_key(key)
+    name = rename(weight_key)
+    if name is None:
+        return None
+    m = _EXPERT.match(name)
+    if m:
+        if kind == "input_scale":
+            return None
+        target = f"{m.group(1)}.{m.group(3)}"
+        row = int(m.group(2))
+    else:
+        target, row = name, None
+    if kind == "weight_scale":
+        target = scale_name(target)
+    elif kind == "input_scale":
+        target = target.removesuffix("weight") + "input_scale"
+    return (target, row, kind) if target in params else None
+
+
 def load_weights(model: nn.Module, path: str | Path, rename=None,
                  read: Callable[..., torch.Tensor] = _read_whole) -> None:
     """Copy every parameter of `model` from the checkpoint at `path` (dtype converted, shapes checked).
@@ -80,71 +116,135 @@ def load_weights(model: nn.Module, path: str | Path, rename=None,
     rename: checkpoint name -> parameter name or None to skip (default: the decoder's mapping
     above; the MTP drafter passes its own to read the `mtp.*` tensors). read(f, key, our_name)
     returns the part of checkpoint tensor `key` this process holds (tensor parallelism).
+    FP8 parameters (layers/fp8_linear.py) take the checkpoint's E4M3 tensors and scales, or
+    quantize a bf16 / fp32 tensor per output channel (--quantization fp8).
     """
     rename = rename or _our_name
     params = dict(model.named_parameters())
     filled: set[str] = set()
-    experts_filled: dict[str, set[int]] = {}
+    rows_filled: dict[str, set[int]] = {}
+
+    def fill(target: str, row: int | None, tensor: torch.Tensor, file: Path, key: str) -> None:
+        _copy(params[target], row, tensor, file, key)
+        if row is None:
+            filled.add(target)
+        else:
+            rows_filled.setdefault(target, set()).add(row)
+
     for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    name = rename(key)
-                    if name is None:
+                    hit = _target(rename, key, params)
+                    if hit is None:
                         continue
-                    m = _EXPERT.match(name)
-                    if m:
-                        target = f"{m.group(1)}.{m.group(3)}"
-                        if target not in params:
-                            continue
-                        e = int(m.group(2))
-                        _copy(params[target], e, read(f, key, name), file, key)
-                        experts_filled.setdefault(target, set()).add(e)
-                    elif name in params:
-                        _copy(params[name], None, read(f, key, name), file, key)
-                        filled.add(name)
+                    target, row, kind = hit
+                    tensor = read(f, key, _read_name(rename, key))
+                    if params[target].dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+                        # --quantization fp8: E4M3 with one scale per output channel, computed here.
+                        q, scale = quantize_fp8(tensor, per_channel=True)
+                        fill(target, row, q, file, key)
+                        fill(scale_name(target), row, scale, file, key)
+                    else:
+                        fill(target, row, tensor, file, key)
         except (OSError, SafetensorError) as e:
             raise ValueError(f"{file}: unreadable safetensors file ({e})") from e
-    for name, rows in experts_filled.items():
+    for name, rows in rows_filled.items():
         if len(rows) == params[name].shape[0]:
             filled.add(name)
         else:
             first = min(set(range(params[name].shape[0])) - rows)
-            stem, proj = name.rsplit(".", 1)
-            raise ValueError(f"{path}: missing tensor {stem}.{first}.{proj}.weight")
+            stem, proj = name.removesuffix("_scale").rsplit(".", 1)
+            leaf = "weight_scale" if name.endswith("_scale") else "weight"
+            raise ValueError(f"{path}: missing tensor {stem}.{first}.{proj}.{leaf}")
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"{path}: missing tensor {missing[0]!r} (and {len(missing) - 1} more)"
                          if len(missing) > 1 else f"{path}: missing tensor {missing[0]!r}")
 
 
+def _read_name(rename, key: str) -> str:
+    """Our name of checkpoint tensor `key` as read_shard takes it: a weight's (per-expert names kept),
+    `<weight>_scale` for its weight_scale, `<module>.input_scale` for an input_scale."""
+    weight_key, kind = _weight_key(key)
+    name = rename(weight_key)
+    if kind == "weight_scale":
+        return scale_name(name)
+    return name if kind is None else name.removesuffix("weight") + kind
+
+
 def _copy(param: torch.Tensor, row: int | None, tensor: torch.Tensor, file: Path, key: str) -> None:
     dst = param.data if row is None else param.data[row]
+    if tensor.dtype == FP8_DTYPE and dst.dtype != FP8_DTYPE:
+        raise ValueError(f"{file}: tensor {key!r} is FP8 E4M3, but this layer holds its weight in "
+                         f"{dst.dtype} (no FP8 form of it)")
+    if key.endswith(_SCALES) and tensor.numel() == dst.numel():
+        tensor = tensor.reshape(dst.shape)  # per-tensor scales come as () or (1,)
     if tuple(tensor.shape) != tuple(dst.shape):
         raise ValueError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
                          f"expected {tuple(dst.shape)}")
     dst.copy_(tensor.to(dst.dtype))
 
 
+def fp8_param_names(path: str | Path, rename, params: set[str]) -> set[str]:
+    """Our parameters whose checkpoint tensors are E4M3 (header reads only; a stacked experts
+    parameter counts when any expert's tensor is)."""
+    rename = rename or _our_name
+    names = set()
+    for file in checkpoint_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if f.get_slice(key).get_dtype() != "F8_E4M3" or rename(key) is None:
+                        continue
+                    hit = _target(rename, key, dict.fromkeys(params))
+                    if hit is None:
+                        raise ValueError(f"{file}: tensor {key!r} is FP8 E4M3, but it is no weight "
+                                         f"this model holds")
+                    names.add(hit[0])
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"{file}: unreadable safetensors file ({e})") from e
+    return names
+
+
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               load_format: str = "auto", tp: TensorParallel = SINGLE) -> tuple[nn.Module, ModelConfig]:
+               load_format: str = "auto", tp: TensorParallel = SINGLE,
+               quantization: str | None = None) -> tuple[nn.Module, ModelConfig]:
     """Build the model for the checkpoint at `path` on `device` in `dtype` (default: the checkpoint's).
 
     Parameters are allocated uninitialized and every one is then filled from the checkpoint
     (load_format "auto"), or with seeded random values from config.json alone ("dummy"); with
     tp.size > 1 the model holds (and reads) only rank tp.rank's shard.
+    FP8: a pre-quantized checkpoint (config.quantization) loads its E4M3 layers as they are;
+    quantization="fp8" quantizes a bf16 / fp32 checkpoint's projections and experts at load time
+    (layers/fp8_linear.py). Dummy weights with either take the load-time layer choice and scheme.
+    The returned config's `quantization` is the scheme the model runs.
     """
-    # EngineConfig checks the user's load_format and dtype.
+    # EngineConfig checks the user's load_format, dtype and quantization.
     assert load_format in LOAD_FORMATS, load_format
     assert dtype in (None, torch.float32, torch.float16, torch.bfloat16), dtype
+    assert quantization in (None, *QUANTIZATIONS), quantization
     config = ModelConfig.from_hf(path)
     check_shardable(config, tp.size)
+    quant = config.quantization
+    if load_format == "dummy" and (quant is not None or quantization is not None):
+        quant = RUNTIME_FP8
+    elif quant is None and quantization == "fp8":
+        quant = RUNTIME_FP8
+    config = dataclasses.replace(config, quantization=quant) if quant != config.quantization else config
     with torch.device("meta"):
         model = model_class(config)(config, dtype=dtype or config.dtype, tp=tp)
+        rename = getattr(model, "checkpoint_name", None)
+        if quant is not None:
+            if quant.source == "runtime":
+                names = runtime_fp8_params(model)
+            else:
+                names = fp8_param_names(path, rename, {name for name, _ in model.named_parameters()})
+            apply_fp8(model, quant, names)
     model = model.to_empty(device=device)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         read = _read_whole if tp.size == 1 else functools.partial(read_shard, config, tp)
-        load_weights(model, path, rename=getattr(model, "checkpoint_name", None), read=read)
+        load_weights(model, path, rename=rename, read=read)
     return model.eval().requires_grad_(False), config

@@ -6,14 +6,23 @@ the same bits for the same write, whatever the launch layout. The seed lives in 
 ops take it as a one-element int64 tensor (`seed_tensor`) and read it on the device, so a captured
 CUDA graph reads the value current at each replay. The recipe (seed taken mod 2^32):
 
-    v = uint32(seed * 0x9E3779B9 + offset)          (mod 2^32)
+    v = uint32(seed * 0x9E3779B9 + (offset >> 1))   (mod 2^32: one hash per pair of elements)
     v ^= v >> 16; v *= 0x7FEB352D; v ^= v >> 15; v *= 0x846CA68B; v ^= v >> 16   ("lowbias32")
-    r = (v >> 8) * 2^-24                             in [0, 1), exact in fp32
-    d = x rounded toward zero; u = next value away from zero
-    result = d if d == x else (u if r < (|x| - |d|) / (|u| - |d|) else d)
+    r = v >> 16 for an even offset, v & 0xFFFF for an odd one        (16 random bits)
+    m = the bit pattern of |x| (fp32)
+    bf16: code = (m + r) >> 16
+    fp16: code = (m + (r >> 3)) >> 13, re-biased to fp16's exponent    (|x| >= 2^-14)
+          code = (bits(|x| + 2^-14) + (r >> 3)) >> 13, less the code of 2^-14  (|x| < 2^-14)
+    result = code with x's sign
 
-|x| above the largest finite value of the dtype (inf included) saturates to ±max; NaN stays
-NaN. Every step is exact in fp32, so E[result] = x and the bits are reproducible.
+Adding r to the bits the dtype drops and truncating rounds up with probability (dropped bits) /
+2^(number dropped), and every dtype value of |x| >= 2^-14 (fp16) or any finite |x| (bf16) drops
+exactly 13 or 16 bits, so E[result] = x exactly there. Below fp16's smallest normal, |x| + 2^-14
+puts the subnormal spacing 2^-24 at the same 13 dropped bits; that add rounds |x| to a multiple of
+2^-37 first (a bias below 2^-13 of the spacing). |x| above the largest finite value of the dtype
+(inf included) saturates to ±max; NaN stays NaN. Integers only beside one fp32 add: no division and
+no conversion, so the kernels that round every state they write pay a few integer operations per
+element (`ops/triton/rounding.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,11 @@ _GOLDEN = 0x9E3779B9
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
+# Per dtype: (largest finite |code|, the quiet NaN code).
+_TOP = {torch.float16: (0x7BFF, 0x7E00), torch.bfloat16: (0x7F7F, 0x7FC0)}
+_FP16_MIN_NORMAL = 2.0**-14
+_FP16_REBIAS = (127 - 15) << 10  # fp32 exponent bias minus fp16's, at the code's exponent field
+_FP16_MIN_NORMAL_CODE = 0x400
 
 
 def _mul32(v: torch.Tensor, m: int) -> torch.Tensor:
@@ -67,19 +81,20 @@ def _seed_mix(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     return _mul32(s & _MASK32, _GOLDEN)
 
 
-def random_uniform(seed: int | torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The uniform r in [0, 1) (fp32, same shape as offsets) that the rounding draws per element.
+def random_bits(seed: int | torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The 16 random bits (int64 in [0, 2^16), offsets' shape) that the rounding draws per element.
 
-    seed: an int, or a one-element int64 tensor on offsets' device (read there).
+    seed: an int, or a one-element int64 tensor on offsets' device (read there). The elements at
+    offsets 2k and 2k + 1 share one hash: the even one takes its high half, the odd one its low half.
     """
-    v = (_seed_mix(seed, offsets.device) + offsets.to(torch.int64)) & _MASK32
+    offsets = offsets.to(torch.int64)
+    v = (_seed_mix(seed, offsets.device) + (offsets >> 1)) & _MASK32
     v = v ^ (v >> 16)
     v = _mul32(v, _M1)
     v = v ^ (v >> 15)
     v = _mul32(v, _M2)
     v = v ^ (v >> 16)
-    # 24 random bits scaled by 2^-24: exact in fp32, never reaches 1.
-    return (v >> 8).to(torch.float32) * (2.0**-24)
+    return torch.where((offsets & 1) == 0, v >> 16, v & 0xFFFF)
 
 
 def stochastic_round_ref(
@@ -103,22 +118,23 @@ def stochastic_round_ref(
         raise ValueError(f"offsets is on {offsets.device}, x on {x.device}")
     if dtype == torch.float32:
         return x.clone()
+    xbits = x.view(torch.int32).to(torch.int64) & _MASK32
+    mbits = xbits & 0x7FFFFFFF
     mag = x.abs()
-    # Round to nearest, then step one code toward zero if that overshot: truncation toward zero.
-    # The magnitudes are non-negative, so integer steps on the bit pattern move by one ulp.
-    near = mag.to(dtype)
-    bits = near.view(torch.int16)
-    bits = torch.where(near.float() > mag, bits - 1, bits)
-    d = bits.view(dtype).float()
-    u = (bits + 1).view(dtype).float()
-    # |x| - |d| and |u| - |d| are exact (Sterbenz; u - d is a power of two), so p is exact.
-    p = (mag - d) / (u - d)
-    r = random_uniform(seed, offsets)
-    out = torch.where((mag != d) & (r < p), u, d)
-    out = torch.where(mag > torch.finfo(dtype).max, torch.finfo(dtype).max, out)
-    out = torch.copysign(out, x)
-    out = torch.where(torch.isnan(x), x, out)
-    return out.to(dtype)
+    r = random_bits(seed, offsets)
+    if dtype == torch.bfloat16:
+        code = (mbits + r) >> 16
+    else:
+        # Below 2^-14, |x| + 2^-14 has fp16's subnormal spacing at the same 13 dropped bits.
+        sub = mag < _FP16_MIN_NORMAL
+        f = torch.where(sub, mag + _FP16_MIN_NORMAL, mag).view(torch.int32).to(torch.int64)
+        code = ((f + (r >> 3)) >> 13) - _FP16_REBIAS - torch.where(sub, _FP16_MIN_NORMAL_CODE, 0)
+    top, nan = _TOP[dtype]
+    code = torch.where(mag > torch.finfo(dtype).max, top, code)
+    code = torch.where(torch.isnan(x), nan, code)
+    code = code | ((xbits >> 16) & 0x8000)
+    # The 16-bit pattern as a signed int16 (codes >= 2^15 are the negative values).
+    return (code - ((code >> 15) << 16)).to(torch.int16).view(dtype)
 
 
 def state_offsets(slots: torch.Tensor, H: int, P: int, N: int) -> torch.Tensor:

@@ -56,8 +56,8 @@ class MTPHead:
         hidden = torch.cat([h for _, _, h, _ in rows])
         out = self.mtp(self.target.embeddings(batch.input_ids), hidden, ctx)[batch.logit_index]
         lm = self.target.lm_head
-        weight = self.target.embeddings.weight if lm is None else lm.weight
-        return out, parallel_logits(out, weight, self.runner.model_config.vocab_size, self.tp)
+        head = self.target.embeddings.weight if lm is None else lm
+        return out, parallel_logits(out, head, self.runner.model_config.vocab_size, self.tp)
 
     def observe(self, rows: list[tuple[str, int, list[int], list[int], int, int]],
                 forget: list[str]) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replayssm.ops.rounding import (
-    random_uniform,
+    random_bits,
     resolve_seed,
     round_states,
     seed_tensor,
@@ -26,7 +26,13 @@ try:
     import triton
     import triton.language as tl
 
-    from replayssm.ops.triton.rounding import load_seed_mix, max_finite, stochastic_round, tl_dtype
+    from replayssm.ops.triton.rounding import (
+        load_seed_mix,
+        max_finite,
+        stochastic_round,
+        stochastic_round_pairs,
+        tl_dtype,
+    )
 except ImportError:
     triton = None
 
@@ -43,20 +49,31 @@ if triton is not None:
         off = tl.load(off_ptr + i, mask=m)
         tl.store(out_ptr + i, stochastic_round(x, off, mix, DTYPE, MAXV), mask=m)
 
+    @triton.jit
+    def _round_pairs_kernel(
+        x_ptr, out_ptr, base, seed_ptr, DTYPE: tl.constexpr, MAXV: tl.constexpr, R: tl.constexpr,
+        C: tl.constexpr,
+    ):
+        # One (R, C) tile of a pool at offset `base`, laid out like a state tile p * N + n.
+        tile = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+        x = tl.load(x_ptr + tile)
+        mix = load_seed_mix(seed_ptr, DTYPE)
+        tl.store(out_ptr + tile, stochastic_round_pairs(x, base + tile, mix, DTYPE, MAXV, C))
+
 
 LOW = [torch.float16, torch.bfloat16]
 
 
-def _lowbias32_python(seed: int, offset: int) -> float:
+def _random_bits_python(seed: int, offset: int) -> int:
     """The recipe of `replayssm/ops/rounding.py` on Python ints, one element at a time."""
     m = 0xFFFFFFFF
-    v = (seed * 0x9E3779B9 + offset) & m
+    v = (seed * 0x9E3779B9 + offset // 2) & m
     v ^= v >> 16
     v = (v * 0x7FEB352D) & m
     v ^= v >> 15
     v = (v * 0x846CA68B) & m
     v ^= v >> 16
-    return (v >> 8) * 2.0**-24
+    return v >> 16 if offset % 2 == 0 else v & 0xFFFF
 
 
 def _ulp_above(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,10 +95,10 @@ def _bracket(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**31 + 7, -3])
 def test_random_bits_follow_recipe(seed):
-    """The uniform draws equal the lowbias32 recipe (`replayssm/ops/rounding.py`) computed on Python ints."""
-    offsets = torch.tensor([0, 1, 2, 77, 2**31 - 1, 2**32 + 5, 3 * 2**40 + 11], dtype=torch.int64)
-    got = random_uniform(seed, offsets).tolist()
-    want = [_lowbias32_python(seed, o) for o in offsets.tolist()]
+    """The random bits equal the lowbias32 recipe (`replayssm/ops/rounding.py`) computed on Python ints."""
+    offsets = torch.tensor([0, 1, 2, 77, 2**31 - 1, 2**32 + 5, 2**33 + 1, 3 * 2**40 + 11], dtype=torch.int64)
+    got = random_bits(seed, offsets).tolist()
+    want = [_random_bits_python(seed, o) for o in offsets.tolist()]
     assert got == want
 
 
@@ -89,7 +106,7 @@ def test_random_bits_follow_recipe(seed):
 def test_device_seed_equals_int_seed(seed):
     """A seed held in a one-element int64 tensor draws the bits of the same value given as an int."""
     offsets = torch.randint(0, 2**40, (257,))
-    assert torch.equal(random_uniform(seed_tensor(seed), offsets), random_uniform(seed, offsets))
+    assert torch.equal(random_bits(seed_tensor(seed), offsets), random_bits(seed, offsets))
     x = torch.randn(257) * 5
     for dtype in LOW:
         a = stochastic_round_ref(x, dtype, seed_tensor(seed), offsets).view(torch.int16)
@@ -184,6 +201,26 @@ def test_subnormal_rounding_unbiased():
     assert abs(mean / step - 5.25) < 0.01
 
 
+@pytest.mark.parametrize("dtype", LOW)
+def test_round_up_frequency_matches_p(dtype):
+    """Over many offsets, each value rounds up with probability p = (|x| - lo) / (hi - lo), the even and
+    odd elements of a shared hash alike, and their two decisions are uncorrelated."""
+    torch.manual_seed(5)
+    n, k = 40_000, 6
+    vals = torch.cat([torch.rand(k - 1) * 50 + 0.5, torch.tensor([3.3 * 2.0**-24])])  # one fp16-subnormal
+    for v in vals.tolist():
+        x = torch.full((n,), v)
+        up = stochastic_round_ref(x, dtype, 17, torch.arange(n) + 2 * 10**9).double() > v
+        lo, hi = _bracket(x[:1], dtype)
+        p = ((v - lo) / (hi - lo)).item()
+        sd = (p * (1 - p) / (n / 2)) ** 0.5
+        for part in (up[0::2], up[1::2]):
+            assert abs(part.double().mean().item() - p) < 5 * sd + 1e-4, (v, p)
+        a, b = up[0::2].double(), up[1::2].double()
+        cov = ((a - a.mean()) * (b - b.mean())).mean().item()
+        assert abs(cov) < 5 * p * (1 - p) / (n / 2) ** 0.5 + 1e-4, (v, cov)
+
+
 def test_float32_is_plain_copy():
     """dtype=float32 returns the input values untouched in a new tensor."""
     x = torch.randn(100)
@@ -226,34 +263,39 @@ def test_bad_arguments_raise(kwargs, name):
 
 
 def check_triton_twin(device: str) -> None:
-    """Triton's stochastic_round gives the reference's bits (NaN: any NaN) on normal, huge and special values.
-
-    fp32-subnormal inputs (|x| < 2^-126) are left out: the CPU interpreter converts them to
-    fp16 wrongly (seen: 1e-40 -> 5.4e-06 toward zero), so they cannot be checked here.
-    """
+    """Triton's stochastic_round and stochastic_round_pairs give the reference's bits on normal, tiny
+    (fp32-subnormal included), huge and special values."""
     torch.manual_seed(0)
-    specials = [float("inf"), -float("inf"), float("nan"), 7e4, -7e4, 65519.0, 3.4e38, -3.39e38, -0.0, 0.0]
+    specials = [float("inf"), -float("inf"), float("nan"), 7e4, -7e4, 65519.0, 3.4e38, -3.39e38, -0.0, 0.0,
+                1e-40, -3e-39, 2.0**-14, -(2.0**-14) * 0.999]
     x = torch.cat(
-        [torch.randn(2000) * 10, torch.randn(500) * 1e-6, torch.randn(500) * 1e4, torch.tensor(specials)]
+        [torch.randn(2000) * 10, torch.randn(500) * 1e-6, torch.randn(500) * 1e4, torch.randn(34) * 1e-38,
+         torch.randn(1048) * 1e-2,
+         torch.tensor(specials)]
     )
     off = torch.randint(0, 2**40, x.shape)
+    R, C = 16, 256  # x.numel() = R * C
+    base = 2 * 2**33 + 1000
     for dtype in LOW:
+        t = tl_dtype(dtype)
+        seed = seed_tensor(123, device)
         out = torch.empty(x.shape, dtype=dtype, device=device)
         grid = (triton.cdiv(x.numel(), 256),)
-        t = tl_dtype(dtype)
-        _round_kernel[grid](
-            x.to(device), off.to(device), out, x.numel(), seed_tensor(123, device), t, max_finite(t),
-            BLOCK=256,
-        )
+        _round_kernel[grid](x.to(device), off.to(device), out, x.numel(), seed, t, max_finite(t), BLOCK=256)
         ref = stochastic_round_ref(x, dtype, 123, off)
-        out = out.cpu()
-        same = (out.view(torch.int16) == ref.view(torch.int16)) | (out.isnan() & ref.isnan())
-        assert bool(same.all()), (dtype, x[~same][:5], out[~same][:5], ref[~same][:5])
+        same = out.cpu().view(torch.int16) == ref.view(torch.int16)
+        assert bool(same.all()), (dtype, x[~same][:5], out.cpu()[~same][:5], ref[~same][:5])
+
+        pairs = torch.empty(x.shape, dtype=dtype, device=device)
+        _round_pairs_kernel[(1,)](x.to(device), pairs, base, seed, t, max_finite(t), R=R, C=C)
+        ref = stochastic_round_ref(x, dtype, 123, base + torch.arange(x.numel()))
+        same = pairs.cpu().view(torch.int16) == ref.view(torch.int16)
+        assert bool(same.all()), (dtype, x[~same][:5], pairs.cpu()[~same][:5], ref[~same][:5])
 
 
 @pytest.mark.skipif(triton is None, reason="needs triton")
 def test_triton_twin_bit_exact_interpreted():
-    """Under the Triton CPU interpreter the device function reproduces the reference bits."""
+    """Under the Triton CPU interpreter the device functions reproduce the reference bits."""
     here = Path(__file__).resolve().parent
     path = os.pathsep.join(
         [str(here.parent.parent), str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]
@@ -269,5 +311,5 @@ def test_triton_twin_bit_exact_interpreted():
 @requires_cuda
 @pytest.mark.skipif(triton is None, reason="needs triton")
 def test_triton_twin_bit_exact_cuda():
-    """On the GPU the Triton device function reproduces the reference bits."""
+    """On the GPU the Triton device functions reproduce the reference bits."""
     check_triton_twin("cuda")

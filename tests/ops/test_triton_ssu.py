@@ -33,12 +33,13 @@ def test_ssu_gpu(state_dtype, q, verify):
 
 @requires_cuda
 @pytest.mark.parametrize("q,verify", [(1, False), (4, True)])
-@pytest.mark.parametrize("block", [(16, 4), (64, 4), (64, 8)])
-def test_ssu_tiles_gpu(q, verify, block):
-    """On the GPU: the other tile configs the benchmark sweeps compute the same results."""
+@pytest.mark.parametrize("block", [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+def test_ssu_tiles_gpu(q, verify, block, state_dtype):
+    """On the GPU: the tile configs the benchmark sweeps compute the same results."""
     from replayssm.ops.triton.ssu import LaunchConfig
 
-    _ssu_gpu(q=q, verify=verify, state_dtype=torch.float32, config=LaunchConfig(*block))
+    _ssu_gpu(q=q, verify=verify, state_dtype=state_dtype, config=LaunchConfig(*block))
 
 
 @requires_cuda

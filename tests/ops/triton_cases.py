@@ -110,7 +110,7 @@ def check_ssu(device, *, H=4, P=12, N=12, G=2, b=5, q=1, S=11, state_dtype=torch
         dst.view(-1)[: flat.numel()] = flat.to(torch.int32)
         dst = dst.to(device)
     args = (x, dt, A, B, C, D, dt_bias, idx)
-    cfg = config or ssu.CONFIG
+    cfg = config or ssu.CONFIGS[state0.dtype]
     runs = []
     for _ in range(2):
         st = state0.clone()
@@ -151,13 +151,13 @@ def check_ssu_rounding(device, *, state_dtype, verify=False, H=4, P=12, N=12, G=
     args = (x, dt, A, B, C, D, dt_bias, idx)
     seed = seed_tensor(41, device)
     st = state0.clone()
-    ssu.launch_ssu(st, *args, dst, False, seed, None, config or ssu.CONFIG)
+    ssu.launch_ssu(st, *args, dst, False, seed, None, config or ssu.CONFIGS[state0.dtype])
     st_ref = state0.clone()
     selective_state_update_ref(st_ref, *args, dst_indices=dst, dt_softplus=False, rand_seed=seed)
     assert torch.equal(st.view(torch.int16), st_ref.view(torch.int16)), "fused rounding differs from the ref"
     seed.fill_(42)
     again = state0.clone()
-    ssu.launch_ssu(again, *args, dst, False, seed, None, config or ssu.CONFIG)
+    ssu.launch_ssu(again, *args, dst, False, seed, None, config or ssu.CONFIGS[state0.dtype])
     assert not torch.equal(again.view(torch.int16), st.view(torch.int16)), "a new seed drew the same bits"
 
 

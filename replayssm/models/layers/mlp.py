@@ -17,6 +17,7 @@ from torch import nn
 
 from replayssm.models.config import ModelConfig
 from replayssm.ops.activation import relu2
+from replayssm.ops.fp8 import FP8_DTYPE, dequantize_fp8
 from replayssm.ops.moe import expert_mlp
 
 ACTIVATIONS = {"relu2": relu2, "silu": F.silu, "gelu": F.gelu}
@@ -94,7 +95,8 @@ class Experts(nn.Module):
     """Routed experts as stacked weights: up_proj (E, I, in), down_proj (E, in, I).
 
     gated_act: up_proj (E, 2I, in) holds rows [gate | up] and the expert computes act(gate) * up
-    (Granite's input_linear).
+    (Granite's input_linear). FP8 experts (layers/fp8_linear.py) hold E4M3 stacks with
+    `up_proj_scale` / `down_proj_scale`; the grouped expert GEMM runs them dequantized to x.dtype.
     """
 
     def __init__(self, num_experts: int, in_dim: int, intermediate: int, act: str, *,
@@ -105,6 +107,17 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, rows, in_dim, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, in_dim, intermediate, **kw))
         self.act = gated(ACTIVATIONS[act]) if gated_act else ACTIVATIONS[act]
+        self.register_parameter("up_proj_scale", None)
+        self.register_parameter("down_proj_scale", None)
+
+    def expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up_proj, down_proj) as the expert GEMM takes them: FP8 stacks dequantized to `dtype`."""
+        up, down = self.up_proj, self.down_proj
+        if up.dtype == FP8_DTYPE:
+            up = dequantize_fp8(up, self.up_proj_scale, dtype)
+        if down.dtype == FP8_DTYPE:
+            down = dequantize_fp8(down, self.down_proj_scale, dtype)
+        return up, down
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, in); weights, ids (T, k). Weighted sum over each token's experts, accumulated in fp32.
@@ -123,7 +136,8 @@ class Experts(nn.Module):
         # scatter_add, not bincount: CUDA bincount reads the max id back to size its output.
         counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
         ends = torch.cumsum(counts.scatter_add_(0, flat, torch.ones_like(flat)), 0)
-        h = expert_mlp(x[order // k], self.up_proj, self.down_proj, ends, self.act)
+        up, down = self.expert_weights(x.dtype)
+        h = expert_mlp(x[order // k], up, down, ends, self.act)
         h = h * weights.flatten()[order, None]  # fp32 from here on
         per_slot = torch.empty_like(h)
         per_slot[order] = h

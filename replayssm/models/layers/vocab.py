@@ -35,10 +35,14 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(h)
 
 
-def parallel_logits(h: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+def parallel_logits(h: torch.Tensor, head: torch.Tensor | nn.Module, vocab_size: int,
                     tp: TensorParallel = SINGLE, *, fp32: bool = True) -> torch.Tensor:
     """h (n, hidden) @ this rank's vocab rows -> full logits (n, vocab_size) on every rank, in fp32
     (fp32=False: in the weight's dtype, for a caller that casts only the rows it keeps; the cast is
-    exact, so the values are the same)."""
-    logits = tp.all_gather_last(F.linear(h.to(weight.dtype), weight))[:, :vocab_size]
+    exact, so the values are the same). head: the rows as a weight, the LM head's nn.Linear, or an
+    FP8 LM head (layers/fp8_linear.py), which computes them in h.dtype."""
+    if isinstance(head, nn.Linear):
+        head = head.weight
+    local = F.linear(h.to(head.dtype), head) if isinstance(head, torch.Tensor) else head(h)
+    logits = tp.all_gather_last(local)[:, :vocab_size]
     return logits.float() if fp32 else logits

@@ -16,7 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import (
+    device_seed,
+    load_seed_mix,
+    max_finite,
+    stochastic_round_pairs,
+    tl_dtype,
+)
 
 FLUSH_PROGRAMS_PER_SM = 4
 # Rows per iteration of the one-program flush list kernels: fixed, so every batch size (every CUDA
@@ -37,7 +43,8 @@ def fold_chunks(state_ptr, rB_ptr, xf, decay, rows, jm, p, sbase, Brow0, seed_mi
         Bc = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
                      other=0.0).to(tl.float32)  # (KB, CW)
         S = tl.dot(xf, Bc, S0 * decay, input_precision="tf32x3")
-        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+        val = stochastic_round_pairs(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV, N)
+        tl.store(state_ptr + sbase + tile, val)
 
 
 @triton.jit
@@ -117,7 +124,8 @@ def _lean_flush_kernel(
         Bh = tl.load(rB_ptr + (Brow0 + rows)[:, None] * N + n[None, :], mask=jm[:, None],
                      other=0.0).to(tl.float32)  # (KB, N)
         S = tl.dot(xf, Bh, S0 * tl.load(sc_ptr + scbase + Q), input_precision="tf32x3")
-        tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+        val = stochastic_round_pairs(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV, N)
+        tl.store(state_ptr + sbase + tile, val)
 
 
 def launch_flush(C, state, ring_x, ring_B, ring_start, committed, state_indices, window, rand_seed, y, w, sc,

@@ -11,7 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, stochastic_round, tl_dtype
+from replayssm.ops.triton.rounding import (
+    device_seed,
+    load_seed_mix,
+    max_finite,
+    stochastic_round_pairs,
+    tl_dtype,
+)
 
 
 @triton.jit
@@ -65,7 +71,7 @@ def replay_fold_kernel(
         xrow0 = s64 * H * R + h * R
         S = fold(S, rx_ptr, rB_ptr, rdt_ptr, xrow0, s64 * G * R + g * R, xrow0, o, hc, A, R, p, n, pm, nm,
                  P, N, HB)
-        val = stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV)
+        val = stochastic_round_pairs(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV, N)
         tl.store(state_ptr + sbase + tile, val, mask=tmask)
 
 
@@ -114,7 +120,7 @@ def _replay_materialize_kernel(
     S = fold(S, rx_ptr, rB_ptr, rdt_ptr, src64 * H * R + h * R, src64 * G * R + g * R, src64 * H * R + h * R,
              o, count, A, R, p, n, pm, nm, P, N, JB)
     base = (dst64 * H + h) * (P * N)
-    val = stochastic_round(S, base + tile, seed_mix, STATE_DTYPE, MAXV)
+    val = stochastic_round_pairs(S, base + tile, seed_mix, STATE_DTYPE, MAXV, N)
     tl.store(state_ptr + base + tile, val, mask=tmask)
 
 

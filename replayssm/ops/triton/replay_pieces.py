@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import stochastic_round
+from replayssm.ops.triton.rounding import stochastic_round_pairs
 from replayssm.ops.triton.tf32 import dot_bf16_split, dot_split
 
 
@@ -88,7 +88,8 @@ def _piece_mma(
         if FOLD:
             Bc = tl.load(rB_ptr + (Brow0 + frows)[:, None] * N + n[None, :], mask=jfm[:, None], other=0.0)
             S = dot_split(xf, Bc.to(tl.float32), S0 * decay, False, rB_ptr.dtype.element_ty != tl.float32)
-            tl.store(state_ptr + sbase + tile, stochastic_round(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV))
+            val = stochastic_round_pairs(S, sbase + tile, seed_mix, STATE_DTYPE, MAXV, N)
+            tl.store(state_ptr + sbase + tile, val)
     if SPLIT == 1:
         _piece_outputs(acc, xh, i, h, p, t, valid, hc, o, xrow0, wbase, scbase, x_ptr, D_ptr, rx_ptr, y_ptr,
                        w_ptr, sc_ptr, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, R, Q, QB, HB, P)
