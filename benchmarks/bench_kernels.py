@@ -46,7 +46,7 @@ from replayssm.ops.triton.ssu import LaunchConfig
 
 SHAPES = {"nemotron-h-8b": (128, 64, 128, 8), "nemotron-3-super-tp8": (16, 64, 128, 1)}  # H, P, N, G
 BATCHES = [1, 32, 256]
-STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QS = [1, 4]
 WINDOW = 16
 ACT = torch.bfloat16

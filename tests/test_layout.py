@@ -129,7 +129,8 @@ def test_no_private_attribute_reads():
 def test_checks_find_what_they_look_for():
     """The cycle and private-read checks report a planted cycle and a planted private read."""
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    tree = ast.parse("def f(runner):\n    return runner._committed, self._ok, runner.__class__, super()._ok\n")
+    tree = ast.parse("def f(runner):\n"
+                     "    return runner._committed, self._ok, runner.__class__, super()._ok\n")
     reads = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
              and _is_private_read(n, set())]
     assert reads == ["runner._committed"]
