@@ -7,7 +7,8 @@
 The defaults run the grid the results table reports: the Nemotron-H 8B shape (H = 128, P = 64,
 N = 128) and the Nemotron-3 Super TP8 shape (H = 16), batch 1 / 32 / 256, q = 1 and 4 tokens per
 row, fp32 and fp16 state, bf16 activations, W = 16. "replay" is the route the public op takes
-(`ops.triton.replay.pick_route`); "baseline" is the SSU at BASELINE_TILE. --flashinfer also times
+(`ops.triton.replay.pick_route`); "baseline" is the SSU at the engine's tile for the state dtype
+(`ops/triton/ssu.py: CONFIGS`). --flashinfer also times
 FlashInfer's kernels on fp32 cases (bench_flashinfer.py; flashinfer_build.py installs them).
 
 Writes kernels.json (commit, device, versions, command, copy bandwidth, one row per case and
@@ -53,7 +54,6 @@ ACT = torch.bfloat16
 ROTATE_BYTES = 240e6  # 4x the H200's 60 MB L2
 MAX_SETS = 512
 IMPLS = ("baseline", "replay")
-BASELINE_TILE = LaunchConfig(block_p=64, num_warps=8)
 
 
 @dataclass(frozen=True)
@@ -153,9 +153,9 @@ class Bench:
 
     def body(self, impl: str, route=None, tile: LaunchConfig | None = None):
         """The launches of one graph: W recorded steps over every slot set. impl "baseline" (the SSU at
-        tile, None: BASELINE_TILE) or "replay" (route: a settings object of `ops.triton.replay`; None:
-        its table)."""
-        tile = tile or BASELINE_TILE
+        tile, None: the engine's, `ssu.CONFIGS`) or "replay" (route: a settings object of
+        `ops.triton.replay`; None: its table)."""
+        tile = tile or tssu.CONFIGS[STATE_DTYPES[self.case.state_dtype]]
 
         def run():
             for k in range(WINDOW):
@@ -209,7 +209,7 @@ def time_graph(run, steps: int) -> tuple[float, int]:
 
 def measure(bench: Bench, impl: str, route=None, tile: LaunchConfig | None = None) -> dict:
     """One row: µs per step of impl on the bench's case (route: as `Bench.body`; tile: the baseline's,
-    None: BASELINE_TILE)."""
+    None: the engine's, `ssu.CONFIGS`)."""
     bench.y.fill_(float("nan"))
     us, reps = time_graph(bench.body(impl, route, tile), WINDOW * bench.n_sets)
     assert not bench.y.isnan().any(), f"{impl}: NaN output"
@@ -218,7 +218,8 @@ def measure(bench: Bench, impl: str, route=None, tile: LaunchConfig | None = Non
     H, P, N, G = SHAPES[c.shape]
     sweep = tile is not None
     if impl == "baseline":
-        name, tile = "ssu", tile or BASELINE_TILE
+        tile = tile or tssu.CONFIGS[STATE_DTYPES[c.state_dtype]]
+        name = f"ssu {tile.block_p}x{tile.num_warps}"
     else:
         tile = route or treplay.pick_route(c.batch, c.q, H, P, N, STATE_DTYPES[c.state_dtype])
         name = repr(tile)
@@ -279,7 +280,8 @@ def main() -> None:
                 triton=triton.__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
                 window=WINDOW, act_dtype="bf16", copy_gbps=copy_bandwidth_gbps(), lockstep=args.lockstep,
                 noflush=args.no_flush,
-                baseline_tile=f"{BASELINE_TILE.block_p}x{BASELINE_TILE.num_warps}")
+                baseline_tiles={k: f"{tssu.CONFIGS[v].block_p}x{tssu.CONFIGS[v].num_warps}"
+                                for k, v in STATE_DTYPES.items()})
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
     fi = None
     if args.flashinfer:

@@ -168,7 +168,7 @@ def write_report(results: Path) -> str:
             f"replays of whole W-step cycles (flush steps included)"
             + ("; cursors in lock-step (rows flush on the same step)" if meta.get("lockstep") else "")
             + ("; every cursor capped at W - q: no row flushes (a diagnostic)" if meta.get("noflush") else "")
-            + f"; baseline tile {meta.get('baseline_tile', '-')}; replay takes the route table's choice "
+            + f"; baseline tiles {meta.get('baseline_tiles', '-')}; replay takes the route table's choice "
             "(`ops.triton.replay.pick_route`).", ""]
     if meta.get("note"):  # how a merged file came together (several commands of one device call)
         commands = meta.get("commands", [])
