@@ -346,27 +346,41 @@ def assemble(meta: dict[str, Any], result: dict[str, Any], targets: dict[str, fl
             "spread_warnings": [] if smoke else spread_warnings(rows)}
 
 
-def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str],
-                  targets: dict[str, float], merge: bool = False, with_plot: bool = True) -> dict[str, Any]:
-    """Write e2e.json, e2e.md and e2e.png under out_dir; return the document written.
+def result_stem(model_shape: str, modes: str, state_dtypes: tuple[str, ...]) -> str:
+    """The file name of a run's result, so each configuration keeps its own current result: e2e for
+    the default (Nemotron-H 8B, fp32 state), then -SHAPE for another model shape, -seeds for mode s
+    alone, and the state dtypes when they are not fp32 alone (e2e-fp32-fp16)."""
+    stem = "e2e" if model_shape == "nemotron-h-8b" else f"e2e-{model_shape}"
+    if modes == "s":
+        stem += "-seeds"
+    elif tuple(state_dtypes) != ("float32",):
+        short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+        stem += "-" + "-".join(short[d] for d in state_dtypes)
+    return stem
 
-    merge: keep the rows of the modes this run did not select from an existing e2e.json (a
+
+def write_results(result: dict[str, Any], out_dir: str | Path, command: list[str],
+                  targets: dict[str, float], merge: bool = False, with_plot: bool = True,
+                  stem: str = "e2e") -> dict[str, Any]:
+    """Write {stem}.json, .md and .png under out_dir (stem: `result_stem`); return the document.
+
+    merge: keep the rows of the modes this run did not select from an existing {stem}.json (a
     benchmark split over several commands); each row says which command produced it.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(command)
     rows = [dict(r, command=meta["command"], commit=meta["commit"]) for r in result["rows"]]
-    if merge and (out / "e2e.json").is_file():
-        old = json.loads((out / "e2e.json").read_text())
+    if merge and (out / f"{stem}.json").is_file():
+        old = json.loads((out / f"{stem}.json").read_text())
         rows = [r for r in old["rows"] if r["mode"] not in result["modes"]] + rows
         warmups = [x for x in old.get("warmups", []) if x["mode"] not in result["modes"]]
         modes = "".join(sorted(set(old["modes"]) | set(result["modes"])))
         result = {**result, "modes": modes, "warmups": warmups + result.get("warmups", [])}
     doc = assemble(meta, {**result, "rows": rows}, targets)
-    doc["plot_note"] = plot(doc, out / "e2e.png") if with_plot else "plot written at the end"
-    write_atomic(out / "e2e.json", json.dumps(doc, indent=1, default=str) + "\n")
-    write_atomic(out / "e2e.md", render_markdown(doc))
+    doc["plot_note"] = plot(doc, out / f"{stem}.png") if with_plot else "plot written at the end"
+    write_atomic(out / f"{stem}.json", json.dumps(doc, indent=1, default=str) + "\n")
+    write_atomic(out / f"{stem}.md", render_markdown(doc))
     return doc
 
 

@@ -154,7 +154,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                             help=f"mode (c)'s {what}, after --scale (default: the workload's, 12,800 shared "
                             "tokens and 4 turns of 1,024 in / 128 out)")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other modes' rows of an existing e2e.json (split one benchmark over "
+                        help="keep the other modes' rows of an existing result (split one benchmark over "
                         "several commands)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="replay decode/verify steps as CUDA graphs (default: the engine's, on wherever "
@@ -300,15 +300,17 @@ def run_bench(args: argparse.Namespace) -> int:
         log(f"bench: {doc['plot_note'] or f'wrote {out}/e2e-profile.{{json,md,png}}'}")
         return 0
 
+    stem = report.result_stem(args.model_shape, args.modes, state_dtypes)
+
     def save(partial: dict, with_plot: bool = False) -> dict:
-        return report.write_results(partial, out, command, bench.TARGETS, merge=args.merge,
+        return report.write_results(partial, out, command, bench.TARGETS, merge=args.merge, stem=stem,
                                     with_plot=with_plot)
 
     doc = save(bench.run_benchmark(workload, args.modes, log=log, on_row=save), with_plot=True)
     print(report.render_markdown(doc))
     for warning in doc["spread_warnings"]:
         log(f"bench: WARNING {warning}")
-    log(f"bench: {doc['plot_note'] or f'wrote {out}/e2e.{{json,md,png}}'}")
+    log(f"bench: {doc['plot_note'] or f'wrote {out}/{stem}.{{json,md,png}}'}")
     return 0
 
 

@@ -237,7 +237,8 @@ def test_bench_granite_model_shape(tmp_path, capsys):
 
     assert main(["bench", "--quick", "--model-shape", "granite-4.0-h-small", "--modes", "ab",
                  "--scale", "0.5", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "e2e.json").read_text())
+    doc = json.loads((tmp_path / "e2e-granite-4.0-h-small.json").read_text())  # its own result file
+    assert not (tmp_path / "e2e.json").exists()
     assert doc["workload"]["config"]["architectures"] == ["GraniteMoeHybridForCausalLM"]
     assert sorted({r["mode"] for r in doc["rows"]}) == ["a", "b"]
     assert all(r["output_tokens"] > 0 for r in doc["rows"])
@@ -254,7 +255,7 @@ def test_bench_quick_state_dtypes_seed_mode_and_tp(tmp_path):
     argv = ["bench", "--quick", "--modes", "as", "--state-dtype", "float32,float16", "--tensor-parallel-size",
             "2", "--out", str(tmp_path)]
     assert main(argv) == 0
-    doc = json.loads((tmp_path / "e2e.json").read_text())
+    doc = json.loads((tmp_path / "e2e-fp32-fp16.json").read_text())  # named by its state dtypes
     assert all(r["tensor_parallel_size"] == 2 for r in doc["rows"])
     for dtype in ("float32", "float16"):
         rows = sorted((r for r in doc["rows"] if r["mode"] == "a" and r["state_dtype"] == dtype),
@@ -268,7 +269,7 @@ def test_bench_quick_state_dtypes_seed_mode_and_tp(tmp_path):
     assert all(r["state_dtype"] == "float16" and r["k"] == 3 and r["spec_draft_tokens"] > 0 for r in seed)
     assert all((r["prefix_hit_tokens"] > 0) == (r["setting"] == "on") for r in seed)
     assert {q["metric"] for q in doc["ratios"] if q["mode"] == "s"} == {"ttft_s", "output_tok_s"}
-    md = (tmp_path / "e2e.md").read_text()
+    md = (tmp_path / "e2e-fp32-fp16.md").read_text()
     assert "| state_dtype | tensor_parallel_size |" in md and "ON float16 / ON float32" in md
     assert "seeds' prefix-caching workload" in md
 
@@ -281,3 +282,15 @@ def test_bench_refuses_bad_flags(flag, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "replayssm bench: error:" in err and flag[0] in err
     assert not (tmp_path / "e2e.json").exists()
+
+
+def test_result_stem_names_each_configuration():
+    """Each configuration keeps its own current result file: the default is e2e; another model shape,
+    mode s alone and non-fp32 state dtypes each add to the name."""
+    from replayssm.cli import _load_benchmark
+
+    stem = _load_benchmark("report_e2e").result_stem
+    assert stem("nemotron-h-8b", "abc", ("float32",)) == "e2e"
+    assert stem("granite-4.0-h-tiny", "ab", ("float32",)) == "e2e-granite-4.0-h-tiny"
+    assert stem("nemotron-h-8b", "s", ("float32",)) == "e2e-seeds"
+    assert stem("nemotron-h-8b", "a", ("float32", "float16")) == "e2e-fp32-fp16"
