@@ -55,8 +55,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
 
     kinds = cfg.block_kinds
     if GDN in kinds:
-        raise ValueError(f"tensor_parallel_size={size}: {cfg.architecture} (Gated DeltaNet layers) runs on one "
-                         f"GPU only; use tensor_parallel_size=1")
+        raise ValueError(f"tensor_parallel_size={size}: {cfg.architecture} (Gated DeltaNet layers) runs "
+                         f"on one GPU only; use tensor_parallel_size=1")
     if kinds & {MAMBA, PARALLEL}:
         H, G = cfg.mamba_num_heads, cfg.mamba_n_groups
         need(H % size == 0, f"mamba_num_heads={H} must be a multiple of {size}")

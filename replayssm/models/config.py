@@ -133,7 +133,8 @@ class ModelConfig:
                 raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
         if self.num_gdn_layers and self.num_mamba_layers:
             raise ValueError("a model holds Mamba-2 or Gated DeltaNet layers, not both")
-        if self.num_gdn_layers and (self.gdn_num_v_heads % max(self.gdn_num_k_heads, 1) or self.conv_kernel < 2):
+        if self.num_gdn_layers and (self.gdn_num_v_heads % max(self.gdn_num_k_heads, 1)
+                                    or self.conv_kernel < 2):
             raise ValueError(f"gdn_num_v_heads={self.gdn_num_v_heads} must be a multiple of gdn_num_k_heads="
                              f"{self.gdn_num_k_heads} and conv_kernel={self.conv_kernel} at least 2")
         if self.num_attention_layers and self.num_attention_heads % max(self.num_key_value_heads, 1):
@@ -148,8 +149,8 @@ class ModelConfig:
         if self.architecture in GDN_ARCHITECTURES:
             if set(self.layer_types) - {GDN, ATTENTION} or len(self.ffn_types) != self.num_layers or \
                     set(self.ffn_types) - {MLP, MOE}:
-                raise ValueError(f"{self.architecture} layers must be gdn or attention, each with mlp or moe, "
-                                 f"got {self.layer_types}, {self.ffn_types}")
+                raise ValueError(f"{self.architecture} layers must be gdn or attention, each with mlp or "
+                                 f"moe, got {self.layer_types}, {self.ffn_types}")
         elif GDN in self.layer_types:
             raise ValueError(f"gdn layers are for {GDN_ARCHITECTURES}")
         elif self.architecture in TWO_PART_ARCHITECTURES:

@@ -37,7 +37,9 @@ def _rope(raw: dict, source: str, f) -> tuple[float, float]:
         raise ValueError(f"{source}: field 'rope_parameters' must be an object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
-        raise ValueError(f"{source}: field 'rope_parameters.rope_type' {kind!r} is not supported (default only)")
+        raise ValueError(
+            f"{source}: field 'rope_parameters.rope_type' {kind!r} is not supported (default only)"
+        )
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
     return float(theta), float(factor)
@@ -63,8 +65,10 @@ def qwen3_next_fields(raw: dict, source: str, arch: str) -> dict[str, Any]:
         interval = f("full_attention_interval", default=4)
         names = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
     if not isinstance(names, list) or len(names) != num_layers or set(names) - set(_LAYER_NAMES):
-        raise ValueError(f"{source}: field 'layer_types' must list {num_layers} entries of "
-                         f"{sorted(_LAYER_NAMES)}, got {names!r}")
+        raise ValueError(
+            f"{source}: field 'layer_types' must list {num_layers} entries of "
+            f"{sorted(_LAYER_NAMES)}, got {names!r}"
+        )
     layers = tuple(_LAYER_NAMES[n] for n in names)
     moe = arch in _MOE_ARCHITECTURES and f("num_experts", default=0) > 0
     if moe:
@@ -78,8 +82,10 @@ def qwen3_next_fields(raw: dict, source: str, arch: str) -> dict[str, Any]:
     head_dim = f("head_dim", default=None) or f("hidden_size") // heads
     hk, hv = f("linear_num_key_heads"), f("linear_num_value_heads")
     if hv % hk:
-        raise ValueError(f"{source}: field 'linear_num_value_heads' ({hv}) must be a multiple of "
-                         f"'linear_num_key_heads' ({hk})")
+        raise ValueError(
+            f"{source}: field 'linear_num_value_heads' ({hv}) must be a multiple of "
+            f"'linear_num_key_heads' ({hk})"
+        )
     eos = _eos(raw, source) or _eos(top, source)
     return dict(
         architecture=arch,
@@ -91,11 +97,18 @@ def qwen3_next_fields(raw: dict, source: str, arch: str) -> dict[str, Any]:
         tie_word_embeddings=_field(top, source, "tie_word_embeddings", default=False, kind=bool),
         dtype=_dtype(raw if raw.get("dtype") or raw.get("torch_dtype") else top, source),
         max_model_len=f("max_position_embeddings", default=32768),
-        mamba_num_heads=0, mamba_head_dim=0, ssm_state_size=0, mamba_n_groups=1,
+        mamba_num_heads=0,
+        mamba_head_dim=0,
+        ssm_state_size=0,
+        mamba_n_groups=1,
         conv_kernel=f("linear_conv_kernel_dim", default=4),
-        chunk_size=64, use_conv_bias=False, mamba_proj_bias=False,
-        gdn_num_k_heads=hk, gdn_num_v_heads=hv,
-        gdn_k_head_dim=f("linear_key_head_dim"), gdn_v_head_dim=f("linear_value_head_dim"),
+        chunk_size=64,
+        use_conv_bias=False,
+        mamba_proj_bias=False,
+        gdn_num_k_heads=hk,
+        gdn_num_v_heads=hv,
+        gdn_k_head_dim=f("linear_key_head_dim"),
+        gdn_v_head_dim=f("linear_value_head_dim"),
         num_attention_heads=heads,
         num_key_value_heads=f("num_key_value_heads", default=heads),
         head_dim=head_dim,

@@ -38,7 +38,8 @@ from replayssm.ops.fp8 import FP8_DTYPE, quantize_fp8
 
 LOAD_FORMATS = ("auto", "dummy")
 _SCALES = ("weight_scale", "input_scale")  # FP8 scales, beside their `weight` in the checkpoint
-_EXPERT = re.compile(r"^(layers\.\d+\.(?:mixer|mlp)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(
+    r"^(layers\.\d+\.(?:mixer|mlp)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -93,7 +94,8 @@ def _target(rename, key: str, params: dict, gated: frozenset[str] = frozenset()
     """(our parameter, expert row or None, scale kind or None) that checkpoint tensor `key` fills, or None
     when we do not serve it. A weight_scale fills the scale of its weight (fp8_linear.scale_name); an
     input_scale fills the Fp8Linear's input_scale (the experts run dequantized and read none).
-    gated: the stacked `up_proj`s of gated experts, whose row e is (e, 0) for gate_proj, (e, 1) for up_proj."""
+    gated: the stacked `up_proj`s of gated experts; row e of one is (e, 0) for gate_proj, (e, 1) for
+    up_proj."""
     weight_key, kind = _weight_key(key)
     name = rename(weight_key)
     if name is None:
@@ -134,7 +136,8 @@ def load_weights(model: nn.Module, path: str | Path, rename=None,
     filled: set[str] = set()
     rows_filled: dict[str, set] = {}
 
-    def fill(target: str, row: int | tuple[int, int] | None, tensor: torch.Tensor, file: Path, key: str) -> None:
+    def fill(target: str, row: int | tuple[int, int] | None, tensor: torch.Tensor, file: Path,
+             key: str) -> None:
         _copy(params[target], row, tensor, file, key)
         if row is None:
             filled.add(target)

@@ -38,12 +38,12 @@ def checkpoint_name(key: str) -> str | None:
         return None
     for prefix in ("model.language_model.", "model."):
         if key.startswith(prefix):
-            key = key[len(prefix):]
+            key = key[len(prefix) :]
             break
     if key.startswith("embed_tokens."):
-        return "embeddings." + key[len("embed_tokens."):]
+        return "embeddings." + key[len("embed_tokens.") :]
     if key.startswith("norm."):
-        return "norm_f." + key[len("norm."):]
+        return "norm_f." + key[len("norm.") :]
     return key
 
 
@@ -66,8 +66,9 @@ class GatedAttention(Attention):
 
     def __init__(self, cfg: ModelConfig, attn_index: int, *, device=None, dtype=None) -> None:
         super().__init__(cfg, attn_index, rotary=rotary_for(cfg, device), device=device, dtype=dtype)
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=False, device=device,
-                                dtype=dtype)
+        self.q_proj = nn.Linear(
+            cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=False, device=device, dtype=dtype
+        )
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.norm_eps, device=device, dtype=dtype)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.norm_eps, device=device, dtype=dtype)
 
@@ -81,8 +82,17 @@ class GatedAttention(Attention):
         k_cache, v_cache = ctx.kv_cache.layer(self.attn_index)
         md = ctx.attn
         store_kv(k, v, k_cache, v_cache, md.slot_mapping)
-        o = paged_attention(q.contiguous(), k_cache, v_cache, md.cu_seqlens_q, md.block_tables, md.context_lens,
-                            scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_context_len)
+        o = paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            md.cu_seqlens_q,
+            md.block_tables,
+            md.context_lens,
+            scale=self.scale,
+            max_query_len=md.max_query_len,
+            max_context_len=md.max_context_len,
+        )
         o = o.reshape(T, H * D) * torch.sigmoid(gate.reshape(T, H * D))
         return self.o_proj(o)
 
@@ -110,8 +120,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.gate = SoftmaxRouter(cfg, **kw)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, "silu", gated_act=True,
-                               **kw)
+        self.experts = Experts(
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, "silu", gated_act=True, **kw
+        )
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.moe_shared_intermediate_size, False, **kw)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, **kw)
 
@@ -124,8 +135,9 @@ class SparseMoE(nn.Module):
 class Qwen3NextBlock(nn.Module):
     """h <- h + mixer(norm(h)); h <- h + ffn(norm(h))."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, ffn_kind: str, index_of_kind: int, *, device=None,
-                 dtype=None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, kind: str, ffn_kind: str, index_of_kind: int, *, device=None, dtype=None
+    ) -> None:
         super().__init__()
         self.kind = kind
         kw = dict(device=device, dtype=dtype)
@@ -137,8 +149,11 @@ class Qwen3NextBlock(nn.Module):
             assert kind == ATTENTION, kind
             self.self_attn = GatedAttention(cfg, index_of_kind, **kw)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
-        self.mlp = SparseMoE(cfg, **kw) if ffn_kind == MOE else SwiGLU(cfg.hidden_size, cfg.intermediate_size,
-                                                                        False, **kw)
+        self.mlp = (
+            SparseMoE(cfg, **kw)
+            if ffn_kind == MOE
+            else SwiGLU(cfg.hidden_size, cfg.intermediate_size, False, **kw)
+        )
 
     @property
     def mixer(self) -> nn.Module:

@@ -9,7 +9,15 @@ import tempfile
 import pytest
 import torch
 from checkpoints import hf_greedy, random_prompts
-from family_helpers import GREEDY, NEW_TOKENS, check_prefix_hit, family_llm, greedy_tokens, hf_logits, our_logits
+from family_helpers import (
+    GREEDY,
+    NEW_TOKENS,
+    check_prefix_hit,
+    family_llm,
+    greedy_tokens,
+    hf_logits,
+    our_logits,
+)
 
 from replayssm.models.config import ModelConfig
 from replayssm.models.qwen3_next import Qwen3NextForCausalLM
@@ -25,11 +33,24 @@ def _tiny(kind: str, hk: int, hv: int):
     norms, gates and decays all matter); (directory, transformers model)."""
     import transformers as tf
 
-    common = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4, layer_types=LAYERS, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, linear_num_key_heads=hk, linear_num_value_heads=hv,
-                  linear_key_head_dim=8, linear_value_head_dim=6, max_position_embeddings=256,
-                  tie_word_embeddings=False)
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    common = dict(
+        vocab_size=256,
+        hidden_size=32,
+        num_hidden_layers=4,
+        layer_types=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
+    )
     if kind == "qwen3_next":
         cfg = tf.Qwen3NextConfig(intermediate_size=40, decoder_sparse_step=2, **moe, **common)
         cls = tf.Qwen3NextForCausalLM
@@ -42,7 +63,7 @@ def _tiny(kind: str, hk: int, hv: int):
     torch.manual_seed(hk * 10 + hv)
     model = cls(cfg).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p.normal_(0.0, 0.3)
     root = tempfile.mkdtemp(prefix=f"replayssm-{kind}-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)
@@ -79,7 +100,7 @@ def test_prefill_logits_match_transformers(variant):
 @pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_greedy_tokens_match_transformers(variant, replayssm):
-    """Greedy decoding equals transformers' generate(), with ReplaySSM (W = 4: the ring flushes) and without."""
+    """Greedy decoding equals transformers' generate(), ReplaySSM on (W = 4: the ring flushes) and off."""
     path, _ = tiny(variant)
     llm = family_llm(path, replayssm=replayssm, replay_window=4)
     assert greedy_tokens(llm, PROMPTS) == _want(variant, PROMPTS)
@@ -87,7 +108,7 @@ def test_greedy_tokens_match_transformers(variant, replayssm):
 
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[2]], ids=[IDS[0], IDS[2]])
 def test_prefix_hit_equals_miss(variant):
-    """A prompt extending a cached one starts from a published checkpoint and still gives transformers' tokens."""
+    """A prompt extending a cached one starts from a published checkpoint and gives transformers' tokens."""
     path, hf = tiny(variant)
     check_prefix_hit(path, hf, PROMPTS)
 
@@ -99,8 +120,9 @@ def test_ngram_speculation_is_lossless(variant, replayssm):
     1 + k slots per request)."""
     path, _ = tiny(variant)
     prompts = [p + p for p in PROMPTS]  # repeats give the n-gram drafter matches
-    llm = family_llm(path, replayssm=replayssm, replay_window=8, num_speculative_tokens=3,
-                     speculative_method="ngram")
+    llm = family_llm(
+        path, replayssm=replayssm, replay_window=8, num_speculative_tokens=3, speculative_method="ngram"
+    )
     assert greedy_tokens(llm, prompts, GREEDY) == hf_greedy(tiny(variant)[1], prompts, NEW_TOKENS)
     m = llm.get_metrics()
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
@@ -109,10 +131,20 @@ def test_ngram_speculation_is_lossless(variant, replayssm):
 def test_unsupported_rope_and_tensor_parallelism_are_refused():
     """A scaled RoPE config and tensor_parallel_size > 1 raise ValueErrors naming the field."""
     path, _ = tiny(VARIANTS[1])
-    raw = {"architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
-           "layer_types": ["linear_attention"], "num_attention_heads": 1, "linear_num_key_heads": 1,
-           "linear_num_value_heads": 1, "linear_key_head_dim": 4, "linear_value_head_dim": 4,
-           "intermediate_size": 8, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}
+    raw = {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "layer_types": ["linear_attention"],
+        "num_attention_heads": 1,
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 1,
+        "linear_key_head_dim": 4,
+        "linear_value_head_dim": 4,
+        "intermediate_size": 8,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4},
+    }
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_hf(raw)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):

@@ -48,8 +48,9 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """x (T, hidden) -> (T, hidden); reads and writes the layer's slots in ctx.mamba_cache."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int, *, fused_projections: bool, device=None,
-                 dtype=None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_index: int, *, fused_projections: bool, device=None, dtype=None
+    ) -> None:
         super().__init__()
         self.mamba_index = layer_index  # which per-layer recurrent cache tensors this layer owns
         self.Hk, self.Hv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads
@@ -67,8 +68,9 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = nn.Linear(H, self.value_dim, bias=False, **kw)
             self.in_proj_b = nn.Linear(H, self.Hv, bias=False, **kw)
             self.in_proj_a = nn.Linear(H, self.Hv, bias=False, **kw)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim, bias=False,
-                                **kw)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim, bias=False, **kw
+        )
         # Decay parameters stay fp32 whatever the model dtype (g is computed in fp32).
         self.dt_bias = nn.Parameter(torch.empty(self.Hv, device=device, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.Hv, device=device, dtype=torch.float32))
@@ -79,8 +81,12 @@ class GatedDeltaNet(nn.Module):
         """x (T, hidden) -> (qkv (T, conv_dim) as [q | k | v], z (T, Hv, Dv), b, a (T, Hv))."""
         T = x.shape[0]
         if not self.fused:
-            return (self.in_proj_qkv(x), self.in_proj_z(x).view(T, self.Hv, self.Dv), self.in_proj_b(x),
-                    self.in_proj_a(x))
+            return (
+                self.in_proj_qkv(x),
+                self.in_proj_z(x).view(T, self.Hv, self.Dv),
+                self.in_proj_b(x),
+                self.in_proj_a(x),
+            )
         r = self.Hv // self.Hk
         qkvz = self.in_proj_qkvz(x).view(T, self.Hk, 2 * self.Dk + 2 * r * self.Dv)
         q, k, v, z = qkvz.split([self.Dk, self.Dk, r * self.Dv, r * self.Dv], dim=-1)
@@ -105,16 +111,35 @@ class GatedDeltaNet(nn.Module):
         y = self.norm(o, z).reshape(-1, self.value_dim)
         return self.out_proj(y)
 
-    def materialize(self, cache, layer: int, src: torch.Tensor, num_entries: torch.Tensor, dst: torch.Tensor, *,
-                    rand_seed: torch.Tensor) -> None:
+    def materialize(
+        self,
+        cache,
+        layer: int,
+        src: torch.Tensor,
+        num_entries: torch.Tensor,
+        dst: torch.Tensor,
+        *,
+        rand_seed: torch.Tensor,
+    ) -> None:
         """state[dst] = state[src] advanced by its first n committed ring entries (Mamba2Mixer's contract)."""
-        gdn_replay_materialize(cache.state[layer], *cache.ring(layer), cache.ring_start, cache.committed, src,
-                               num_entries, dst, rand_seed=rand_seed)
+        gdn_replay_materialize(
+            cache.state[layer],
+            *cache.ring(layer),
+            cache.ring_start,
+            cache.committed,
+            src,
+            num_entries,
+            dst,
+            rand_seed=rand_seed,
+        )
 
     def _split(self, qkv: torch.Tensor, lead: tuple[int, ...]):
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.reshape(*lead, self.Hk, self.Dk), k.reshape(*lead, self.Hk, self.Dk),
-                v.reshape(*lead, self.Hv, self.Dv))
+        return (
+            q.reshape(*lead, self.Hk, self.Dk),
+            k.reshape(*lead, self.Hk, self.Dk),
+            v.reshape(*lead, self.Hv, self.Dv),
+        )
 
     def _prefill(self, qkv, g, beta, weight, ctx, seed: torch.Tensor) -> torch.Tensor:
         """Packed prefill tokens: conv from the slot's window, then the chunked form row by row from the
@@ -123,8 +148,16 @@ class GatedDeltaNet(nn.Module):
         state = cache.state[li]
         if md.publish_dst is not None:
             Mamba2Mixer._publish_conv_windows(qkv, cache.conv[li], md)
-        qkv = causal_conv1d_varlen(qkv, weight, None, cache.conv[li], md.prefill_cu_seqlens, md.prefill_slots,
-                                   md.has_initial_state, activation="silu")
+        qkv = causal_conv1d_varlen(
+            qkv,
+            weight,
+            None,
+            cache.conv[li],
+            md.prefill_cu_seqlens,
+            md.prefill_slots,
+            md.has_initial_state,
+            activation="silu",
+        )
         Tp = qkv.shape[0]
         q, k, v = self._split(qkv, (Tp,))
         cu = md.prefill_cu_seqlens.tolist()
@@ -143,14 +176,17 @@ class GatedDeltaNet(nn.Module):
             for n, d in sorted(cuts.get(i, [])) + [(end - start, slot)]:
                 if start + n > pos:
                     sl = slice(pos, start + n)
-                    o, S1 = gdn_chunked_ref(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl],
-                                            S[None])
+                    o, S1 = gdn_chunked_ref(
+                        q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl], S[None]
+                    )
                     out[sl] = o[0].to(out.dtype)
                     S, pos = S1[0], start + n
                 dst.append(d)
                 values.append(S)
         # One write of every boundary and final state: distinct slots, one rounding draw.
-        store_states(state, torch.tensor(dst, dtype=torch.int64, device=state.device), torch.stack(values), seed)
+        store_states(
+            state, torch.tensor(dst, dtype=torch.int64, device=state.device), torch.stack(values), seed
+        )
         return out
 
     def _decode(self, qkv, g, beta, weight, ctx, seed: torch.Tensor) -> torch.Tensor:
@@ -171,16 +207,46 @@ class GatedDeltaNet(nn.Module):
         vs = qkv.new_empty(b, q, self.value_dim)
         advance = md.advance_windows
         park = None if advance else cache.conv_scratch[li][:b, :q]
-        causal_conv1d_update(qkv, weight, None, cache.conv[li], md.decode_slots, activation="silu",
-                             outs=(qs, ks, vs), inputs_out=park, advance_window=advance)
+        causal_conv1d_update(
+            qkv,
+            weight,
+            None,
+            cache.conv[li],
+            md.decode_slots,
+            activation="silu",
+            outs=(qs, ks, vs),
+            inputs_out=park,
+            advance_window=advance,
+        )
         qh, kh = qs.view(b, q, self.Hk, self.Dk), ks.view(b, q, self.Hk, self.Dk)
         vh = vs.view(b, q, self.Hv, self.Dv)
         g, beta = g.reshape(b, q, self.Hv), beta.reshape(b, q, self.Hv)
         if ctx.replayssm:
-            o = gdn_replay_forward(qh, kh, vh, g, beta, cache.state[li], *cache.ring(li), cache.ring_start,
-                                   cache.committed, md.decode_slots, ctx.window, rand_seed=seed)
+            o = gdn_replay_forward(
+                qh,
+                kh,
+                vh,
+                g,
+                beta,
+                cache.state[li],
+                *cache.ring(li),
+                cache.ring_start,
+                cache.committed,
+                md.decode_slots,
+                ctx.window,
+                rand_seed=seed,
+            )
         else:
-            o = gdn_state_update(cache.state[li], qh, kh, vh, g, beta, md.decode_slots,
-                                 dst_indices=md.decode_dst_slots, rand_seed=seed)
+            o = gdn_state_update(
+                cache.state[li],
+                qh,
+                kh,
+                vh,
+                g,
+                beta,
+                md.decode_slots,
+                dst_indices=md.decode_dst_slots,
+                rand_seed=seed,
+            )
         o = o.reshape(b * q, self.Hv, self.Dv)
         return o[md.decode_token_index] if md.decode_token_index is not None else o

@@ -82,8 +82,8 @@ class Mamba2Mixer(nn.Module):
         y = self._gated_norm(y, z)
         return self.out_proj(y.to(hidden.dtype))
 
-    def materialize(self, cache, layer: int, src: torch.Tensor, num_entries: torch.Tensor, dst: torch.Tensor, *,
-                    rand_seed: torch.Tensor) -> None:
+    def materialize(self, cache, layer: int, src: torch.Tensor, num_entries: torch.Tensor,
+                    dst: torch.Tensor, *, rand_seed: torch.Tensor) -> None:
         """state[dst] = state[src] advanced by its first n committed ring entries (int32 (m,) each):
         the recurrent mixers' one cache operation beyond the shared contract (engine/publish.py)."""
         replay_materialize(self.decay_A(), cache.state[layer], *cache.ring(layer), cache.ring_start,
