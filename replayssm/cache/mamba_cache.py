@@ -1,14 +1,22 @@
-"""Cache tensors: per-slot Mamba state (checkpoint, conv window, ReplaySSM ring, cursors) and paged KV.
+"""Cache tensors: per-slot recurrent state (checkpoint, conv window, ReplaySSM ring, cursors) and paged KV.
 
-Per Mamba layer l, per slot s (S = num_slots + 1: the last slot is the runner's private scratch):
+Every recurrent mixer keeps the same per-slot contract (docs/design.md, "The cache contract"); what
+differs between mixers is only the shape of the state and the fields of a ring entry, which
+`MixerCacheSpec` describes (`mixer_cache_spec(cfg)`):
 
-    state[l][s]   (H, P, N)          state dtype   checkpoint S_0
-    conv[l][s]    (conv_dim, K-1)    act dtype     last K-1 committed conv inputs, oldest first
-    ring_x[l][s]  (H, R, P)          act dtype     ReplaySSM only (R = W + q_max)
-    ring_B[l][s]  (G, R, N)          act dtype     ReplaySSM only
-    ring_dt[l][s] (H, R)             fp32 Δ        ReplaySSM only
-    ring_start[s], committed[s]      int32         shared by all Mamba layers
+    mixer            state           ring fields (per slot: (heads, R, width), or (heads, R) if width 0)
+    Mamba-2          (H, P, N)       x (H, P) act, B (G, N) act, dt (H) fp32 (Δ after softplus)
+    Gated DeltaNet   (Hv, Dk, Dv)    k (Hk, Dk) act, v (Hv, Dv) act, g (Hv) fp32, beta (Hv) fp32
+
+Per recurrent layer l, per slot s (S = num_slots + 1: the last slot is the runner's private scratch):
+
+    state[l][s]          state shape         state dtype   checkpoint S_0
+    conv[l][s]           (conv_dim, K-1)     act dtype     last K-1 committed conv inputs, oldest first
+    rings[l][name][s]    (heads, R, width)   see above     ReplaySSM only (R = W + q_max)
+    ring_start[s], committed[s]              int32         shared by all recurrent layers
     conv_scratch[l] (max_num_seqs, q_max, conv_dim)  this step's decode conv inputs (not per slot)
+
+`ring_x`, `ring_B`, `ring_dt` are the Mamba-2 ring fields of every layer (Mamba-2 models only).
 
 What mutates when (one engine step):
 
@@ -23,7 +31,8 @@ What mutates when (one engine step):
 
     * baseline verify writes the state after token t into spec slot t, never into the source.
     ** staggered checkpoints: before a slot's first decode forward after a prefill, j null entries
-       (`set_null_history`; engine/model_runner.py says why and how j is chosen).
+       (`set_null_history`; engine/model_runner.py says why and how j is chosen). A zeroed entry is a
+       no-op token for every mixer: Δ = 0 (Mamba-2), g = beta = 0 (Gated DeltaNet).
     *** a step whose rows each decode one token and keep it (`MambaMetadata.advance_windows`)
         advances the windows in its forward and skips the conv commit (engine/decode_commit.py).
 
@@ -32,6 +41,8 @@ Everything is zero-initialized so an unused row never holds garbage (NaN * 0 = N
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -53,34 +64,98 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class RingField:
+    """One field of a ring entry: per slot (heads, R, width), or (heads, R) when width is 0;
+    activation dtype, or fp32 (`fp32`)."""
+
+    name: str
+    heads: int
+    width: int
+    fp32: bool = False
+
+
+@dataclass(frozen=True)
+class MixerCacheSpec:
+    """What one recurrent layer keeps per slot: state shape, conv channels and kernel, ring fields."""
+
+    state_shape: tuple[int, ...]
+    conv_dim: int
+    conv_kernel: int
+    ring: tuple[RingField, ...]
+
+    def bytes_per_slot(self, act: int, state: int, ring_rows: int) -> int:
+        """Bytes of one slot of this layer, with element sizes `act` and `state`."""
+        n = state
+        for d in self.state_shape:
+            n *= d
+        n += self.conv_dim * (self.conv_kernel - 1) * act
+        for f in self.ring:
+            n += f.heads * ring_rows * max(f.width, 1) * (4 if f.fp32 else act)
+        return n
+
+
+def mixer_cache_spec(cfg: ModelConfig) -> MixerCacheSpec:
+    """The cache description of `cfg`'s recurrent layers (all of one mixer kind)."""
+    if cfg.num_gdn_layers:
+        Hk, Hv, Dk, Dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
+        ring = (RingField("k", Hk, Dk), RingField("v", Hv, Dv), RingField("g", Hv, 0, True),
+                RingField("beta", Hv, 0, True))
+        return MixerCacheSpec((Hv, Dk, Dv), cfg.gdn_conv_dim, cfg.conv_kernel, ring)
+    H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups
+    ring = (RingField("x", H, P), RingField("B", G, N), RingField("dt", H, 0, True))
+    return MixerCacheSpec((H, P, N), cfg.conv_dim, cfg.conv_kernel, ring)
+
+
 class MambaCache:
-    """Per-layer Mamba slot tensors plus shared ring cursors (see the module docstring)."""
+    """Per-layer recurrent slot tensors plus shared ring cursors (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, *, num_slots: int, act_dtype: torch.dtype, state_dtype: torch.dtype,
                  replayssm: bool, window: int, q_max: int, max_num_seqs: int, device: torch.device) -> None:
         self.num_slots = num_slots
         self.scratch_slot = num_slots  # runner-private slot: never handed out by the engine
         S = num_slots + 1
-        L = cfg.num_mamba_layers
-        H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups
+        L = cfg.num_recurrent_layers
+        self.spec = spec = mixer_cache_spec(cfg)
         self.ring_rows = window + q_max if replayssm else 0
         R = self.ring_rows
         z = dict(device=device)
-        self.state = [torch.zeros(S, H, P, N, dtype=state_dtype, **z) for _ in range(L)]
-        K1 = cfg.conv_kernel - 1
-        self.conv = [torch.zeros(S, cfg.conv_dim, K1, dtype=act_dtype, **z) for _ in range(L)]
-        self.ring_x = [torch.zeros(S, H, R, P, dtype=act_dtype, **z) for _ in range(L)]
-        self.ring_B = [torch.zeros(S, G, R, N, dtype=act_dtype, **z) for _ in range(L)]
-        self.ring_dt = [torch.zeros(S, H, R, dtype=torch.float32, **z) for _ in range(L)]
+        self.state = [torch.zeros(S, *spec.state_shape, dtype=state_dtype, **z) for _ in range(L)]
+        K1 = spec.conv_kernel - 1
+        self.conv = [torch.zeros(S, spec.conv_dim, K1, dtype=act_dtype, **z) for _ in range(L)]
+
+        def field(f: RingField) -> torch.Tensor:
+            shape = (S, f.heads, R, f.width) if f.width else (S, f.heads, R)
+            return torch.zeros(shape, dtype=torch.float32 if f.fp32 else act_dtype, **z)
+
+        self.rings = [{f.name: field(f) for f in spec.ring} for _ in range(L)]
         self.ring_start = torch.zeros(S, dtype=torch.int32, **z)
         self.committed = torch.zeros(S, dtype=torch.int32, **z)
-        self.conv_scratch = [torch.zeros(max_num_seqs, q_max, cfg.conv_dim, dtype=act_dtype, **z)
+        self.conv_scratch = [torch.zeros(max_num_seqs, q_max, spec.conv_dim, dtype=act_dtype, **z)
                              for _ in range(L)]
+
+    def ring(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer `layer`'s ring fields in the spec's order (the order the mixer's ops take them)."""
+        return tuple(self.rings[layer][f.name] for f in self.spec.ring)
+
+    @property
+    def ring_x(self) -> list[torch.Tensor]:
+        return [r["x"] for r in self.rings]
+
+    @property
+    def ring_B(self) -> list[torch.Tensor]:
+        return [r["B"] for r in self.rings]
+
+    @property
+    def ring_dt(self) -> list[torch.Tensor]:
+        return [r["dt"] for r in self.rings]
+
+    def _ring_tensors(self) -> list[torch.Tensor]:
+        return [r[f.name] for f in self.spec.ring for r in self.rings]
 
     def per_slot_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by slot on dim 0 (state, conv, ring of every layer, cursors)."""
-        return [*self.state, *self.conv, *self.ring_x, *self.ring_B, *self.ring_dt,
-                self.ring_start, self.committed]
+        return [*self.state, *self.conv, *self._ring_tensors(), self.ring_start, self.committed]
 
     def copy_slots(self, src: list[int], dst: list[int], *, ring: bool = True) -> None:
         """slot dst[i] <- slot src[i]: state, conv, ring and cursors. dst distinct and not in src.
@@ -99,10 +174,11 @@ class MambaCache:
         torch._foreach_copy_(dsts, srcs)
 
     def set_null_history(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
-        """committed = counts (for slots whose cursors are 0) over zeroed ring rows: Δ = 0 and x = B = 0,
-        entries that change nothing (engine/model_runner.py, staggered checkpoints). Zeroing x and B
-        too keeps a slot clear of whatever an earlier request left in its rows (0 * NaN = NaN)."""
-        for t in (*self.ring_x, *self.ring_B, *self.ring_dt):
+        """committed = counts (for slots whose cursors are 0) over zeroed ring rows: entries that change
+        nothing (Δ = 0 for Mamba-2, g = beta = 0 for Gated DeltaNet; engine/model_runner.py, staggered
+        checkpoints). Zeroing every field keeps a slot clear of whatever an earlier request left in its
+        rows (0 * NaN = NaN)."""
+        for t in self._ring_tensors():
             t.index_fill_(0, slots, 0.0)
         self.committed[slots] = counts
 
@@ -114,18 +190,20 @@ class MambaCache:
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, *, act_dtype: torch.dtype, state_dtype: torch.dtype,
                        replayssm: bool, window: int, q_max: int) -> int:
-        """Bytes one slot takes across all Mamba layers (state, conv, ring, cursors)."""
-        H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups
+        """Bytes one slot takes across all recurrent layers (state, conv, ring, cursors)."""
+        if not cfg.num_recurrent_layers:
+            return 8
         R = window + q_max if replayssm else 0
-        a = _size(act_dtype)
-        per_layer = (H * P * N * _size(state_dtype) + cfg.conv_dim * (cfg.conv_kernel - 1) * a
-                     + H * R * P * a + G * R * N * a + H * R * 4)
-        return cfg.num_mamba_layers * per_layer + 8
+        per_layer = mixer_cache_spec(cfg).bytes_per_slot(_size(act_dtype), _size(state_dtype), R)
+        return cfg.num_recurrent_layers * per_layer + 8
 
     @staticmethod
     def scratch_bytes(cfg: ModelConfig, *, act_dtype: torch.dtype, q_max: int, max_num_seqs: int) -> int:
         """Fixed bytes of the decode conv scratch (all layers)."""
-        return cfg.num_mamba_layers * max_num_seqs * q_max * cfg.conv_dim * _size(act_dtype)
+        if not cfg.num_recurrent_layers:
+            return 0
+        conv_dim = mixer_cache_spec(cfg).conv_dim
+        return cfg.num_recurrent_layers * max_num_seqs * q_max * conv_dim * _size(act_dtype)
 
 
 class KVCache:

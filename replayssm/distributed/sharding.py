@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from replayssm.distributed.parallel import TensorParallel
-from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, PARALLEL, ModelConfig
+from replayssm.models.config import ATTENTION, GDN, MAMBA, MLP, MOE, PARALLEL, ModelConfig
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
@@ -54,6 +54,9 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model: {what}")
 
     kinds = cfg.block_kinds
+    if GDN in kinds:
+        raise ValueError(f"tensor_parallel_size={size}: {cfg.architecture} (Gated DeltaNet layers) runs "
+                         f"on one GPU only; use tensor_parallel_size=1")
     if kinds & {MAMBA, PARALLEL}:
         H, G = cfg.mamba_num_heads, cfg.mamba_n_groups
         need(H % size == 0, f"mamba_num_heads={H} must be a multiple of {size}")

@@ -56,6 +56,8 @@ def graphs_supported(runner) -> str | None:
         return "CUDA graphs need a CUDA device"
     if getattr(getattr(runner, "tp", None), "size", 1) > 1:
         return "CUDA graphs are not wired for tensor parallelism"
+    if runner.model_config.num_gdn_layers:
+        return "CUDA graphs are not wired for Gated DeltaNet layers (their ops are PyTorch references)"
     if runner.model_config.has_moe and runner.dtype != torch.bfloat16:
         return "CUDA graphs with MoE layers need bfloat16 (the sync-free grouped GEMM)"
     try:

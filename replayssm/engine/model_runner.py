@@ -50,9 +50,8 @@ from replayssm.engine.block_tables import BlockTables
 from replayssm.engine.context import DeviceSeeds, ForwardContext
 from replayssm.engine.decode_commit import commit_decode, commit_decode_device, mirror_commit
 from replayssm.engine.row_checks import RowLimits, check_batch, check_slot, view_row
-from replayssm.models.config import MAMBA, PARALLEL, ModelConfig
+from replayssm.models.config import GDN, MAMBA, PARALLEL, ModelConfig
 from replayssm.models.loader import load_model
-from replayssm.ops.replay import replay_materialize
 
 
 @dataclass
@@ -106,9 +105,10 @@ class ModelRunner:
         cuda_graphs = self._graphs_wanted(cuda_graphs)
         self.kv_cache = KVCache(local, num_blocks=num_kv_blocks + int(cuda_graphs), block_size=kv_block_size,
                                 dtype=self.dtype, device=self.device)
-        # Parallel layers (Falcon-H1) hold their Mamba-2 mixer as `.mixer` too.
+        # The recurrent mixers, cache layer l's owner at index l: Mamba-2 (parallel layers, Falcon-H1 and
+        # Zamba2, hold theirs as `.mixer` too) or Gated DeltaNet. Each materializes its own states.
         self.mixers = [b.mixer for b, kind in zip(self.model.layers, cfg.layer_types)
-                       if kind in (MAMBA, PARALLEL)]
+                       if kind in (MAMBA, PARALLEL, GDN)]
         # Exact host mirror of ring_start / committed (index num_slots is the private scratch slot).
         self._ring_start = [0] * (num_slots + 1)
         self._committed = [0] * (num_slots + 1)
@@ -325,11 +325,8 @@ class ModelRunner:
                 src = torch.tensor([r.slot], dtype=torch.int32, device=self.device)
                 tmp = torch.tensor([cache.scratch_slot], dtype=torch.int32, device=self.device)
                 n = torch.tensor([h], dtype=torch.int32, device=self.device)
-                for li, (mixer, state, rx, rB, rdt) in enumerate(zip(self.mixers, cache.state, cache.ring_x,
-                                                                     cache.ring_B, cache.ring_dt)):
-                    A = mixer.decay_A()
-                    replay_materialize(A, state, rx, rB, rdt, cache.ring_start, cache.committed, src, n, tmp,
-                                       rand_seed=self.rand_seed[li])
+                for li, (mixer, state) in enumerate(zip(self.mixers, cache.state)):
+                    mixer.materialize(cache, li, src, n, tmp, rand_seed=self.rand_seed[li])
                     state[r.slot] = state[cache.scratch_slot]
                 # Rows fold through the same scratch slot: a fresh draw each, or their bits would repeat.
                 self.rand_seed.advance()

@@ -1,4 +1,4 @@
-"""Publishing exact Mamba checkpoints (state + conv window) for decode and verify rows.
+"""Publishing exact recurrent checkpoints (state + conv window) for decode and verify rows.
 
 A decode row of q tokens that starts after c0 computed tokens and accepts a of them asks
 for checkpoints at offsets b (boundary t = c0 + b); those with b <= a are written into their
@@ -13,7 +13,8 @@ the live slot changes in between:
     |               |                                   | baseline: state after token b, which the    |
     |               |                                   |   forward wrote (spec slot b-1, or live)    |
 
-Prefill rows publish inside the Mamba mixer instead (the chunked scan returns the state at b).
+Each mixer materializes its own states (`mixer.materialize`). Prefill rows publish inside the
+recurrent mixer instead (the chunked scan returns the state at b).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 
 from replayssm.engine.batch_inputs import to_device
 from replayssm.ops.conv1d import causal_conv1d_commit
-from replayssm.ops.replay import replay_materialize
 
 
 @dataclass
@@ -90,9 +90,6 @@ def publish_states(runner, pubs: list[Publication]) -> None:
     assert all(0 <= k <= runner.cursors(p.live)[1] for k, p in zip(n, pubs)), n
     src = to_device([p.live for p in pubs], torch.int32, device)
     num = to_device(n, torch.int32, device)
-    for layer, (mixer, state) in enumerate(zip(runner.mixers, cache.state)):
-        A = mixer.decay_A()
-        replay_materialize(A, state, cache.ring_x[layer], cache.ring_B[layer], cache.ring_dt[layer],
-                           cache.ring_start, cache.committed, src, num, dst.to(torch.int32),
-                           rand_seed=runner.rand_seed[layer])
+    for layer, mixer in enumerate(runner.mixers):
+        mixer.materialize(cache, layer, src, num, dst.to(torch.int32), rand_seed=runner.rand_seed[layer])
     runner.rand_seed.advance()

@@ -13,6 +13,9 @@ MODEL_REGISTRY = {
     "BambaForCausalLM": ("replayssm.models.two_part", "TwoPartForCausalLM"),
     "FalconH1ForCausalLM": ("replayssm.models.falcon_h1", "FalconH1ForCausalLM"),
     "Zamba2ForCausalLM": ("replayssm.models.zamba2", "Zamba2ForCausalLM"),
+    **{arch: ("replayssm.models.qwen3_next", "Qwen3NextForCausalLM") for arch in (
+        "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")},
 }
 
 

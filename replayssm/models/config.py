@@ -6,7 +6,8 @@ transformers version: `layers_block_type` or `hybrid_override_pattern`, legacy a
 layer names), `Mamba2ForCausalLM` (pure Mamba-2), and the two-part families read by
 config_two_part.py: `GraniteMoeHybridForCausalLM` (Granite 4.0-H) and `BambaForCausalLM`;
 `FalconH1ForCausalLM` (parallel attention + Mamba-2 layers, read by config_falcon_h1.py);
-`Zamba2ForCausalLM` (Mamba-2 layers and hybrid layers with shared transformer blocks, config_zamba2.py).
+`Zamba2ForCausalLM` (Mamba-2 layers and hybrid layers with shared transformer blocks, config_zamba2.py);
+the Gated DeltaNet hybrids Qwen3-Next and Qwen3.5 (config_qwen3_next.py).
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ from typing import Any
 import torch
 
 from replayssm.models.config_falcon_h1 import FALCON_H1, FalconH1Multipliers, falcon_h1_fields
-from replayssm.models.config_fields import ATTENTION, LAYER_TYPES, MAMBA, MLP, MOE, PARALLEL
+from replayssm.models.config_fields import ATTENTION, GDN, LAYER_TYPES, MAMBA, MLP, MOE, PARALLEL
 from replayssm.models.config_fields import dtype_of as _dtype
 from replayssm.models.config_fields import eos_ids as _eos
 from replayssm.models.config_fields import field as _field
 from replayssm.models.config_fields import layer_list as _layer_list
 from replayssm.models.config_quant import QuantConfig, quant_config_from_hf
+from replayssm.models.config_qwen3_next import GDN_ARCHITECTURES, qwen3_next_fields
 from replayssm.models.config_two_part import TWO_PART, two_part_fields
 from replayssm.models.config_zamba2 import ZAMBA2, Zamba2Shared, zamba2_fields
 
 TWO_PART_ARCHITECTURES = TWO_PART
-ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES, FALCON_H1, ZAMBA2)
+ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", *TWO_PART_ARCHITECTURES, FALCON_H1, ZAMBA2,
+                 *GDN_ARCHITECTURES)
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu")
 # MoE routers: Nemotron-H's sigmoid scores with grouped top-k and a correction bias; Granite's
-# softmax over the top-k router logits.
-ROUTERS = ("sigmoid_grouped", "softmax_topk")
+# softmax over the top-k router logits; Qwen's softmax over all experts, then the top k (renormalized).
+ROUTERS = ("sigmoid_grouped", "softmax_topk", "softmax_all")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,12 @@ class ModelConfig:
     chunk_size: int
     use_conv_bias: bool
     mamba_proj_bias: bool
+    # Gated DeltaNet mixer (Qwen3-Next, Qwen3.5): key heads Hk, value heads Hv, head dims Dk, Dv; its
+    # short conv over [q, k, v] uses conv_kernel.
+    gdn_num_k_heads: int = 0
+    gdn_num_v_heads: int = 0
+    gdn_k_head_dim: int = 0
+    gdn_v_head_dim: int = 0
     # Not applied: transformers clamps Δ at this floor in its prefill scan only (never in decode);
     # our ops, like the fused Mamba kernels, use plain softplus. Kept for the record.
     time_step_min: float = 0.0
@@ -122,6 +131,12 @@ class ModelConfig:
                                  f"n_groups={self.mamba_n_groups}")
             if self.conv_kernel < 2:
                 raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+        if self.num_gdn_layers and self.num_mamba_layers:
+            raise ValueError("a model holds Mamba-2 or Gated DeltaNet layers, not both")
+        if self.num_gdn_layers and (self.gdn_num_v_heads % max(self.gdn_num_k_heads, 1)
+                                    or self.conv_kernel < 2):
+            raise ValueError(f"gdn_num_v_heads={self.gdn_num_v_heads} must be a multiple of gdn_num_k_heads="
+                             f"{self.gdn_num_k_heads} and conv_kernel={self.conv_kernel} at least 2")
         if self.num_attention_layers and self.num_attention_heads % max(self.num_key_value_heads, 1):
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -131,7 +146,14 @@ class ModelConfig:
                              f"and at most head_dim={self.head_dim}")
         if self.mlp_act not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_hidden_act {self.mlp_act!r} is not one of {MLP_ACTIVATIONS}")
-        if self.architecture in TWO_PART_ARCHITECTURES:
+        if self.architecture in GDN_ARCHITECTURES:
+            if set(self.layer_types) - {GDN, ATTENTION} or len(self.ffn_types) != self.num_layers or \
+                    set(self.ffn_types) - {MLP, MOE}:
+                raise ValueError(f"{self.architecture} layers must be gdn or attention, each with mlp or "
+                                 f"moe, got {self.layer_types}, {self.ffn_types}")
+        elif GDN in self.layer_types:
+            raise ValueError(f"gdn layers are for {GDN_ARCHITECTURES}")
+        elif self.architecture in TWO_PART_ARCHITECTURES:
             if set(self.layer_types) - {MAMBA, ATTENTION}:
                 raise ValueError(f"layer_types of {self.architecture} must be mamba or attention, "
                                  f"got {sorted(set(self.layer_types))}")
@@ -173,6 +195,20 @@ class ModelConfig:
     @property
     def num_mamba_layers(self) -> int:
         return self.layer_types.count(MAMBA) + self.layer_types.count(PARALLEL)
+
+    @property
+    def num_gdn_layers(self) -> int:
+        return self.layer_types.count(GDN)
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        """Layers that own a recurrent cache (Mamba-2 or Gated DeltaNet): the engine's slots."""
+        return self.num_mamba_layers + self.num_gdn_layers
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Gated DeltaNet conv channels: q, k and v side by side."""
+        return 2 * self.gdn_num_k_heads * self.gdn_k_head_dim + self.gdn_num_v_heads * self.gdn_v_head_dim
 
     @property
     def num_attention_layers(self) -> int:
@@ -224,6 +260,8 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         return ModelConfig(**falcon_h1_fields(raw, source))
     if arch == ZAMBA2:
         return ModelConfig(**zamba2_fields(raw, source))
+    if arch in GDN_ARCHITECTURES:
+        return ModelConfig(**qwen3_next_fields(raw, source, arch))
     f = lambda *names, **kw: _field(raw, source, *names, **kw)  # noqa: E731
     if f("mamba_hidden_act", "hidden_act", default="silu", kind=str) != "silu":
         raise ValueError(f"{source}: field 'mamba_hidden_act' must be 'silu'")

@@ -10,7 +10,10 @@ MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 # A parallel layer owns one KV cache and one Mamba cache: Falcon-H1 runs attention and Mamba-2 side by
 # side; a Zamba2 hybrid layer runs its shared transformer block, then Mamba-2.
 PARALLEL = "parallel"
-LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE, PARALLEL)
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): a recurrent mixer with its own cache description
+# (cache/mamba_cache.py).
+GDN = "gdn"
+LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE, PARALLEL, GDN)
 
 # Every spelling of a layer kind across transformers versions and remote code.
 LAYER_NAMES = {

@@ -5,6 +5,8 @@ Checkpoint names map one to one onto our modules. A model class may name its own
 transformers version and by NVIDIA's remote code with three normalizations:
   - the `model.` or `backbone.` prefix is dropped; legacy Mamba-2 `embedding.` -> `embeddings.`;
   - per-expert MoE weights `experts.{e}.up_proj.weight` fill row e of the stacked `experts.up_proj`;
+    for gated experts (Qwen's SwiGLU experts, rows [gate | up]) `experts.{e}.gate_proj.weight` fills
+    the first half of row e and `up_proj` the second;
   - multi-token-prediction weights (`mtp.*`) are skipped here; the MTP drafter
     (replayssm/speculative/mtp_model.py) loads them with its own mapping.
 Every parameter must be filled exactly; a missing tensor or a wrong shape raises ValueError
@@ -36,7 +38,8 @@ from replayssm.ops.fp8 import FP8_DTYPE, quantize_fp8
 
 LOAD_FORMATS = ("auto", "dummy")
 _SCALES = ("weight_scale", "input_scale")  # FP8 scales, beside their `weight` in the checkpoint
-_EXPERT = re.compile(r"^(layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(
+    r"^(layers\.\d+\.(?:mixer|mlp)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -86,10 +89,13 @@ def _weight_key(key: str) -> tuple[str, str | None]:
     return key, None
 
 
-def _target(rename, key: str, params: dict) -> tuple[str, int | None, str | None] | None:
+def _target(rename, key: str, params: dict, gated: frozenset[str] = frozenset()
+            ) -> tuple[str, int | tuple[int, int] | None, str | None] | None:
     """(our parameter, expert row or None, scale kind or None) that checkpoint tensor `key` fills, or None
     when we do not serve it. A weight_scale fills the scale of its weight (fp8_linear.scale_name); an
-    input_scale fills the Fp8Linear's input_scale (the experts run dequantized and read none)."""
+    input_scale fills the Fp8Linear's input_scale (the experts run dequantized and read none).
+    gated: the stacked `up_proj`s of gated experts; row e of one is (e, 0) for gate_proj, (e, 1) for
+    up_proj."""
     weight_key, kind = _weight_key(key)
     name = rename(weight_key)
     if name is None:
@@ -98,8 +104,13 @@ def _target(rename, key: str, params: dict) -> tuple[str, int | None, str | None
     if m:
         if kind == "input_scale":
             return None
-        target = f"{m.group(1)}.{m.group(3)}"
+        proj = m.group(3)
+        target = f"{m.group(1)}.{'down_proj' if proj == 'down_proj' else 'up_proj'}"
         row = int(m.group(2))
+        if target in gated:
+            row = (row, int(proj == "up_proj"))
+        elif proj == "gate_proj":
+            return None
     else:
         target, row = name, None
     if kind == "weight_scale":
@@ -121,10 +132,12 @@ def load_weights(model: nn.Module, path: str | Path, rename=None,
     """
     rename = rename or _our_name
     params = dict(model.named_parameters())
+    gated = _gated_stacks(model)
     filled: set[str] = set()
-    rows_filled: dict[str, set[int]] = {}
+    rows_filled: dict[str, set] = {}
 
-    def fill(target: str, row: int | None, tensor: torch.Tensor, file: Path, key: str) -> None:
+    def fill(target: str, row: int | tuple[int, int] | None, tensor: torch.Tensor, file: Path,
+             key: str) -> None:
         _copy(params[target], row, tensor, file, key)
         if row is None:
             filled.add(target)
@@ -135,7 +148,7 @@ def load_weights(model: nn.Module, path: str | Path, rename=None,
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    hit = _target(rename, key, params)
+                    hit = _target(rename, key, params, gated)
                     if hit is None:
                         continue
                     target, row, kind = hit
@@ -150,17 +163,30 @@ def load_weights(model: nn.Module, path: str | Path, rename=None,
         except (OSError, SafetensorError) as e:
             raise ValueError(f"{file}: unreadable safetensors file ({e})") from e
     for name, rows in rows_filled.items():
-        if len(rows) == params[name].shape[0]:
+        want = set(range(params[name].shape[0]))
+        if name in gated:
+            want = {(e, half) for e in want for half in (0, 1)}
+        if rows == want:
             filled.add(name)
         else:
-            first = min(set(range(params[name].shape[0])) - rows)
+            first = min(want - rows)
             stem, proj = name.removesuffix("_scale").rsplit(".", 1)
+            if isinstance(first, tuple):
+                first, proj = first[0], ("gate_proj", "up_proj")[first[1]]
             leaf = "weight_scale" if name.endswith("_scale") else "weight"
             raise ValueError(f"{path}: missing tensor {stem}.{first}.{proj}.{leaf}")
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"{path}: missing tensor {missing[0]!r} (and {len(missing) - 1} more)"
                          if len(missing) > 1 else f"{path}: missing tensor {missing[0]!r}")
+
+
+def _gated_stacks(model: nn.Module) -> frozenset[str]:
+    """Names of the stacked `up_proj` of every gated Experts module (rows [gate | up])."""
+    from replayssm.models.layers.mlp import Experts
+
+    return frozenset(f"{name}.up_proj" for name, m in model.named_modules()
+                     if isinstance(m, Experts) and m.gated)
 
 
 def _read_name(rename, key: str) -> str:
@@ -173,8 +199,12 @@ def _read_name(rename, key: str) -> str:
     return name if kind is None else name.removesuffix("weight") + kind
 
 
-def _copy(param: torch.Tensor, row: int | None, tensor: torch.Tensor, file: Path, key: str) -> None:
-    dst = param.data if row is None else param.data[row]
+def _copy(param: torch.Tensor, row: int | tuple[int, int] | None, tensor: torch.Tensor, file: Path,
+          key: str) -> None:
+    if isinstance(row, tuple):  # (expert, half) of a gated stack's [gate | up] rows
+        dst = param.data[row[0]].unflatten(0, (2, -1))[row[1]]
+    else:
+        dst = param.data if row is None else param.data[row]
     if tensor.dtype == FP8_DTYPE and dst.dtype != FP8_DTYPE:
         raise ValueError(f"{file}: tensor {key!r} is FP8 E4M3, but this layer holds its weight in "
                          f"{dst.dtype} (no FP8 form of it)")

@@ -12,7 +12,8 @@ from replayssm.cache.mamba_cache import MambaCache
 
 def _cache() -> MambaCache:
     cfg = SimpleNamespace(mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=8, mamba_n_groups=2,
-                          conv_dim=20, conv_kernel=4, num_mamba_layers=3)
+                          conv_dim=20, conv_kernel=4, num_mamba_layers=3, num_gdn_layers=0,
+                          num_recurrent_layers=3)
     cache = MambaCache(cfg, num_slots=7, act_dtype=torch.bfloat16, state_dtype=torch.float16, replayssm=True,
                        window=4, q_max=2, max_num_seqs=3, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)

@@ -26,7 +26,7 @@ from replayssm.models.config import ModelConfig
 from replayssm.models.layers.conv_windows import conv_window_sources
 from replayssm.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from replayssm.ops.norm import rms_norm_gated
-from replayssm.ops.replay import replay_forward
+from replayssm.ops.replay import replay_forward, replay_materialize
 from replayssm.ops.ssd import ssd_chunked_scan
 from replayssm.ops.ssu import selective_state_update
 
@@ -81,6 +81,13 @@ class Mamba2Mixer(nn.Module):
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         y = self._gated_norm(y, z)
         return self.out_proj(y.to(hidden.dtype))
+
+    def materialize(self, cache, layer: int, src: torch.Tensor, num_entries: torch.Tensor,
+                    dst: torch.Tensor, *, rand_seed: torch.Tensor) -> None:
+        """state[dst] = state[src] advanced by its first n committed ring entries (int32 (m,) each):
+        the recurrent mixers' one cache operation beyond the shared contract (engine/publish.py)."""
+        replay_materialize(self.decay_A(), cache.state[layer], *cache.ring(layer), cache.ring_start,
+                           cache.committed, src, num_entries, dst, rand_seed=rand_seed)
 
     def decay_A(self) -> torch.Tensor:
         """A = -exp(A_log), recomputed only when A_log changed (its version counter moves on every

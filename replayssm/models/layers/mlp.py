@@ -107,6 +107,7 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, rows, in_dim, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, in_dim, intermediate, **kw))
         self.act = gated(ACTIVATIONS[act]) if gated_act else ACTIVATIONS[act]
+        self.gated = gated_act
         self.register_parameter("up_proj_scale", None)
         self.register_parameter("down_proj_scale", None)
 
