@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 and fp8_e4m3: E4M3 with scales
 
 
 def _doc(default: Any, help: str) -> Any:
@@ -39,6 +40,11 @@ class CacheConfig:
     num_kv_blocks: int | None = _doc(None, "force the number of KV blocks (overrides the memory planner)")
     num_slots: int | None = _doc(None, "force the number of Mamba slots (overrides the memory planner)")
     state_dtype: str = _doc("float32", "dtype of the Mamba checkpoint state: float32, float16 or bfloat16")
+    kv_cache_dtype: str = _doc(
+        "auto",
+        "dtype of the attention KV cache: auto (the model dtype) or fp8 / fp8_e4m3 (E4M3 with the "
+        "checkpoint's per-layer k_scale / v_scale, else 1.0; half the bytes of bf16, so twice the KV blocks)",
+    )
     enable_prefix_caching: bool = _doc(
         False,
         "reuse cached prefixes: shared KV blocks + Mamba checkpoints published at block boundaries "
@@ -66,6 +72,8 @@ class CacheConfig:
             )
         if self.state_dtype not in DTYPES:
             raise ValueError(f"state_dtype must be one of {DTYPES}, got {self.state_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ ENGINE_FLAGS = {
         "memory_budget",
         "kv_block_size",
         "state_dtype",
+        "kv_cache_dtype",
         "gpu_memory_utilization",
         "num_kv_blocks",
         "num_slots",

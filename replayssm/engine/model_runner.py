@@ -52,6 +52,7 @@ from replayssm.engine.decode_commit import commit_decode, commit_decode_device, 
 from replayssm.engine.row_checks import RowLimits, check_batch, check_slot, view_row
 from replayssm.models.config import GDN, MAMBA, PARALLEL, ModelConfig
 from replayssm.models.loader import load_model
+from replayssm.ops.attention import resolve_kv_dtype
 
 
 @dataclass
@@ -77,7 +78,8 @@ class ModelRunner:
                  num_kv_blocks: int = 64, kv_block_size: int = 16, num_slots: int = 8, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
                  cuda_graphs: bool | None = False, tp_rank: int = 0, tp_size: int = 1,
-                 replay_stagger: bool = True, quantization: str | None = None) -> None:
+                 replay_stagger: bool = True, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         # The sizes come validated from EngineConfig (config.py), the one place that checks them.
         self.q_max = 1 + num_speculative_tokens
         assert not replayssm or self.q_max <= replay_window, (num_speculative_tokens, replay_window)
@@ -92,6 +94,7 @@ class ModelRunner:
         # Caches hold this rank's heads only: they are sized from the shard's config.
         self.shard_config = local = local_config(cfg, tp_size)
         self.dtype = self.model.dtype
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         self.state_dtype = as_dtype(state_dtype, "state_dtype")
         self.replayssm, self.window = replayssm, replay_window
         self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
@@ -104,7 +107,7 @@ class ModelRunner:
         # (see engine/cuda_graph.py).
         cuda_graphs = self._graphs_wanted(cuda_graphs)
         self.kv_cache = KVCache(local, num_blocks=num_kv_blocks + int(cuda_graphs), block_size=kv_block_size,
-                                dtype=self.dtype, device=self.device)
+                                dtype=self.kv_dtype, device=self.device)
         # The recurrent mixers, cache layer l's owner at index l: Mamba-2 (parallel layers, Falcon-H1 and
         # Zamba2, hold theirs as `.mixer` too) or Gated DeltaNet. Each materializes its own states.
         self.mixers = [b.mixer for b, kind in zip(self.model.layers, cfg.layer_types)
@@ -159,10 +162,11 @@ class ModelRunner:
 
     @staticmethod
     def kv_block_bytes(model_config: ModelConfig, *, dtype: str | torch.dtype, kv_block_size: int,
-                       tensor_parallel_size: int = 1, **_: object) -> int:
+                       tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", **_: object) -> int:
         """Bytes of one KV block (K and V of every attention layer) on one tensor-parallel rank."""
+        kv_dtype = resolve_kv_dtype(kv_cache_dtype, as_dtype(dtype, "dtype"))
         return KVCache.bytes_per_block(local_config(model_config, tensor_parallel_size),
-                                       block_size=kv_block_size, dtype=as_dtype(dtype, "dtype"))
+                                       block_size=kv_block_size, dtype=kv_dtype)
 
     @staticmethod
     def fixed_bytes(model_config: ModelConfig, *, dtype: str | torch.dtype, state_dtype: str | torch.dtype,
@@ -184,7 +188,7 @@ class ModelRunner:
                                          window=self.window, q_max=self.q_max)
 
     def bytes_per_kv_block(self) -> int:
-        return KVCache.bytes_per_block(self.shard_config, block_size=self.kv_block_size, dtype=self.dtype)
+        return KVCache.bytes_per_block(self.shard_config, block_size=self.kv_block_size, dtype=self.kv_dtype)
 
     # ---- one step ---------------------------------------------------------------------------------
 

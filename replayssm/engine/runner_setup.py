@@ -99,6 +99,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         replay_window=config.replay_window,
         num_speculative_tokens=spec.num_speculative_tokens,
         kv_block_size=cache.kv_block_size,
+        kv_cache_dtype=cache.kv_cache_dtype,
         tensor_parallel_size=tp,  # sizes per GPU: each rank holds 1/tp of the heads
     )
     interval = cache.prefix_checkpoint_interval or cache.kv_block_size
@@ -144,6 +145,7 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
         seed=config.seed,
         **({"load_format": "dummy"} if dummy else {}),
         **({"quantization": config.quantization} if config.quantization else {}),
+        **({"kv_cache_dtype": cache.kv_cache_dtype} if cache.kv_cache_dtype != "auto" else {}),
         **({"cuda_graphs": config.cuda_graphs} if tp == 1 and config.cuda_graphs is not False else {}),
         **({"tensor_parallel_size": tp} if tp > 1 else {}),
     )

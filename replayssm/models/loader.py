@@ -277,4 +277,40 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     else:
         read = _read_whole if tp.size == 1 else functools.partial(read_shard, config, tp)
         load_weights(model, path, rename=rename, read=read)
+        load_kv_scales(model, path, rename)
     return model.eval().requires_grad_(False), config
+
+
+_KV_SCALE = re.compile(r"^(.*?)(?:\.[kv]_proj)?\.(k_scale|v_scale|kv_scale)$")
+
+
+def load_kv_scales(model: nn.Module, path: str | Path, rename=None) -> None:
+    """Set each attention layer's FP8 KV cache scales from the checkpoint's `k_scale` / `v_scale`.
+
+    Published FP8 checkpoints store them per layer: llm-compressor (`kv_cache_scheme`) as
+    `self_attn.k_scale`, NVIDIA ModelOpt (`kv_cache_quant_algo: FP8`) as `self_attn.k_proj.k_scale`,
+    older exports one `kv_scale` for both. A per-head scale becomes its largest head's (any scale is
+    exact for our cache, which quantizes with the scale it reads with; the largest saturates nothing
+    the head's own would not). Layers without them keep 1.0. Only an FP8 cache reads them.
+    """
+    from replayssm.models.layers.attention import Attention
+
+    rename = rename or _our_name
+    modules = dict(model.named_modules())
+    for file in checkpoint_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    m = _KV_SCALE.match(key)
+                    name = m and rename(f"{m.group(1)}.k_proj.weight")
+                    layer = modules.get(name.removesuffix(".k_proj.weight")) if name else None
+                    if not isinstance(layer, Attention):
+                        continue
+                    value = float(f.get_tensor(key).float().max())
+                    if not (value > 0 and value < float("inf")):
+                        raise ValueError(f"{file}: tensor {key!r} is {value}, not a KV cache scale (> 0)")
+                    for kind in ("k_scale", "v_scale"):
+                        if m.group(2) in (kind, "kv_scale"):
+                            setattr(layer, kind, value)
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"{file}: unreadable safetensors file ({e})") from e

@@ -40,7 +40,7 @@ class MTPHead:
         # The MTP attention KV uses the target's block ids: same count and size as its cache, this
         # rank's heads only.
         self.kv = KVCache(mtp_config(runner.shard_config), num_blocks=runner.num_kv_blocks,
-                          block_size=runner.kv_block_size, dtype=runner.dtype, device=runner.device)
+                          block_size=runner.kv_block_size, dtype=runner.kv_dtype, device=runner.device)
         self.observed: dict[str, torch.Tensor] = {}
         self.drafted: dict[str, torch.Tensor] = {}
 

@@ -91,3 +91,29 @@ def test_paged_attention_dispatch_uses_triton_for_prefill():
     case = make_case("cuda", torch.bfloat16, [40, 1], [90, 3], 8, 2, 64, 16, gen)
     kw = dict(scale=0.125, max_query_len=40, max_context_len=90)
     assert torch.equal(paged_attention(*case, **kw), paged_prefill_attention_triton(*case, **kw))
+
+
+@requires_cuda
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("splits", [None, 1, 8])
+def test_paged_decode_attention_fp8_cache_gpu(q_len, splits):
+    """Decode/verify over an E4M3 cache with scales (bf16 queries, Nemotron-H-8B shapes) matches the
+    float64 reference over the dequantized K/V."""
+    from attention_cases import check_decode
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("E4M3 loads need compute capability 8.9")
+    check_decode("cuda", torch.bfloat16, heads=32, kv_heads=8, D=128, block_size=16, q_lens=(q_len,) * 6,
+                 ctx_lens=(q_len, 17, 100, 333, 1024, 2049), splits=splits, kv_scales=(0.02, 0.007))
+
+
+@requires_cuda
+def test_paged_prefill_attention_fp8_cache_gpu():
+    """Prefill chunks, cached context and decode rows over an E4M3 cache with scales match the float64
+    reference over the dequantized K/V."""
+    from attention_cases import check_prefill
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("E4M3 loads need compute capability 8.9")
+    check_prefill("cuda", torch.bfloat16, heads=32, kv_heads=8, D=128, block_size=16,
+                  q_lens=(1040, 1, 300, 129, 4), ctx_lens=(3121, 700, 300, 1153, 4), kv_scales=(0.02, 0.007))

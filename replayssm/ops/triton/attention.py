@@ -24,6 +24,11 @@ queries are cut into BLOCK_M-token tiles, numbered through a device prefix sum o
 the longest). Tiles are issued last-first, the causal tiles with the most keys leading. A tile
 streams the keys every query of it sees without a mask, then the diagonal band under the causal
 mask. One compiled kernel serves every length: no per-shape plan.
+
+FP8 cache: K and V tiles load as E4M3 and convert to the query dtype in registers (exact); k_scale
+folds into the score scale and v_scale into the output's normalization (both fp32), so the kernels
+compute softmax(q (k_scale K)^T scale) (v_scale V) with no dequantized copy. A 16/32-bit cache has
+scales 1.0 and converts nothing (its dtype is the query's).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from replayssm.ops.fp8 import FP8_DTYPE
 
 MAX_QUERY_LEN = 16  # decode (1) and verify (1 + k) rows; longer chunks take the PyTorch path
 
@@ -51,9 +58,9 @@ def _tile_queries(cu_ptr, row, kvh, G: tl.constexpr, QP: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh):
-    # acc / l per query (zeros where no key was visible: l = 0), in the output's dtype.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+def _store_normalized(o_ptr, acc, l_i, v_scale, tok, head, m_ok, d, d_ok, s_ot, s_oh):
+    # v_scale * acc / l per query (zeros where no key was visible: l = 0), in the output's dtype.
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
 
@@ -62,7 +69,8 @@ def _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh):
 # class: 1, multiples of 16, other): the block-table stride (longest row's blocks) and the row count.
 @triton.jit(do_not_specialize=["s_bt"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, ctx_ptr, D, block_size,
-                         scale_log2, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
+                         scale_log2, v_scale,
+                         s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
                          G: tl.constexpr, QP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
     # With SPLITS > 1, program (row, kvh, split) takes the split-th of SPLITS equal runs of the row's
@@ -94,7 +102,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, c
         off = p % block_size
         kv_mask = p_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -107,7 +115,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, c
         pr = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
         v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         if IEEE:
             pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
         else:
@@ -122,11 +130,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, cu_ptr, bt_ptr, c
         tl.store(part_ptr + at + BLOCK_D, m_i)
         tl.store(part_ptr + at + BLOCK_D + 1, l_i)
     else:
-        _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh)
+        _store_normalized(o_ptr, acc, l_i, v_scale, tok, head, m_ok, d, d_ok, s_ot, s_oh)
 
 
 @triton.jit
-def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, s_ot, s_oh, G: tl.constexpr, QP: tl.constexpr,
+def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, v_scale, s_ot, s_oh, G: tl.constexpr, QP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     # The SPLITS partial results of one (row, KV head) program of `_paged_decode_kernel`, rescaled to
     # their common max and normalized; a query with no visible key writes zeros.
@@ -148,7 +156,7 @@ def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, s_ot, s_oh, G: tl.constexpr,
         w = tl.exp2(tl.load(part_ptr + at_s + BLOCK_D) - mx)
         l_i += w * tl.load(part_ptr + at_s + BLOCK_D + 1)
         acc += w[:, None] * tl.load(part_ptr + at_s[:, None] + d[None, :])
-    _store_normalized(o_ptr, acc, l_i, tok, head, m_ok, d, d_ok, s_ot, s_oh)
+    _store_normalized(o_ptr, acc, l_i, v_scale, tok, head, m_ok, d, d_ok, s_ot, s_oh)
 
 
 # Split keys ("flash decoding") only where (rows x KV heads) programs leave SMs idle: up to
@@ -156,6 +164,17 @@ def _paged_merge_kernel(o_ptr, part_ptr, cu_ptr, D, s_ot, s_oh, G: tl.constexpr,
 # about 2 programs per SM work (decode at batch 1 with a long context: 8 programs otherwise).
 MAX_SPLITS = 32
 MIN_SPLIT_KEYS = 256
+
+
+def _check_layouts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
+                   v_scale: float) -> None:
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache need unit stride in head_dim")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, FP8_DTYPE):
+        raise ValueError(f"k_cache and v_cache must both be in q's dtype {q.dtype} or float8_e4m3fn, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype != FP8_DTYPE and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError(f"k_scale/v_scale apply to an FP8 cache only, got {k_scale!r}, {v_scale!r}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -174,14 +193,15 @@ def decode_splits(programs: int, max_context_len: int, sms: int) -> int:
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                            *, scale: float, max_query_len: int, max_context_len: int,
-                           splits: int | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None,
                            tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Same contract as `ops.attention.paged_attention` for max_query_len <= MAX_QUERY_LEN.
 
     q (T, heads, head_dim); k_cache, v_cache (num_blocks, block_size, kv_heads, head_dim) with
     unit stride in head_dim; cu_seqlens_q (n+1,) int32; block_tables (n, max_blocks) int32;
     context_lens (n,) int32. Returns (T, heads, head_dim) in q's dtype. fp32 inputs use IEEE
-    fp32 products (exact-ish); bf16/fp16 use the tensor cores with fp32 accumulation.
+    fp32 products (exact-ish); bf16/fp16 use the tensor cores with fp32 accumulation. The caches
+    are in q's dtype, or float8_e4m3fn with dequantization scales k_scale, v_scale.
     splits: key splits per (row, KV head) program, a power of two (default `decode_splits`, from the
     rows, the longest context and the SM count; a CUDA graph keeps the split of its capture, and
     each row divides its own keys); tiles: (BLOCK_N, num_warps, num_stages) for the sweeps.
@@ -191,8 +211,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     n = block_tables.shape[0]
     if max_query_len > MAX_QUERY_LEN:
         raise ValueError(f"max_query_len={max_query_len} exceeds the decode kernel's {MAX_QUERY_LEN}")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("q, k_cache and v_cache need unit stride in head_dim")
+    _check_layouts(q, k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     if T == 0 or n == 0:
         return out.zero_()
@@ -219,13 +238,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     extra = {} if stages is None else {"num_stages": stages}
     _paged_decode_kernel[(n, kv_heads, splits)](
         q, k_cache, v_cache, out, part, cu_seqlens_q, bt, context_lens, D, block_size,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0),
-        out.stride(1), bt.stride(0), G=G, QP=QP, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **extra,
+        scale * k_scale * math.log2(math.e), v_scale, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), bt.stride(0), G=G, QP=QP, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **extra,
     )
     if splits > 1:
-        _paged_merge_kernel[(n, kv_heads)](out, part, cu_seqlens_q, D, out.stride(0), out.stride(1),
+        _paged_merge_kernel[(n, kv_heads)](out, part, cu_seqlens_q, D, v_scale, out.stride(0), out.stride(1),
                                            G=G, QP=QP, BLOCK_M=block_m, BLOCK_D=block_d, SPLITS=splits,
                                            num_warps=4)
     return out
@@ -233,7 +252,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit(do_not_specialize=["n_rows", "s_bt"])
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tiles_ptr, bt_ptr, ctx_ptr, n_rows, D,
-                          scale_log2, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
+                          scale_log2, v_scale,
+                          s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
                           G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     total = tl.load(tiles_ptr + n_rows)
@@ -262,7 +282,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tiles_ptr, bt_ptr,
     d_ok = d < D
     tok = (q_start + m).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * s_qt + head * s_qh + d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                other=0.0).to(k_ptr.dtype.element_ty)
+                other=0.0)
     first = ctx - q_len + tile * BLOCK_M  # position of the tile's first query
     q_pos = first + tl.arange(0, BLOCK_M)
     end = tl.minimum(first + BLOCK_M, ctx)  # keys the tile's last real query sees, exclusive
@@ -280,7 +300,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tiles_ptr, bt_ptr,
         off = p % BS
         kv_mask = p_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -294,14 +314,14 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tiles_ptr, bt_ptr,
         pr = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
         v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         if IEEE:
             pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(pr.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(o_ptr + tok[:, None] * s_ot + head * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
 
@@ -322,19 +342,18 @@ def prefill_tiles(dtype: torch.dtype, head_dim: int, interpret: bool) -> tuple[i
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
                                    context_lens: torch.Tensor, *, scale: float, max_query_len: int,
-                                   max_context_len: int, tiles: tuple[int, int, int, int] | None = None
-                                   ) -> torch.Tensor:
+                                   max_context_len: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                                   tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Same contract as `ops.attention.paged_attention`, any q_len (prefill chunks, mixed batches).
 
-    Layouts as `paged_attention_triton` (the block size is compiled in). `tiles` overrides
+    Layouts and scales as `paged_attention_triton` (the block size is compiled in). `tiles` overrides
     `prefill_tiles` (benchmarks). No host sync: the per-row tile counts are a device prefix sum and
     the grid is the bound min(n * cdiv(max_query_len, BLOCK_M), cdiv(T, BLOCK_M) + n).
     """
     T, heads, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     n = block_tables.shape[0]
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("q, k_cache and v_cache need unit stride in head_dim")
+    _check_layouts(q, k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     if T == 0 or n == 0:
         return out.zero_()
@@ -347,8 +366,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     grid = min(n * triton.cdiv(max(max_query_len, 1), block_m), triton.cdiv(T, block_m) + n)
     bt = block_tables.contiguous()
     _paged_prefill_kernel[(grid, heads)](
-        q, k_cache, v_cache, out, cu, tiles_cum, bt, context_lens, n, D, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, out, cu, tiles_cum, bt, context_lens, n, D, scale * k_scale * math.log2(math.e),
+        v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), bt.stride(0),
         G=heads // kv_heads, BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32,
