@@ -1,0 +1,45 @@
+"""Gated DeltaNet decode ops in Triton: the entry points `ops/gdn.py` dispatches to on CUDA.
+
+Each `<op>_triton` has the signature and contract of `ops/gdn.py: <op>_ref` (arguments validated by
+the public op). The kernels live in `gdn_state.py` (baseline state update, shared jitted helpers) and
+`gdn_replay.py` (ReplaySSM forward with flush, materialize); all three keep a (Dk, BLOCK_V) fp32
+state tile in registers per (Dv tile, value head, row) program.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replayssm.ops.triton.gdn_replay import launch_materialize, launch_replay_forward
+from replayssm.ops.triton.gdn_state import LaunchConfig, launch_state_update
+
+# The tile per state dtype. Dk = 128 rows by 32 columns is 32 fp32 registers per thread at 4 warps,
+# leaving room for the rounding temporaries of 16-bit writes; Dv = 128 gives 4 programs per head.
+CONFIGS = {
+    torch.float32: LaunchConfig(block_v=32, num_warps=4),
+    torch.float16: LaunchConfig(block_v=32, num_warps=4),
+    torch.bfloat16: LaunchConfig(block_v=32, num_warps=4),
+}
+
+
+def gdn_state_update_triton(state, q, k, v, g, beta, state_indices, *, dst_indices: torch.Tensor | None = None,
+                            rand_seed: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Baseline decode / verify (`ops.gdn.gdn_state_update`). With dst_indices, a row's destinations may
+    include its own source (a program reads its tile before writing it) but no other row's source."""
+    return launch_state_update(state, q, k, v, g, beta, state_indices, dst_indices, rand_seed, out,
+                               CONFIGS[state.dtype])
+
+
+def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed,
+                              state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
+    """ReplaySSM decode / verify step (`ops.gdn.gdn_replay_forward`)."""
+    return launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start,
+                                 committed, state_indices, window, rand_seed, out, CONFIGS[state.dtype])
+
+
+def gdn_replay_materialize_triton(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed, src_indices,
+                                  num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
+    """state[dst] = state[src] advanced by n ring entries (`ops.gdn.gdn_replay_materialize`)."""
+    launch_materialize(state, ring_k, ring_v, ring_g, ring_beta, ring_start, src_indices, num_entries,
+                       dst_indices, rand_seed, CONFIGS[state.dtype])

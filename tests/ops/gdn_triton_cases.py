@@ -1,0 +1,275 @@
+"""Triton Gated DeltaNet kernels vs the references, shared by the GPU tests and the interpreter run.
+
+Each `check_*` builds random inputs (never zeros) on `device`: a slot pool larger than the batch with
+permuted slots and a padding row, ring rows outside each history NaN (never read), a NaN-poisoned
+output. It runs the Triton twin and the fp32 `*_ref` on copies and the float64 recurrence, and asserts:
+
+- outputs within the fp32 tolerance of the float64 recurrence and of the fp32 reference;
+- fp32 states within the fp32 tolerance; 16-bit states within one ulp of the reference's bits and
+  equal to them for at least 99% of the elements (the kernels run the sequential recurrence, the
+  reference the WY form: the fp32 values differ by summation order, so a stochastic rounding flips
+  only where its random threshold falls between the two);
+- ring rows, cursors and every untouched slot bit-exact; a second Triton run bit-identical.
+
+Run as a script under TRITON_INTERPRET=1 (`gdn_triton_cases.py <part>`) it checks tiny CPU shapes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from replayssm.ops.gdn import (
+    gdn_recurrence_ref,
+    gdn_replay_forward_ref,
+    gdn_replay_materialize_ref,
+    gdn_state_update_ref,
+)
+from replayssm.ops.rounding import seed_tensor
+from replayssm.ops.triton.gdn_replay import launch_materialize, launch_replay_forward
+from replayssm.ops.triton.gdn_state import LaunchConfig, launch_state_update
+
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
+TOL = 2e-4  # fp32 tolerance relative to max(|expected|, 1), outputs and fp32 states
+ACT_TOL = {F32: TOL, BF16: 1.2e-2}  # bf16 outputs carry one bf16 rounding
+HEADS = {"gqa1": (2, 2), "gqa4": (1, 4)}  # (Hk, Hv): 1 and 4 value heads per key head
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert not got.isnan().any(), f"{name}: NaN (unwritten output)"
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(want.double().abs().max().item(), 1.0)
+    assert err <= tol * scale, f"{name}: max err {err:.3e} > {tol} * {scale:.3g}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(_bits(got), _bits(want)), f"{name}: bits differ"
+
+
+def _states_match(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: within TOL; 16-bit: within one ulp and >= 99% bit-equal (see the module docstring)."""
+    if got.dtype == F32:
+        _close(name, got, want, TOL)
+        return
+    g, w = got.float(), want.float()
+    ulp = torch.where(w == 0, 2.0**-126, w.abs() * 2.0**-7)  # bf16 keeps 8 significant bits
+    assert bool(((g - w).abs() <= ulp * 1.0001).all()), f"{name}: more than one ulp from the reference"
+    equal = (_bits(got) == _bits(want)).double().mean().item()
+    assert equal >= 0.99, f"{name}: only {equal:.4f} of the 16-bit states equal the reference's bits"
+
+
+def _untouched(name: str, got: torch.Tensor, orig: torch.Tensor, touched: torch.Tensor) -> None:
+    keep = torch.ones(orig.shape[0], dtype=torch.bool, device=orig.device)
+    keep[touched[touched >= 0].long()] = False
+    _same_bits(name, got[keep], orig[keep])
+
+
+def _tokens(b, n, Hk, Hv, Dk, Dv, act, device):
+    q, k = torch.randn(b, n, Hk, Dk), torch.randn(b, n, Hk, Dk)
+    v = torch.randn(b, n, Hv, Dv)
+    g, beta = -(torch.rand(b, n, Hv) * 0.78 + 0.02), torch.rand(b, n, Hv) * 0.9 + 0.05
+    return tuple(t.to(device) for t in (q.to(act), k.to(act), v.to(act), g, beta))
+
+
+def _slots(b: int, S: int, device) -> torch.Tensor:
+    """b distinct permuted slots of a pool of S, one of them a padding row (-1)."""
+    idx = torch.randperm(S)[:b].to(torch.int32)
+    idx[torch.randint(0, b, (1,))] = -1
+    return idx.to(device)
+
+
+def _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device):
+    """(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed); rows past each history NaN."""
+    ring_start = torch.randint(0, R, (S,), dtype=torch.int32)
+    committed = torch.as_tensor(committed, dtype=torch.int32)
+    state = (torch.randn(S, Hv, Dk, Dv) * 0.5).to(state_dtype)
+    ring = [torch.randn(S, Hk, R, Dk).to(act), torch.randn(S, Hv, R, Dv).to(act),
+            -(torch.rand(S, Hv, R) * 0.78 + 0.02), torch.rand(S, Hv, R) * 0.9 + 0.05]
+    for s in range(S):
+        free = [r for r in range(R) if (r - int(ring_start[s])) % R >= int(committed[s])]
+        for t in ring:
+            t[s][:, free] = float("nan")
+    return [t.to(device) for t in (state, *ring, ring_start, committed)]
+
+
+def _history64(cache, s: int, n: int):
+    """The first n ring entries of slot s as float64 k (n, Hk, Dk), v (n, Hv, Dv), g, beta (n, Hv)."""
+    _, rk, rv, rg, rb, start, _ = cache
+    rows = [(int(start[s]) + j) % rk.shape[2] for j in range(n)]
+    return (rk[s][:, rows].transpose(0, 1).double(), rv[s][:, rows].transpose(0, 1).double(),
+            rg[s][:, rows].T.double(), rb[s][:, rows].T.double())
+
+
+def _recurrence64(S0, q, k, v, g, beta):
+    """Float64 recurrence over one sequence: (o (n, Hv, Dv), states (n, Hv, Dk, Dv))."""
+    o, states = gdn_recurrence_ref(q[None], k[None], v[None], g[None], beta[None], S0[None], dtype=F64)
+    return o[0], states[0]
+
+
+def check_state_update(device, *, Hk, Hv, Dk, Dv, b, S, n, verify, state_dtype, act, block_v=32):
+    """Baseline decode (n tokens, state written back) or verify (the state after each token to its own
+    slot, -1 skipping some) matches the recurrence; nothing else moves."""
+    torch.manual_seed(n * 7 + Hv)
+    state = (torch.randn(S, Hv, Dk, Dv) * 0.5).to(state_dtype).to(device)
+    perm = torch.randperm(S).to(torch.int32)
+    idx = perm[:b].clone()
+    idx[1] = -1
+    idx = idx.to(device)
+    dst = None
+    if verify:  # each row's destinations: its own source first, then fresh slots; some skipped
+        dst = perm[b : b + b * n].view(b, n).clone()
+        dst[:, 0] = perm[:b]
+        dst[0, -1] = -1
+        dst = dst.to(device)
+    step = _tokens(b, n, Hk, Hv, Dk, Dv, act, device)
+    seed = seed_tensor(11, device)
+    want_state = state.clone()
+    want = gdn_state_update_ref(want_state, *step, idx, dst_indices=dst, rand_seed=seed)
+    got_state = state.clone()
+    out = torch.full_like(step[2], float("nan"))
+    cfg = LaunchConfig(block_v=block_v)
+    got = launch_state_update(got_state, *step, idx, dst, seed, out, cfg)
+    assert got is out
+    _close("o vs reference", got, want, ACT_TOL[act])
+    _states_match("state", got_state, want_state)
+    _untouched("untouched slots", got_state, state, idx if dst is None else torch.cat([idx, dst.flatten()]))
+    for i, s in enumerate(idx.tolist()):
+        if s < 0:
+            assert bool((got[i] == 0).all()), "padding row output not zero"
+            continue
+        o64, states64 = _recurrence64(state[s].double(), *(t[i].double() for t in step))
+        _close(f"o row {i} vs float64", got[i], o64, ACT_TOL[act])
+        if state_dtype == F32:
+            writes = [(dst[i, t].item(), states64[t]) for t in range(n)] if verify else [(s, states64[-1])]
+            for d, st in writes:
+                if d >= 0:
+                    _close(f"state row {i} -> {d} vs float64", got_state[d], st, TOL)
+    again = state.clone()
+    launch_state_update(again, *step, idx, dst, seed, None, cfg)
+    _same_bits("second run", again, got_state)
+
+
+def check_replay(device, *, Hk, Hv, Dk, Dv, n, W, state_dtype, act, block_v=32):
+    """A replay step over rows holding every ring fill 0..W (flush iff h + n > W) plus a padding row:
+    outputs, flushed checkpoints and appended ring rows match; cursors and other slots never move."""
+    torch.manual_seed(n * 13 + Hv + W)
+    fills = list(range(W + 1))
+    b = len(fills) + 1
+    S, R = b + 3, W + n
+    idx = _slots(b, S, device)
+    committed = torch.randint(0, W + 1, (S,), dtype=torch.int32)
+    rows = [i for i in range(b) if int(idx[i]) >= 0]
+    for i, h in zip(rows, fills):
+        committed[int(idx[i])] = h
+    cache = _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device)
+    step = _tokens(b, n, Hk, Hv, Dk, Dv, act, device)
+    seed = seed_tensor(5, device)
+    want_cache = [t.clone() for t in cache]
+    want = gdn_replay_forward_ref(*step, *want_cache, idx, W, rand_seed=seed)
+    got_cache = [t.clone() for t in cache]
+    out = torch.full_like(step[2], float("nan"))
+    cfg = LaunchConfig(block_v=block_v)
+    got = launch_replay_forward(*step, *got_cache, idx, W, seed, out, cfg)
+    assert got is out
+    _close("o vs reference", got, want, ACT_TOL[act])
+    _states_match("state", got_cache[0], want_cache[0])
+    for name, g_, w_ in zip(("ring_k", "ring_v", "ring_g", "ring_beta", "ring_start", "committed"),
+                            got_cache[1:], want_cache[1:]):
+        _same_bits(name, g_, w_)
+    _untouched("untouched slots", got_cache[0], cache[0], idx)
+    for i, s in enumerate(idx.tolist()):
+        if s < 0:
+            assert bool((got[i] == 0).all()), "padding row output not zero"
+            continue
+        h = int(committed[s])
+        hk, hv, hg, hb = _history64(cache, s, h)
+        q, k, v, g, beta = (t[i].double() for t in step)
+        dummy_q = torch.zeros_like(hk)
+        o64, states64 = _recurrence64(cache[0][s].double(), torch.cat([dummy_q, q]), torch.cat([hk, k]),
+                                      torch.cat([hv, v]), torch.cat([hg, g]), torch.cat([hb, beta]))
+        _close(f"o row {i} (h = {h}) vs float64", got[i], o64[h:], ACT_TOL[act])
+        if state_dtype == F32:
+            want_s = states64[h - 1] if h + n > W and h > 0 else cache[0][s].double()
+            _close(f"state row {i} (h = {h}) vs float64", got_cache[0][s], want_s, TOL)
+        else:
+            assert (h + n > W) or torch.equal(_bits(got_cache[0][s]), _bits(cache[0][s])), "no-flush row wrote"
+    again = [t.clone() for t in cache]
+    launch_replay_forward(*step, *again, idx, W, seed, None, cfg)
+    for g_, w_ in zip(again, got_cache):
+        _same_bits("second run", g_, w_)
+
+
+def check_materialize(device, *, Hk, Hv, Dk, Dv, W, state_dtype, act, block_v=32):
+    """state[dst] = state[src] advanced by n = 0..committed ring entries (n = 0 copies exactly); sources,
+    rings and other slots untouched; padding rows skipped."""
+    torch.manual_seed(Hv * 3 + W)
+    m = W + 2
+    S, R = 2 * m + 2, W + 1
+    perm = torch.randperm(S).to(torch.int32)
+    src, dst = perm[:m].clone(), perm[m : 2 * m].clone()
+    committed = torch.randint(0, W + 1, (S,), dtype=torch.int32)
+    num = torch.tensor([min(j, int(committed[int(s)])) for j, s in enumerate(src.tolist())], dtype=torch.int32)
+    src[-1] = -1
+    dst[-2] = -1
+    src, dst, num = src.to(device), dst.to(device), num.to(device)
+    cache = _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device)
+    seed = seed_tensor(3, device)
+    want_cache = [t.clone() for t in cache]
+    gdn_replay_materialize_ref(*want_cache, src, num, dst, rand_seed=seed)
+    got_cache = [t.clone() for t in cache]
+    launch_materialize(*got_cache[:6], src, num, dst, seed, LaunchConfig(block_v=block_v))
+    _states_match("state", got_cache[0], want_cache[0])
+    for g_, w_ in zip(got_cache[1:], cache[1:]):
+        _same_bits("ring / cursors", g_, w_)
+    written = torch.where((src >= 0) & (dst >= 0), dst, -1)
+    _untouched("untouched slots", got_cache[0], cache[0], written)
+    for i in range(m):
+        s, d, cnt = int(src[i]), int(dst[i]), int(num[i])
+        if s < 0 or d < 0:
+            continue
+        if cnt == 0:
+            _same_bits(f"n = 0 copy row {i}", got_cache[0][d], cache[0][s])
+        elif state_dtype == F32:
+            _close(f"row {i} (n = {cnt}) vs float64", got_cache[0][d],
+                   _recurrence64(cache[0][s].double(), *_history64(cache, s, cnt)[:1] * 2,
+                                 *_history64(cache, s, cnt)[1:])[1][-1], TOL)
+
+
+# Interpreter parts: tiny shapes, Dv split into two tiles (block_v = 8), W = 4 (fills 0..4).
+SMALL = dict(Dk=16, Dv=16, block_v=8)
+
+
+def _part_state_update():
+    for (Hk, Hv) in HEADS.values():
+        for sd in (F32, BF16):
+            check_state_update("cpu", Hk=Hk, Hv=Hv, b=4, S=24, n=1, verify=False, state_dtype=sd, act=BF16, **SMALL)
+            check_state_update("cpu", Hk=Hk, Hv=Hv, b=3, S=24, n=4, verify=True, state_dtype=sd, act=F32, **SMALL)
+
+
+def _part_replay(n):
+    def run():
+        for (Hk, Hv) in HEADS.values():
+            for sd, act in ((F32, F32), (BF16, BF16)):
+                check_replay("cpu", Hk=Hk, Hv=Hv, n=n, W=4, state_dtype=sd, act=act, **SMALL)
+    return run
+
+
+def _part_materialize():
+    for (Hk, Hv) in HEADS.values():
+        for sd in (F32, BF16):
+            check_materialize("cpu", Hk=Hk, Hv=Hv, W=4, state_dtype=sd, act=BF16, **SMALL)
+
+
+PARTS = {"state_update": _part_state_update, "replay_q1": _part_replay(1), "replay_q4": _part_replay(4),
+         "materialize": _part_materialize}
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or sorted(PARTS):
+        PARTS[name]()
+        print(f"ok {name}")
