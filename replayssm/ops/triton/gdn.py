@@ -22,24 +22,26 @@ CONFIGS = {
 }
 
 
-def gdn_state_update_triton(state, q, k, v, g, beta, state_indices, *, dst_indices: torch.Tensor | None = None,
-                            rand_seed: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def gdn_state_update_triton(state, q, k, v, g, beta, state_indices, *,
+                            dst_indices: torch.Tensor | None = None, rand_seed: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Baseline decode / verify (`ops.gdn.gdn_state_update`). With dst_indices, a row's destinations may
     include its own source (a program reads its tile before writing it) but no other row's source."""
     return launch_state_update(state, q, k, v, g, beta, state_indices, dst_indices, rand_seed, out,
                                CONFIGS[state.dtype])
 
 
-def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed,
-                              state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
+def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start,
+                              committed, state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
                               out: torch.Tensor | None = None) -> torch.Tensor:
     """ReplaySSM decode / verify step (`ops.gdn.gdn_replay_forward`)."""
     return launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start,
                                  committed, state_indices, window, rand_seed, out, CONFIGS[state.dtype])
 
 
-def gdn_replay_materialize_triton(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed, src_indices,
-                                  num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
+def gdn_replay_materialize_triton(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed,
+                                  src_indices, num_entries, dst_indices, *,
+                                  rand_seed: torch.Tensor | None = None) -> None:
     """state[dst] = state[src] advanced by n ring entries (`ops.gdn.gdn_replay_materialize`)."""
     launch_materialize(state, ring_k, ring_v, ring_g, ring_beta, ring_start, src_indices, num_entries,
                        dst_indices, rand_seed, CONFIGS[state.dtype])

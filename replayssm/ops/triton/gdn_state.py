@@ -20,9 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.triton.rounding import device_seed, load_seed_mix, max_finite, stochastic_round_pairs, tl_dtype
-
-L2NORM_EPS = 1e-6  # inside the root, as `ops/gdn.py: l2norm`
+from replayssm.ops.triton.rounding import (
+    device_seed,
+    load_seed_mix,
+    max_finite,
+    stochastic_round_pairs,
+    tl_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -35,14 +39,15 @@ class LaunchConfig:
 
 @triton.jit
 def unit_key(ptr, kk, km, scale):
-    """The (BLOCK_K,) key at ptr, L2-normalized in fp32 (x rsqrt(|x|^2 + 1e-6)) and times `scale`."""
+    """The (BLOCK_K,) key at ptr, L2-normalized in fp32 and times `scale` (x rsqrt(|x|^2 + 1e-6), the eps
+    of `ops/gdn.py: l2norm`)."""
     x = tl.load(ptr + kk, mask=km, other=0.0).to(tl.float32)
     return x * (tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6) * scale)
 
 
 @triton.jit
 def delta_step(S, kn, v, g, beta):
-    """One token of the gated delta rule on a (BLOCK_K, BLOCK_V) fp32 tile: decay, then k (beta (v - S^T k))^T."""
+    """One token of the delta rule on a (BLOCK_K, BLOCK_V) fp32 tile: decay, then + k (beta (v - S^T k))^T."""
     S = S * tl.exp(g)
     delta = beta * (v - tl.sum(S * kn[:, None], axis=0))
     return S + kn[:, None] * delta[None, :]
