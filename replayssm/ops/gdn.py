@@ -33,6 +33,9 @@ is E = Hk Dk a + Hv Dv a + 8 Hv, k + v in the activation dtype, g and beta fp32)
 On the Qwen3-Next-80B-A3B shape (Hk 16, Hv 32, Dk = Dv = 128, bf16 activations, fp32 state,
 W = 16) a state is 2 MiB and E = 12.25 KiB: the baseline moves 4 MiB per decode step, ReplaySSM
 at most 2 MiB + 196 KiB of history + 12 KiB appended, plus 2 MiB once in W steps (2.33 MiB).
+
+The decode ops dispatch with `pick_impl`: Triton twins (`ops/triton/gdn.py`) for CUDA tensors, the
+`*_ref` functions here elsewhere.
 """
 
 from __future__ import annotations
