@@ -75,7 +75,7 @@ def test_dispatch_gpu():
     Hk, Hv, D, W, S, dev = 2, 4, 128, 16, 12, "cuda"
     idx = torch.tensor([3, -1, 0, 7], dtype=torch.int32, device=dev)
     step = _tokens(4, 2, Hk, Hv, D, D, BF16, dev)
-    committed = torch.randint(0, W - 1, (S,), dtype=torch.int32)
+    committed = torch.randint(1, W - 1, (S,), dtype=torch.int32)  # materialize reads n = 1 from slot 0
     a = _cache(S, Hk, Hv, D, D, W + 2, committed, BF16, BF16, dev)
     b = [t.clone() for t in a]
     assert torch.equal(gdn_replay_forward(*step, *a, idx, W), gdn_replay_forward_triton(*step, *b, idx, W))
