@@ -57,7 +57,7 @@ def graphs_supported(runner) -> str | None:
     if getattr(getattr(runner, "tp", None), "size", 1) > 1:
         return "CUDA graphs are not wired for tensor parallelism"
     if runner.model_config.num_gdn_layers and not gdn_decode_kernels(runner.device):
-        return "CUDA graphs for Gated DeltaNet layers need its Triton decode kernels (replayssm.ops.triton.gdn)"
+        return "CUDA graphs for Gated DeltaNet layers need their Triton decode kernels (ops/triton/gdn)"
     if runner.model_config.has_moe and runner.dtype != torch.bfloat16:
         return "CUDA graphs with MoE layers need bfloat16 (the sync-free grouped GEMM)"
     try:

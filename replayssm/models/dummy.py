@@ -2,8 +2,9 @@
 
 Every parameter is drawn on its own device from a seeded generator, at a scale that keeps
 activations finite through many layers (fan-in scaled matrices, unit norms, a few tokens of
-Mamba or Gated DeltaNet memory per head: A_log and dt_bias), so timing runs see real-looking data, never zeros or NaN. FP8 weights
-(layers/fp8_linear.py) are drawn the same way and quantized with their scales.
+Mamba or Gated DeltaNet memory per head: A_log and dt_bias), so timing runs see real-looking data,
+never zeros or NaN. FP8 weights (layers/fp8_linear.py) are drawn the same way and quantized with
+their scales.
 """
 
 from __future__ import annotations

@@ -229,3 +229,46 @@ def test_decode_step_has_no_host_sync(tmp_path, replayssm):
             torch.cuda.set_sync_debug_mode("default")
         assert torch.isfinite(logits).all()
         pos = [n + 1 for n in pos]
+
+
+def _mtp_checkpoint(tmp_path) -> str:
+    """The tiny Qwen3.5 with its mixer and MLP outputs scaled by 0.02 (so the next token mostly follows
+    the current one) plus an MTP layer: fc passes the normed embedding (and a little of the hidden
+    state), the block is a copy of the attention layer 1, the closing norm is the model's. Its drafts
+    then often guess x_{i+2} from x_{i+1}, and not always."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny(VARIANTS[1])
+    root = tmp_path / "mtp"
+    shutil.copytree(src, root)
+    w = load_file(str(root / "model.safetensors"))
+    for name in w:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            w[name] = w[name] * 0.02
+    H = w["model.embed_tokens.weight"].shape[1]
+    gen = torch.Generator().manual_seed(7)
+    w["mtp.fc.weight"] = torch.cat([torch.eye(H), 0.05 * torch.randn(H, H, generator=gen)], dim=1)
+    w["mtp.pre_fc_norm_embedding.weight"] = 0.05 * torch.randn(H, generator=gen)
+    w["mtp.pre_fc_norm_hidden.weight"] = 0.05 * torch.randn(H, generator=gen)
+    w["mtp.norm.weight"] = w["model.norm.weight"].clone()
+    for name in list(w):
+        if name.startswith("model.layers.1."):
+            w["mtp.layers.0." + name[len("model.layers.1.") :]] = w[name].clone()
+    save_file(w, str(root / "model.safetensors"))
+    raw = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**raw, "mtp_num_hidden_layers": 1}))
+    return str(root)
+
+
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+def test_mtp_speculation_is_lossless(tmp_path, replayssm):
+    """k = 3 drafts from the checkpoint's mtp.* layer give the non-speculative greedy tokens, with drafts
+    both accepted and rejected."""
+    path = _mtp_checkpoint(tmp_path)
+    want = greedy_tokens(family_llm(path, replayssm=replayssm, replay_window=8), PROMPTS)
+    llm = family_llm(path, replayssm=replayssm, replay_window=8, num_speculative_tokens=3,
+                     speculative_method="mtp")
+    assert type(llm.engine.spec.proposer.head.mtp).__name__ == "Qwen3NextMTP"
+    assert greedy_tokens(llm, PROMPTS) == want
+    m = llm.get_metrics()
+    assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]
