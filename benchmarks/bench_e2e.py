@@ -2,8 +2,10 @@
 
 Model: a Nemotron-H-8B-shaped config (hidden 4096, the 52-layer M/-/* pattern; or, with
 ``--model-shape granite-4.0-h-small``, the published Granite 4.0-H Small: 40 layers of Mamba-2 or
-attention each followed by 72-expert MoE + shared MLP, 32B parameters) with seeded random bf16
-weights made on the device (``load_format="dummy"``: only a config.json is written), fp32 Mamba
+attention each followed by 72-expert MoE + shared MLP, 32B parameters; ``qwen3.5-27b``, the published
+Qwen3.5-27B text model: 64 layers, 3 Gated DeltaNet to 1 gated attention, dense MLP; or
+``qwen3-next-80b-a3b``, 512-expert MoE, 160 GB of bf16 weights: more than one GPU holds) with seeded
+random bf16 weights made on the device (``load_format="dummy"``: only a config.json is written), fp32 Mamba
 state, W=16. Every mode runs its settings in OFF, ON, ON, OFF order in
 one process, so ON/OFF ratios come from one run with drift cancelled:
 
@@ -98,10 +100,49 @@ TINY_GRANITE = {
     "shared_intermediate_size": 48, "attention_multiplier": 0.0625, "max_position_embeddings": 4096,
     "dtype": "float32",
 }
+# Qwen/Qwen3.5-27B's text_config (dense, 64 layers: 3 Gated DeltaNet + 1 gated attention, repeated),
+# served as the text-only Qwen3_5ForCausalLM (the vision tower does not change a text decode step).
+QWEN3_5_27B = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
+    "hidden_size": 5120, "num_hidden_layers": 64, "full_attention_interval": 4,
+    "intermediate_size": 17408,
+    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "eos_token_id": 248044,
+    "dtype": "bfloat16",
+}
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json: 48 layers, every FFN a 512-expert top-10 MoE with
+# a shared expert. 80B parameters (160 GB in bf16): more than one 80 GB (or 141 GB) GPU holds.
+QWEN3_NEXT_80B_A3B = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+    "hidden_size": 2048, "num_hidden_layers": 48, "full_attention_interval": 4, "intermediate_size": 5120,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": 1e-6,
+    "rope_theta": 5000000, "partial_rotary_factor": 0.25, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
+}
+# The same structures at toy size for the CPU smoke run (value heads 2x the key heads, as published).
+_TINY_QWEN = {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16, "max_position_embeddings": 4096,
+              "dtype": "float32"}
+TINY_QWEN3_5 = {**QWEN3_5_27B, **_TINY_QWEN, "intermediate_size": 96}
+TINY_QWEN3_NEXT = {**QWEN3_NEXT_80B_A3B, **_TINY_QWEN, "intermediate_size": 96, "num_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32}
 # --model-shape: (full shape, its CPU smoke twin); the first is the default.
 MODEL_SHAPES = {"nemotron-h-8b": (NEMOTRON_H_8B, TINY),
                 "granite-4.0-h-small": (GRANITE_4_H_SMALL, TINY_GRANITE),
-                "granite-4.0-h-tiny": (GRANITE_4_H_TINY, TINY_GRANITE)}
+                "granite-4.0-h-tiny": (GRANITE_4_H_TINY, TINY_GRANITE),
+                "qwen3.5-27b": (QWEN3_5_27B, TINY_QWEN3_5),
+                "qwen3-next-80b-a3b": (QWEN3_NEXT_80B_A3B, TINY_QWEN3_NEXT)}
 ORDER = ("off", "on", "on", "off")
 ACCEPTANCE_LENGTH = 3.1151
 STATE_DTYPES = ("float32", "float16", "bfloat16")

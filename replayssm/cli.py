@@ -130,7 +130,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "its numbers are not a speed measurement")
     parser.add_argument("--model-shape", default="nemotron-h-8b",
                         help="published model shape, dummy weights: nemotron-h-8b (default), "
-                        "granite-4.0-h-small (32B MoE) or granite-4.0-h-tiny (7B MoE); with --quick, "
+                        "granite-4.0-h-small (32B MoE), granite-4.0-h-tiny (7B MoE), "
+                        "qwen3.5-27b (Gated DeltaNet, dense) or qwen3-next-80b-a3b (Gated DeltaNet, "
+                        "512-expert MoE, 80B: 160 GB in bf16, more than one 80 GB GPU holds); with --quick, "
                         "a toy model of the same structure")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")

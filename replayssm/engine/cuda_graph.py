@@ -56,8 +56,8 @@ def graphs_supported(runner) -> str | None:
         return "CUDA graphs need a CUDA device"
     if getattr(getattr(runner, "tp", None), "size", 1) > 1:
         return "CUDA graphs are not wired for tensor parallelism"
-    if runner.model_config.num_gdn_layers:
-        return "CUDA graphs are not wired for Gated DeltaNet layers (their ops are PyTorch references)"
+    if runner.model_config.num_gdn_layers and not gdn_decode_kernels(runner.device):
+        return "CUDA graphs for Gated DeltaNet layers need their Triton decode kernels (ops/triton/gdn)"
     if runner.model_config.has_moe and runner.dtype != torch.bfloat16:
         return "CUDA graphs with MoE layers need bfloat16 (the sync-free grouped GEMM)"
     try:
@@ -65,6 +65,18 @@ def graphs_supported(runner) -> str | None:
     except ImportError:
         return "CUDA graphs need triton"
     return None
+
+
+def gdn_decode_kernels(device: torch.device) -> bool:
+    """Whether a Gated DeltaNet decode / verify step on `device` runs kernels that a graph can capture
+    (`gdn_replay_forward` and `gdn_state_update` dispatch to Triton): their PyTorch references
+    select rows with nonzero(), a host sync with a data-dependent shape."""
+    from replayssm.ops import gdn
+    from replayssm.ops.common import pick_impl
+
+    probe = torch.empty(0, device=device)
+    return all(pick_impl("gdn", name, probe, getattr(gdn, f"{name}_ref")) is not getattr(gdn, f"{name}_ref")
+               for name in ("gdn_replay_forward", "gdn_state_update"))
 
 
 class CudaGraphRunner:

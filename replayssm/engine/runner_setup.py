@@ -106,8 +106,9 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
     kv_block_bytes = runner_cls.kv_block_bytes(model_config, **sizes)
     if spec.num_speculative_tokens and spec.speculative_method == "mtp" and model_config.mtp_layer_types:
         # The MTP head's attention KV is addressed by the same block ids: it grows every block.
-        mtp_config = dataclasses.replace(model_config, layer_types=model_config.mtp_layer_types)
-        kv_block_bytes += runner_cls.kv_block_bytes(mtp_config, **sizes)
+        from replayssm.speculative.mtp_model import mtp_config
+
+        kv_block_bytes += runner_cls.kv_block_bytes(mtp_config(model_config), **sizes)
     weight_bytes = None
     if dummy and not cache.memory_budget and device.startswith("cuda"):
         from replayssm.cache.mamba_cache import as_dtype

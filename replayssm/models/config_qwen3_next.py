@@ -6,7 +6,8 @@ attention with q/k RMSNorm and partial RoPE), then a pre-normed dense SwiGLU MLP
 MoE with a sigmoid-gated shared expert. `layer_types` (or `full_attention_interval`) places the
 attention layers. The published Qwen3.5 checkpoints (`Qwen3_5ForConditionalGeneration`,
 `Qwen3_5MoeForConditionalGeneration`) carry these fields in `text_config`; their vision tower is not
-served. Multi-token prediction weights (`mtp_num_hidden_layers`) are skipped. A field that would
+served. `mtp_num_hidden_layers` multi-token-prediction layers (`mtp.*`) serve `speculative_method="mtp"`
+(speculative/mtp_model.py). A field that would
 change the math and that we do not implement is a ValueError naming it.
 """
 
@@ -87,6 +88,7 @@ def qwen3_next_fields(raw: dict, source: str, arch: str) -> dict[str, Any]:
             f"'linear_num_key_heads' ({hk})"
         )
     eos = _eos(raw, source) or _eos(top, source)
+    num_mtp = f("mtp_num_hidden_layers", default=0)
     return dict(
         architecture=arch,
         layer_types=layers,
@@ -125,4 +127,7 @@ def qwen3_next_fields(raw: dict, source: str, arch: str) -> dict[str, Any]:
         norm_topk_prob=f("norm_topk_prob", default=True, kind=bool) if arch == QWEN3_NEXT else True,
         eos_token_ids=eos,
         bos_token_id=f("bos_token_id", default=None),
+        # The MTP layers (`mtp.*`): gated attention, then the model's FFN kind (speculative/mtp_model.py).
+        num_nextn_predict_layers=num_mtp,
+        mtp_layer_types=(ATTENTION,) * num_mtp,
     )

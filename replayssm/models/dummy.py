@@ -2,8 +2,9 @@
 
 Every parameter is drawn on its own device from a seeded generator, at a scale that keeps
 activations finite through many layers (fan-in scaled matrices, unit norms, a few tokens of
-Mamba memory per head), so timing runs see real-looking data, never zeros or NaN. FP8 weights
-(layers/fp8_linear.py) are drawn the same way and quantized with their scales.
+Mamba or Gated DeltaNet memory per head: A_log and dt_bias), so timing runs see real-looking data,
+never zeros or NaN. FP8 weights (layers/fp8_linear.py) are drawn the same way and quantized with
+their scales.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter of `model` in place with seeded random values (see module docstring)."""
     gens: dict[torch.device, torch.Generator] = {}
     params = dict(model.named_parameters())
+    # Norms that scale by (1 + weight) (Qwen's OffsetRMSNorm) get weights near 0, i.e. scales near 1.
+    offset = {f"{m}.weight" if m else "weight" for m, mod in model.named_modules()
+              if getattr(mod, "unit_offset", False)}
     for name, p in params.items():
         if name.endswith("_scale"):
             continue  # an FP8 weight's scale: written with its weight below
@@ -34,6 +38,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             p.uniform_(1.0, 8.0, generator=g).log_()  # A in [-8, -1]
         elif leaf == "dt_bias":
             p.normal_(-3.0, 0.5, generator=g)  # softplus(-3) ~ 0.05
+        elif name in offset:
+            p.normal_(0.0, 0.1, generator=g)
         elif leaf == "D" or (leaf == "weight" and "norm" in name):
             p.normal_(1.0, 0.1, generator=g)
         elif leaf == "e_score_correction_bias" or leaf.endswith("bias"):

@@ -10,8 +10,13 @@ grouped experts, and adds the shared expert times sigmoid(shared_expert_gate(x))
 
 Module names follow the checkpoints after `model.` (Qwen3.5's published `model.language_model.`):
 layers.{i}.{input_layernorm, linear_attn | self_attn, post_attention_layernorm, mlp}; the frame's
-embeddings / norm_f are embed_tokens / norm. Not served: the MTP layer (`mtp.*`), the vision tower
-(`model.visual.*`), tensor parallelism.
+embeddings / norm_f are embed_tokens / norm. Not served: the vision tower (`model.visual.*`), tensor
+parallelism. The MTP layers (`mtp.*`, `Qwen3NextMTP`) are the MTP drafter's (speculative/mtp_model.py):
+
+    h = fc([pre_fc_norm_embedding(embed(x_{i+1})) | pre_fc_norm_hidden(h_i)])    (2*hidden -> hidden)
+    h = layers.{j}(h) for each MTP layer (a gated-attention block), out = norm(h); logits = lm_head(out)
+
+with the target's embedding and LM head, h_i its final (normed) hidden state at position i.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replayssm.distributed.parallel import SINGLE, TensorParallel
-from replayssm.models.config import ATTENTION, GDN, MOE, ModelConfig
+from replayssm.models.config import ATTENTION, GDN, MLP, MOE, ModelConfig
 from replayssm.models.config_qwen3_next import QWEN3_NEXT
 from replayssm.models.hybrid import DecoderLM
 from replayssm.models.layers.attention import Attention
@@ -49,6 +54,8 @@ def checkpoint_name(key: str) -> str | None:
 
 class OffsetRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), all in fp32, cast to x's dtype."""
+
+    unit_offset = True  # models/dummy.py draws such weights near 0
 
     def __init__(self, size: int, eps: float, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -181,3 +188,38 @@ class Qwen3NextForCausalLM(DecoderLM):
             counts[kind] += 1
         super().__init__(cfg, blocks, tp=tp, cast_before_weight=False, **kw)
         self.norm_f = OffsetRMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
+
+
+def mtp_ffn_kind(cfg: ModelConfig) -> str:
+    """The FFN of the MTP layers: the routed experts wherever the model has them (the published
+    checkpoints route every layer), else the dense MLP."""
+    return MOE if cfg.num_experts else MLP
+
+
+class Qwen3NextMTP(nn.Module):
+    """(next-token embeddings (T, hidden), normed target hidden (T, hidden), ctx) -> (T, hidden); the
+    module docstring has the math. Its attention layers use the MTP head's own KV cache (index j)."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError(f"tensor_parallel_size={tp.size}: {cfg.architecture} runs on one GPU only")
+        if not cfg.num_nextn_predict_layers:
+            raise ValueError("speculative_method='mtp' needs a checkpoint with mtp_num_hidden_layers >= 1; "
+                             "this one has none")
+        kw = dict(device=device, dtype=dtype)
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False, **kw)
+        self.pre_fc_norm_embedding = OffsetRMSNorm(H, cfg.norm_eps, **kw)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(H, cfg.norm_eps, **kw)
+        ffn = mtp_ffn_kind(cfg)
+        self.layers = nn.ModuleList(
+            Qwen3NextBlock(cfg, ATTENTION, ffn, j, **kw) for j in range(cfg.num_nextn_predict_layers)
+        )
+        self.norm = OffsetRMSNorm(H, cfg.norm_eps, **kw)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        h = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        for layer in self.layers:
+            h = layer(h, ctx)
+        return self.norm(h)

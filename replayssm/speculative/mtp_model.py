@@ -1,4 +1,7 @@
-"""Nemotron-H multi-token-prediction (MTP) head, read from the checkpoint's `mtp.*` tensors.
+"""Multi-token-prediction (MTP) heads, read from the checkpoint's `mtp.*` tensors: Nemotron-H's
+(below) and Qwen3-Next / Qwen3.5's (`models/qwen3_next.py: Qwen3NextMTP`, one gated-attention block
+behind fc over the two normed inputs; one GPU only). Both take the same inputs and share the target's
+embedding and LM head, so `load_mtp` picks the class by architecture and the drafter is the same.
 
 transformers has no MTP module (it ignores `mtp.*` on load), so this follows the public
 Nemotron-H MTP design. One MTP step at position i takes the target's final hidden state h_i
@@ -32,9 +35,11 @@ from torch import nn
 from replayssm.distributed.parallel import SINGLE, TensorParallel
 from replayssm.distributed.sharding import check_shardable, read_shard
 from replayssm.models.config import ATTENTION, LAYER_TYPES, MAMBA, ModelConfig
+from replayssm.models.config_qwen3_next import GDN_ARCHITECTURES
 from replayssm.models.hybrid import HybridBlock
 from replayssm.models.layers.norm import RMSNorm
 from replayssm.models.loader import load_weights
+from replayssm.models.qwen3_next import Qwen3NextMTP, mtp_ffn_kind
 
 
 class MTPLayer(HybridBlock):
@@ -90,15 +95,19 @@ def mtp_tensor_name(key: str) -> str | None:
 
 def mtp_config(cfg: ModelConfig) -> ModelConfig:
     """The config whose layer_types are the MTP layers (for sharding rules and the KV cache)."""
+    if cfg.architecture in GDN_ARCHITECTURES:
+        kinds = (mtp_ffn_kind(cfg),) * len(cfg.mtp_layer_types)
+        return dataclasses.replace(cfg, layer_types=cfg.mtp_layer_types, ffn_types=kinds)
     return dataclasses.replace(cfg, layer_types=cfg.mtp_layer_types)
 
 
 def load_mtp(cfg: ModelConfig, path: str | Path, *, device: torch.device, dtype: torch.dtype,
-             tp: TensorParallel = SINGLE) -> NemotronHMTP:
+             tp: TensorParallel = SINGLE) -> nn.Module:
     """Build the MTP head (rank tp.rank's shard) and fill every parameter from the checkpoint's
     mtp.* tensors."""
+    cls = Qwen3NextMTP if cfg.architecture in GDN_ARCHITECTURES else NemotronHMTP
     with torch.device("meta"):
-        mtp = NemotronHMTP(cfg, dtype=dtype, tp=tp)
+        mtp = cls(cfg, dtype=dtype, tp=tp)
     mtp = mtp.to_empty(device=device)
     if tp.size == 1:
         load_weights(mtp, path, rename=mtp_tensor_name)

@@ -248,6 +248,26 @@ def test_bench_granite_model_shape(tmp_path, capsys):
     assert "--model-shape must be one of" in capsys.readouterr().err
 
 
+def test_bench_qwen_model_shapes(tmp_path):
+    """--model-shape qwen3.5-27b runs modes a and b on a toy Qwen3.5 (Gated DeltaNet, dummy weights) into
+    its own result file; the full shapes build as the published 27B dense and 80B MoE models."""
+    from replayssm.cli import _load_benchmark
+    from replayssm.models.config import ModelConfig
+    from replayssm.models.dummy import parameter_bytes
+
+    assert main(["bench", "--quick", "--model-shape", "qwen3.5-27b", "--modes", "ab", "--scale", "0.5",
+                 "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "e2e-qwen3.5-27b.json").read_text())
+    assert doc["workload"]["config"]["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert sorted({r["mode"] for r in doc["rows"]}) == ["a", "b"]
+    assert all(r["output_tokens"] > 0 for r in doc["rows"])
+    bench = _load_benchmark("bench_e2e")
+    dense = ModelConfig.from_hf(bench.QWEN3_5_27B)
+    assert dense.num_gdn_layers == 48 and 26.5e9 < parameter_bytes(dense) / 2 < 27.5e9
+    moe = ModelConfig.from_hf(bench.QWEN3_NEXT_80B_A3B)
+    assert moe.num_experts == 512 and 79e9 < parameter_bytes(moe) / 2 < 81e9
+
+
 def test_bench_quick_state_dtypes_seed_mode_and_tp(tmp_path):
     """--state-dtype float32,float16 runs mode (a) once per state dtype (ratios per dtype and ON fp16 /
     ON fp32), mode s runs the seeds' workload (fp16 state, k=3 drafts, prefix hits when ON) with TTFT

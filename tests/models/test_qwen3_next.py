@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import atexit
+import json
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import hf_greedy, random_prompts
+from conftest import requires_cuda
 from family_helpers import (
     GREEDY,
     NEW_TOKENS,
+    check_graph_steps_equal_eager,
     check_prefix_hit,
     family_llm,
     greedy_tokens,
@@ -19,8 +23,10 @@ from family_helpers import (
     our_logits,
 )
 
+from replayssm import SamplingParams
+from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.models.config import ModelConfig
-from replayssm.models.qwen3_next import Qwen3NextForCausalLM
+from replayssm.models.qwen3_next import OffsetRMSNorm, Qwen3NextForCausalLM
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 # (model type, linear key heads, linear value heads): dense and MoE, value heads 1x, 2x and 4x the key heads.
@@ -149,3 +155,120 @@ def test_unsupported_rope_and_tensor_parallelism_are_refused():
         ModelConfig.from_hf(raw)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         family_llm(path, tensor_parallel_size=2)
+
+
+def _config_only(variant, tmp_path, **fields) -> str:
+    """A directory holding only the variant's config.json (for load_format="dummy")."""
+    raw = json.loads((Path(tiny(variant)[0]) / "config.json").read_text())
+    raw.update(fields)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[1], VARIANTS[3]], ids=[IDS[0], IDS[1], IDS[3]])
+def test_dummy_weights_give_sane_logits(variant, tmp_path):
+    """load_format="dummy" builds the model from config.json alone: the (1 + w) norms get weights near 0,
+    the decays stay in (0, 1), and a prefill gives finite logits that vary across the vocabulary."""
+    runner = ModelRunner(_config_only(variant, tmp_path), device="cpu", load_format="dummy", num_slots=4,
+                         num_kv_blocks=16, kv_block_size=4)
+    offset = [m.weight for m in runner.model.modules() if isinstance(m, OffsetRMSNorm)]
+    assert offset and all(w.abs().mean() < 0.2 for w in offset)
+    for m in runner.model.modules():
+        if hasattr(m, "A_log"):
+            decay = torch.exp(-m.A_log.exp() * torch.nn.functional.softplus(m.dt_bias))
+            assert ((decay > 0.3) & (decay < 1)).all()
+    prompt = random_prompts([12], seed=3)[0]
+    logits = runner.execute([ScheduledRow(prompt, 0, [0, 1, 2], 0, True, num_logits=len(prompt))])
+    assert torch.isfinite(logits).all() and (logits.std(-1) > 0.1).all()
+
+
+def test_bf16_state_keeps_greedy_tokens_close():
+    """state_dtype="bfloat16" keeps 16-bit state pools and its greedy tokens agree with the fp32-state
+    run's at (almost) every step of a short generation (ReplaySSM, W = 4: the ring flushes)."""
+    path, _ = tiny(VARIANTS[1])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm16 = family_llm(path, replay_window=4, state_dtype="bfloat16")
+    cache = llm16.engine.runner.mamba_cache
+    assert cache.state and all(s.dtype == torch.bfloat16 for s in cache.state)
+    got = greedy_tokens(llm16, PROMPTS, params)
+    want = greedy_tokens(family_llm(path, replay_window=4), PROMPTS, params)
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    assert same >= 0.9 * sum(len(w) for w in want)
+
+
+@requires_cuda
+def test_graph_steps_equal_eager():
+    """On CUDA, verify steps (q = 3, ReplaySSM) of a tiny Qwen3.5 replayed as CUDA graphs equal the eager
+    steps (Gated DeltaNet decode on its Triton kernels)."""
+    check_graph_steps_equal_eager(tiny(VARIANTS[2])[0])
+
+
+@requires_cuda
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+def test_decode_step_has_no_host_sync(tmp_path, replayssm):
+    """On CUDA, with torch.cuda.set_sync_debug_mode("error"), a warm Qwen3.5 decode step's execute and
+    commit raise nothing (dummy bf16 weights)."""
+    path = _config_only(VARIANTS[1], tmp_path, dtype="bfloat16")
+    runner = ModelRunner(path, device="cuda", dtype="bfloat16", replayssm=replayssm, load_format="dummy",
+                         num_slots=8, max_num_seqs=4, num_kv_blocks=32, kv_block_size=16)
+    slots, prompts = [5, 2, 7], [[3, 9, 4, 1, 8], [7, 7, 2], [11, 5, 6, 9, 10, 12, 3]]
+    tables = [[i * 4 + j for j in range(4)] for i in range(3)]
+    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
+    runner.execute(rows)
+    runner.commit(rows, [1] * 3)
+    pos = [len(p) for p in prompts]
+    for step in range(3):
+        rows = [ScheduledRow([17 + step], n, t, s, False) for n, t, s in zip(pos, tables, slots)]
+        torch.cuda.synchronize()
+        if step:  # the first decode step compiles the kernels
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = runner.execute(rows)
+            runner.commit(rows, [1] * 3)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(logits).all()
+        pos = [n + 1 for n in pos]
+
+
+def _mtp_checkpoint(tmp_path) -> str:
+    """The tiny Qwen3.5 with its mixer and MLP outputs scaled by 0.02 (so the next token mostly follows
+    the current one) plus an MTP layer: fc passes the normed embedding (and a little of the hidden
+    state), the block is a copy of the attention layer 1, the closing norm is the model's. Its drafts
+    then often guess x_{i+2} from x_{i+1}, and not always."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny(VARIANTS[1])
+    root = tmp_path / "mtp"
+    shutil.copytree(src, root)
+    w = load_file(str(root / "model.safetensors"))
+    for name in w:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            w[name] = w[name] * 0.02
+    H = w["model.embed_tokens.weight"].shape[1]
+    gen = torch.Generator().manual_seed(7)
+    w["mtp.fc.weight"] = torch.cat([torch.eye(H), 0.05 * torch.randn(H, H, generator=gen)], dim=1)
+    w["mtp.pre_fc_norm_embedding.weight"] = 0.05 * torch.randn(H, generator=gen)
+    w["mtp.pre_fc_norm_hidden.weight"] = 0.05 * torch.randn(H, generator=gen)
+    w["mtp.norm.weight"] = w["model.norm.weight"].clone()
+    for name in list(w):
+        if name.startswith("model.layers.1."):
+            w["mtp.layers.0." + name[len("model.layers.1.") :]] = w[name].clone()
+    save_file(w, str(root / "model.safetensors"))
+    raw = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**raw, "mtp_num_hidden_layers": 1}))
+    return str(root)
+
+
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+def test_mtp_speculation_is_lossless(tmp_path, replayssm):
+    """k = 3 drafts from the checkpoint's mtp.* layer give the non-speculative greedy tokens, with drafts
+    both accepted and rejected."""
+    path = _mtp_checkpoint(tmp_path)
+    want = greedy_tokens(family_llm(path, replayssm=replayssm, replay_window=8), PROMPTS)
+    llm = family_llm(path, replayssm=replayssm, replay_window=8, num_speculative_tokens=3,
+                     speculative_method="mtp")
+    assert type(llm.engine.spec.proposer.head.mtp).__name__ == "Qwen3NextMTP"
+    assert greedy_tokens(llm, PROMPTS) == want
+    m = llm.get_metrics()
+    assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]
