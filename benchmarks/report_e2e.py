@@ -197,9 +197,9 @@ def mode_runs_meta(rows: list[dict]) -> dict[str, dict[str, Any]]:
     return out
 
 
-COLUMNS = (("mode", "{}"), ("setting", "{}"), ("batch", "{}"), ("state_dtype", "{}"), ("quantization", "{}"),
-           ("kv_cache_dtype", "{}"),
-           ("tensor_parallel_size", "{}"), ("rep", "{}"), ("output_tok_s", "{:.1f}"),
+COLUMNS = (("mode", "{}"), ("setting", "{}"), ("batch", "{}"), ("state_dtype", "{}"),
+           ("tensor_parallel_size", "{}"), ("quantization", "{}"), ("kv_cache_dtype", "{}"),
+           ("rep", "{}"), ("output_tok_s", "{:.1f}"),
            ("decode_tok_s_per_request", "{:.2f}"), ("ttft_s", "{:.3f}"), ("peak_decoding_requests", "{}"),
            ("preemptions", "{}"), ("prefix_hit_tokens", "{}"), ("acceptance_length", "{:.3f}"),
            ("wall_s", "{:.1f}"))
