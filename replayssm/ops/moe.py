@@ -90,6 +90,8 @@ def fp8_experts_path(x: torch.Tensor, up_q: torch.Tensor, down_q: torch.Tensor, 
         return "dequant"  # this torch has no FP8 grouped GEMM
     if any(d % 16 for d in (*up_q.shape[1:], *down_q.shape[1:])):
         return "dequant"  # FP8 operands need 16-byte aligned rows: every N and K a multiple of 16
+    if _scaled_grouped_mm_works.cache_info().currsize == 0 and torch.cuda.is_current_stream_capturing():
+        return "dequant"  # unprobed inside a graph capture, where the probe cannot synchronize
     if not _scaled_grouped_mm_works(x.device):
         return "dequant"  # the op exists but failed its probe on this GPU (logged once)
     return "scaled_grouped_mm"
@@ -97,11 +99,8 @@ def fp8_experts_path(x: torch.Tensor, up_q: torch.Tensor, down_q: torch.Tensor, 
 
 @functools.cache
 def _scaled_grouped_mm_works(device: torch.device) -> bool:
-    """One tiny call of the op, checked against its reference (cached per device; runs before capture).
-
-    Under CUDA graph capture an unprobed device answers False rather than synchronize in the capture."""
-    if torch.cuda.is_current_stream_capturing():
-        return False
+    """One tiny call of the op, checked against its reference (cached per device; fp8_experts_path calls it
+    outside graph capture: the engine's eager warm-up steps run first)."""
     E, K, N = 2, 32, 16
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(5, K, device=device, generator=g, dtype=torch.bfloat16)
