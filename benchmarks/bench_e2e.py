@@ -19,8 +19,16 @@ one process, so ON/OFF ratios come from one run with drift cancelled:
 
 `--state-dtype float32,float16` runs (a), (b) and (c) once per state dtype (each its own
 OFF/ON/ON/OFF set), so the ON/OFF ratios per dtype and the ON(fp16) / ON(fp32) ratio come from one
-process. `--tensor-parallel-size N` runs every engine over N GPUs. Every row records its state
-dtype and TP size.
+process. `--quantization none,fp8` (weights in the model dtype, or FP8 quantized at load) and
+`--kv-cache-dtype auto,fp8` work the same way: every combination runs its own set, and the report
+compares each one's ON and OFF with those of bf16 weights and KV (`variant_ratios`).
+`--tensor-parallel-size N` runs every engine over N GPUs. Every row records its state dtype,
+quantization, KV cache dtype and TP size.
+
+`--model-shape nemotron-3-nano-30b-a3b` is the published NVIDIA-Nemotron-3-Nano-30B-A3B config
+(52 layers: 23 Mamba-2, 23 MoE of 128 routed experts (6 per token) + a shared expert, 6 attention;
+31.6B parameters). Its bf16 weights take 63 GB, which leaves an 80 GB GPU too little for batch 256
+with fp32 state: run it with `--quantization fp8` (32 GB of weights) on an H100, or in bf16 on an H200.
 
 (c) defaults to 12,800 shared tokens and 4 turns of 1,024 in / 128 out (x `--scale`), so the
 whole benchmark fits in about ten minutes on an H200; `--shared-context 51200 --turns 20
@@ -137,8 +145,24 @@ TINY_QWEN3_5 = {**QWEN3_5_27B, **_TINY_QWEN, "intermediate_size": 96}
 TINY_QWEN3_NEXT = {**QWEN3_NEXT_80B_A3B, **_TINY_QWEN, "intermediate_size": 96, "num_experts": 4,
                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 32}
+# nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json (the fields that shape the model).
+NEMOTRON_3_NANO = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072,
+    "hidden_size": 2688, "num_hidden_layers": 52,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+    "expand": 2, "chunk_size": 128, "use_conv_bias": True, "mamba_hidden_act": "silu",
+    "mamba_proj_bias": False, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+    "attention_bias": False,
+    "intermediate_size": 1856, "mlp_hidden_act": "relu2", "mlp_bias": False,
+    "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+    "max_position_embeddings": 262144, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16",
+}
 # --model-shape: (full shape, its CPU smoke twin); the first is the default.
 MODEL_SHAPES = {"nemotron-h-8b": (NEMOTRON_H_8B, TINY),
+                "nemotron-3-nano-30b-a3b": (NEMOTRON_3_NANO, TINY),
                 "granite-4.0-h-small": (GRANITE_4_H_SMALL, TINY_GRANITE),
                 "granite-4.0-h-tiny": (GRANITE_4_H_TINY, TINY_GRANITE),
                 "qwen3.5-27b": (QWEN3_5_27B, TINY_QWEN3_5),
@@ -146,6 +170,8 @@ MODEL_SHAPES = {"nemotron-h-8b": (NEMOTRON_H_8B, TINY),
 ORDER = ("off", "on", "on", "off")
 ACCEPTANCE_LENGTH = 3.1151
 STATE_DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "fp8")  # --quantization: weights in the model dtype, or FP8 E4M3 at load
+KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: the model dtype, or FP8 E4M3
 SEED_STATE_DTYPE = "float16"  # mode (s): the seeds' FP16 SSM state
 # ON/OFF targets per mode, and "a:float16" = mode (a) ON with fp16 state over ON with fp32 state.
 TARGETS = {"a": 1.45, "b": 2.2, "c": 0.88, "a:float16": 1.12}
@@ -184,6 +210,9 @@ class Workload:
     seed_turn_output: int = 1024
     # (a), (b), (c) run once per state dtype (s always runs SEED_STATE_DTYPE).
     state_dtypes: tuple[str, ...] = ("float32",)
+    # ... and once per weight quantization and KV cache dtype ((s) runs the first of each).
+    quantizations: tuple[str, ...] = ("none",)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
     tensor_parallel_size: int = 1
     # (c) ON turns all spare cache memory into checkpoint slots; a lower share keeps room for the
     # 8,192-token prefill chunks of one long conversation (a single conversation needs little cache).
@@ -367,12 +396,15 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     is given (w, or warmup_sizes(w))."""
     runs = []
     for state_dtype in w.state_dtypes:
-        runs += _dtype_runs(w, state_dtype)
+        for quantization in w.quantizations:
+            for kv_cache_dtype in w.kv_cache_dtypes:
+                runs += _dtype_runs(w, state_dtype, quantization, kv_cache_dtype)
     seed_runs = []
     shared_context, turns, turn_input, turn_output = conversation(w, "s")
     total = shared_context + turns * (turn_input + turn_output) + w.spec_k + 1
     for s in ORDER:
-        kw = dict(_base_kwargs(w, SEED_STATE_DTYPE), replayssm=True, enable_prefix_caching=s == "on",
+        base = _base_kwargs(w, SEED_STATE_DTYPE, w.quantizations[0], w.kv_cache_dtypes[0])
+        kw = dict(base, replayssm=True, enable_prefix_caching=s == "on",
                   max_num_seqs=max(w.conversations, 1), max_model_len=total, num_speculative_tokens=w.spec_k,
                   speculative_method="synthetic", synthetic_acceptance_length=ACCEPTANCE_LENGTH,
                   gpu_memory_utilization=w.prefix_gpu_memory_utilization)
@@ -380,17 +412,20 @@ def mode_runs(w: Workload) -> list[tuple[str, str, dict[str, Any], Any]]:
     return runs + seed_runs
 
 
-def _base_kwargs(w: Workload, state_dtype: str) -> dict[str, Any]:
+def _base_kwargs(w: Workload, state_dtype: str, quantization: str = "none",
+                 kv_cache_dtype: str = "auto") -> dict[str, Any]:
     return dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype=state_dtype,
+                quantization=None if quantization == "none" else quantization, kv_cache_dtype=kv_cache_dtype,
                 kv_block_size=w.kv_block_size, max_num_batched_tokens=w.max_num_batched_tokens,
                 load_format="dummy", cuda_graphs=w.cuda_graphs, async_scheduling=w.async_scheduling,
                 tensor_parallel_size=w.tensor_parallel_size,
                 **({} if w.replay_stagger is None else {"replay_stagger": w.replay_stagger}))
 
 
-def _dtype_runs(w: Workload, state_dtype: str) -> list[tuple[str, str, dict[str, Any], Any]]:
-    """Modes (a), (b), (c) with `state_dtype` state."""
-    base = _base_kwargs(w, state_dtype)
+def _dtype_runs(w: Workload, state_dtype: str, quantization: str = "none",
+                kv_cache_dtype: str = "auto") -> list[tuple[str, str, dict[str, Any], Any]]:
+    """Modes (a), (b), (c) with `state_dtype` state, `quantization` weights and `kv_cache_dtype` KV."""
+    base = _base_kwargs(w, state_dtype, quantization, kv_cache_dtype)
     runs = []
     for s in ORDER:
         kw = dict(base, replayssm=s == "on", max_num_seqs=w.decode_batch,
@@ -472,14 +507,19 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
         reps: dict[tuple, int] = {}
         for order, (mode, setting, kw, workload) in enumerate(runs):
             batch, state_dtype = kw["max_num_seqs"], kw["state_dtype"]
+            quantization, kv_cache_dtype = kw["quantization"] or "none", kw["kv_cache_dtype"]
             label = f"({mode}) {setting:3s} batch {batch:4d}" + \
-                ("" if state_dtype == "float32" else f" {state_dtype}")
+                ("" if state_dtype == "float32" else f" {state_dtype}") + \
+                ("" if quantization == "none" else f" {quantization} weights") + \
+                ("" if kv_cache_dtype == "auto" else f" {kv_cache_dtype} KV")
             config = EngineConfig.from_kwargs(model_dir, **kw)
-            if w.warmup and (mode, setting, batch, state_dtype) not in reps:
+            key = (mode, setting, batch, state_dtype, quantization, kv_cache_dtype)
+            if w.warmup and key not in reps:
                 # Untimed: compiles every kernel this config's shapes reach and fills the JIT caches.
                 warm = _run_engine(LLMEngine, config, workload, random.Random(f"warm-{mode}-{batch}"),
                                    warmup_sizes(w))
                 warmups.append({"mode": mode, "setting": setting, "batch": batch, "state_dtype": state_dtype,
+                                "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
                                 "build_s": warm["build_s"],
                                 "wall_s": warm["wall"], "steps": warm["trace"].steps,
                                 "num_requests_fit": warm["metrics"].get("num_requests_fit"),
@@ -487,14 +527,14 @@ def run_benchmark(w: Workload, modes: str = "abc", log=print, on_row=None) -> di
                 log(f"bench: {label} warm-up (not recorded): "
                     f"{warm['trace'].steps} steps, {warm['wall']:.1f} s")
                 del warm
-            key = (mode, setting, batch, state_dtype)
             rep = reps[key] = reps.get(key, -1) + 1
             # ON and OFF of one rep get the same prompts, and so do the state dtypes.
             rng = random.Random(f"{mode}-{batch}-{rep}")
             run = _run_engine(LLMEngine, config, workload, rng, w)
             m = run["metrics"]
             row = {"mode": mode, "setting": setting, "batch": batch, "rep": rep, "order": order,
-                   "state_dtype": state_dtype, "tensor_parallel_size": w.tensor_parallel_size,
+                   "state_dtype": state_dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+                   "tensor_parallel_size": w.tensor_parallel_size,
                    "build_s": run["build_s"], "num_requests_fit": m.get("num_requests_fit"),
                    "num_slots": m.get("num_slots"), **mode_sizes(mode, w),
                    # Graphs on (asked for, or the engine's default where supported), replays done, and

@@ -31,18 +31,28 @@ RATIO_SPEC = {
 }
 EXTRA_RATIOS = {"s": ("output_tok_s", "seeds' workload: ON/OFF output tok/s (prefix caching on vs off)")}
 # Rows written before the state dtype and TP size were recorded ran fp32 state on one GPU.
-ROW_DEFAULTS = {"state_dtype": "float32", "tensor_parallel_size": 1}
+# Rows written before the weight quantization and KV cache dtype were recorded ran the model dtype.
+ROW_DEFAULTS = {"state_dtype": "float32", "tensor_parallel_size": 1, "quantization": "none",
+                "kv_cache_dtype": "auto"}
 
 
 def state_dtype(row: dict) -> str:
     return row.get("state_dtype", ROW_DEFAULTS["state_dtype"])
 
 
+def variant(row: dict) -> str:
+    """The row's state dtype, then " fp8 weights" / " fp8 KV" where they are not the model dtype: the
+    settings that an ON/OFF ratio must not mix."""
+    q, kv = row.get("quantization", "none"), row.get("kv_cache_dtype", "auto")
+    return state_dtype(row) + ("" if q == "none" else f" {q} weights") + ("" if kv == "auto" else f" {kv} KV")
+
+
 DTYPE_ORDER = ("float32", "float16", "bfloat16")  # the order of --state-dtype's choices
 
 
-def _dtype_order(dtype: str) -> int:
-    return DTYPE_ORDER.index(dtype) if dtype in DTYPE_ORDER else len(DTYPE_ORDER)
+def _dtype_order(dtype: str) -> tuple[int, str]:
+    base = dtype.split(" ")[0]
+    return (DTYPE_ORDER.index(base) if base in DTYPE_ORDER else len(DTYPE_ORDER), dtype)
 
 
 def run_meta(command: list[str]) -> dict[str, Any]:
@@ -82,7 +92,7 @@ def compute_ratios(rows: list[dict], targets: dict[str, float] | None) -> list[d
     TTFT ratios are reductions (1 - ON/OFF)."""
     groups: dict[tuple[str, int, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        groups[(r["mode"], r["batch"], state_dtype(r))][r["setting"]].append(r)
+        groups[(r["mode"], r["batch"], variant(r))][r["setting"]].append(r)
     out = []
     order = lambda g: (g[0][0], g[0][1], _dtype_order(g[0][2]))  # noqa: E731
     for (mode, batch, dtype), by in sorted(groups.items(), key=order):
@@ -110,7 +120,7 @@ def dtype_ratios(rows: list[dict], targets: dict[str, float] | None) -> list[dic
     state (means over the repetitions), with the target "mode:dtype" where one exists."""
     on: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
     for r in rows:
-        if r["setting"] == "on" and r["mode"] != "s":
+        if r["setting"] == "on" and r["mode"] != "s" and variant(r) == state_dtype(r):
             on[(r["mode"], r["batch"], state_dtype(r))].append(r)
     out = []
     for (mode, batch, dtype), rs in sorted(on.items()):
@@ -127,6 +137,26 @@ def dtype_ratios(rows: list[dict], targets: dict[str, float] | None) -> list[dic
     return out
 
 
+def variant_ratios(rows: list[dict]) -> list[dict[str, Any]]:
+    """Per (mode, batch, setting) and FP8 variant (FP8 weights and / or FP8 KV): its output tok/s over
+    that of the model-dtype weights and KV with the same state dtype and setting (means over the
+    repetitions), so ReplaySSM ON and OFF each show what FP8 gives."""
+    by: dict[tuple[str, int, str, str], list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["mode"] != "s":
+            by[(r["mode"], r["batch"], r["setting"], variant(r))].append(r)
+    out = []
+    for (mode, batch, setting, var), rs in sorted(by.items()):
+        base = var.split(" ")[0]
+        ref = by.get((mode, batch, setting, base))
+        if var == base or not ref:
+            continue
+        num, den = _mean(rs, "output_tok_s"), _mean(ref, "output_tok_s")
+        out.append({"mode": mode, "batch": batch, "setting": setting, "variant": var, "base": base,
+                    "output_tok_s": num, "base_output_tok_s": den, "value": num / den if den > 0 else 0.0})
+    return out
+
+
 # Rep-to-rep spread of one setting's ratio metric (max / min - 1) above which the run is flagged.
 SPREAD_LIMIT = 0.2
 
@@ -136,7 +166,7 @@ def spread_warnings(rows: list[dict], limit: float = SPREAD_LIMIT) -> list[str]:
     metric (max / min - 1), or whose caches were planned differently (num_requests_fit, num_slots)."""
     groups: dict[tuple[str, int, str, str], list[dict]] = defaultdict(list)
     for r in rows:
-        groups[(r["mode"], r["batch"], r["setting"], state_dtype(r))].append(r)
+        groups[(r["mode"], r["batch"], r["setting"], variant(r))].append(r)
     out = []
     for (mode, batch, setting, dtype), rs in sorted(groups.items()):
         if dtype != "float32":
@@ -168,7 +198,8 @@ def mode_runs_meta(rows: list[dict]) -> dict[str, dict[str, Any]]:
 
 
 COLUMNS = (("mode", "{}"), ("setting", "{}"), ("batch", "{}"), ("state_dtype", "{}"),
-           ("tensor_parallel_size", "{}"), ("rep", "{}"), ("output_tok_s", "{:.1f}"),
+           ("tensor_parallel_size", "{}"), ("quantization", "{}"), ("kv_cache_dtype", "{}"),
+           ("rep", "{}"), ("output_tok_s", "{:.1f}"),
            ("decode_tok_s_per_request", "{:.2f}"), ("ttft_s", "{:.3f}"), ("peak_decoding_requests", "{}"),
            ("preemptions", "{}"), ("prefix_hit_tokens", "{}"), ("acceptance_length", "{:.3f}"),
            ("wall_s", "{:.1f}"))
@@ -236,6 +267,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
             if "target" in q:
                 line += f"; target {q['target']}x: {'met' if q['meets_target'] else 'below target'}"
             lines.append(line)
+    if doc.get("variant_ratios"):
+        lines += ["", "## FP8 weights / KV against the model dtype (output tok/s, means over reps)", ""]
+        lines += [f"- ({q['mode']}) batch {q['batch']} {q['setting'].upper()}: {q['variant']} / {q['base']}: "
+                  f"{q['value']:.2f}x ({q['output_tok_s']:.4g} vs {q['base_output_tok_s']:.4g} tok/s)"
+                  for q in doc["variant_ratios"]]
     if doc.get("ratios_rep1") and not smoke:
         lines += ["", "## Secondary view: second repetitions only (rep 1 of each setting)", "",
                   "Each setting's rep 1 runs after its rep 0; a secondary view, not the measurement above.",
@@ -250,7 +286,8 @@ def _ratio_lines(ratios: list[dict[str, Any]]) -> list[str]:
         reduction = q.get("metric", RATIO_SPEC[q["mode"]][0]) == "ttft_s"
         value = f"{q['value']:.1%}" if reduction else f"{q['value']:.2f}x"
         dtype = q.get("state_dtype", "float32")
-        state = "" if dtype == "float32" else f", {dtype} state"
+        base, _, fp8 = dtype.partition(" ")  # the variant: state dtype, then any FP8 weights / KV
+        state = ("" if base == "float32" else f", {base} state") + (f", {fp8}" if fp8 else "")
         if q["mode"] == "s":
             state = ""  # (s) always runs the seeds' fp16 state (see its note)
         line = f"- ({q['mode']}) batch {q['batch']}{state}: {q['what']}: {value} (ON {q['on']:.4g}, " \
@@ -284,7 +321,7 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
     if not rows:
         return "no rows: no plot"
     labels = [f"{r['mode']} {r['setting']} b{r['batch']}"
-              f"{'' if state_dtype(r) == 'float32' else ' ' + state_dtype(r)} #{r['rep']}" for r in rows]
+              f"{'' if variant(r) == 'float32' else ' ' + variant(r)} #{r['rep']}" for r in rows]
     colors = ["tab:green" if r["setting"] == "on" else "tab:gray" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, len(rows) * 0.6), 4.5))
     panels = ((axes[0], "output_tok_s", "output tokens/s"), (axes[1], "ttft_s", "mean TTFT (s)"))
@@ -342,20 +379,28 @@ def assemble(meta: dict[str, Any], result: dict[str, Any], targets: dict[str, fl
     targets = None if smoke else targets
     return {**meta, **result, "runs_by_mode": mode_runs_meta(rows), "ratios": compute_ratios(rows, targets),
             "ratios_rep1": compute_ratios([r for r in rows if r["rep"] == 1], targets),
-            "dtype_ratios": dtype_ratios(rows, targets),
+            "dtype_ratios": dtype_ratios(rows, targets), "variant_ratios": variant_ratios(rows),
             "spread_warnings": [] if smoke else spread_warnings(rows)}
 
 
-def result_stem(model_shape: str, modes: str, state_dtypes: tuple[str, ...]) -> str:
+def result_stem(model_shape: str, modes: str, state_dtypes: tuple[str, ...],
+                quantizations: tuple[str, ...] = ("none",),
+                kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> str:
     """The file name of a run's result, so each configuration keeps its own current result: e2e for
-    the default (Nemotron-H 8B, fp32 state), then -SHAPE for another model shape, -seeds for mode s
-    alone, and the state dtypes when they are not fp32 alone (e2e-fp32-fp16)."""
+    the default (Nemotron-H 8B, fp32 state, model-dtype weights and KV), then -SHAPE for another model
+    shape, -seeds for mode s alone, the state dtypes when they are not fp32 alone (e2e-fp32-fp16),
+    the weights when not the model dtype alone (-fp8; -w16-fp8 for both) and likewise the KV cache
+    (-kvfp8; -kv16-kvfp8)."""
     stem = "e2e" if model_shape == "nemotron-h-8b" else f"e2e-{model_shape}"
     if modes == "s":
         stem += "-seeds"
     elif tuple(state_dtypes) != ("float32",):
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
         stem += "-" + "-".join(short[d] for d in state_dtypes)
+    if tuple(quantizations) != ("none",):
+        stem += "-" + "-".join({"none": "w16"}.get(q, q) for q in quantizations)
+    if tuple(kv_cache_dtypes) != ("auto",):
+        stem += "-" + "-".join({"auto": "kv16"}.get(d, f"kv{d}") for d in kv_cache_dtypes)
     return stem
 
 

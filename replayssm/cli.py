@@ -130,6 +130,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "its numbers are not a speed measurement")
     parser.add_argument("--model-shape", default="nemotron-h-8b",
                         help="published model shape, dummy weights: nemotron-h-8b (default), "
+                        "nemotron-3-nano-30b-a3b (32B MoE; its 63 GB of bf16 weights leave an 80 GB GPU too "
+                        "little for batch 256: use --quantization fp8 there, or an H200), "
                         "granite-4.0-h-small (32B MoE), granite-4.0-h-tiny (7B MoE), "
                         "qwen3.5-27b (Gated DeltaNet, dense) or qwen3-next-80b-a3b (Gated DeltaNet, "
                         "512-expert MoE, 80B: 160 GB in bf16, more than one 80 GB GPU holds); with --quick, "
@@ -144,6 +146,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="Mamba state dtype(s) of modes a, b, c, comma separated among float32, float16, "
                         "bfloat16; each runs its own OFF/ON/ON/OFF set and a 16-bit one is also compared "
                         "with float32 (default: float32; mode s always runs float16)")
+    parser.add_argument("--quantization", default="none",
+                        help="weights of modes a, b, c, comma separated among none (the model dtype) and fp8 "
+                        "(E4M3 quantized at load, as --quantization fp8 of serve); each runs its own "
+                        "OFF/ON/ON/OFF set and FP8 is compared with none, ON and OFF (default: none)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV cache dtype(s) of modes a, b, c, comma separated among auto (the model "
+                        "dtype) and fp8 (E4M3); combined with every --quantization and --state-dtype "
+                        "(default: auto)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="run every engine over N GPUs (N CPU processes with --quick) (default: 1)")
     parser.add_argument("--out", default=None,
@@ -246,6 +256,17 @@ def run_bench(args: argparse.Namespace) -> int:
     if not state_dtypes or set(state_dtypes) - set(bench.STATE_DTYPES):
         raise ValueError(f"--state-dtype must be a comma-separated list among "
                          f"{', '.join(bench.STATE_DTYPES)}, got {args.state_dtype!r}")
+    variants = {}
+    for flag, value, choices in (("--quantization", args.quantization, bench.QUANTIZATIONS),
+                                 ("--kv-cache-dtype", args.kv_cache_dtype, bench.KV_CACHE_DTYPES)):
+        variants[flag] = tuple(dict.fromkeys(v.strip() for v in value.split(",")))
+        if not variants[flag] or set(variants[flag]) - set(choices):
+            raise ValueError(f"{flag} must be a comma-separated list among {', '.join(choices)}, "
+                             f"got {value!r}")
+    quantizations, kv_cache_dtypes = variants["--quantization"], variants["--kv-cache-dtype"]
+    if (args.profile or args.profile_prefill) and (quantizations, kv_cache_dtypes) != (("none",), ("auto",)):
+        raise ValueError("--quantization and --kv-cache-dtype apply to the modes; the --profile runs take "
+                         "the model dtype")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.quick:
@@ -259,7 +280,9 @@ def run_bench(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise ValueError(f"--{f.replace('_', '-')} must be >= 1, got {v}")
     workload = dataclasses.replace(workload, **{f: v for f, v in sizes.items() if v is not None},
-                                   state_dtypes=state_dtypes, tensor_parallel_size=args.tensor_parallel_size)
+                                   state_dtypes=state_dtypes, quantizations=quantizations,
+                                   kv_cache_dtypes=kv_cache_dtypes,
+                                   tensor_parallel_size=args.tensor_parallel_size)
     if args.cuda_graphs is not None:
         workload = dataclasses.replace(workload, cuda_graphs=args.cuda_graphs)
     if args.no_async_scheduling:
@@ -302,7 +325,7 @@ def run_bench(args: argparse.Namespace) -> int:
         log(f"bench: {doc['plot_note'] or f'wrote {out}/e2e-profile.{{json,md,png}}'}")
         return 0
 
-    stem = report.result_stem(args.model_shape, args.modes, state_dtypes)
+    stem = report.result_stem(args.model_shape, args.modes, state_dtypes, quantizations, kv_cache_dtypes)
 
     def save(partial: dict, with_plot: bool = False) -> dict:
         return report.write_results(partial, out, command, bench.TARGETS, merge=args.merge, stem=stem,

@@ -68,6 +68,21 @@ def default_memory_budget(device: str, gpu_memory_utilization: float, model_dir:
     return max(1, int(free * gpu_memory_utilization) - weights // tensor_parallel_size)
 
 
+def weight_bytes_on_device(config: EngineConfig, model_config: Any, dtype: str) -> int | None:
+    """The weights' bytes where their files do not tell them (None: the safetensors size does).
+
+    Dummy weights have no files, and a bf16 / fp32 checkpoint quantized at load time (--quantization
+    fp8) holds about half its file size: both count the parameters at their stored dtype (FP8 weights
+    1 byte plus their scales), so the memory FP8 frees goes to the KV and state caches."""
+    quantized_at_load = config.quantization is not None and model_config.quantization is None
+    if config.load_format != "dummy" and not quantized_at_load:
+        return None
+    from replayssm.cache.mamba_cache import as_dtype
+    from replayssm.models.dummy import parameter_bytes
+
+    return parameter_bytes(model_config, as_dtype(dtype, "dtype"), config.quantization)
+
+
 def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
     """Load the config and tokenizer, plan the cache from the memory budget, build the runner."""
     from replayssm.models.config import ModelConfig
@@ -110,11 +125,8 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
 
         kv_block_bytes += runner_cls.kv_block_bytes(mtp_config(model_config), **sizes)
     weight_bytes = None
-    if dummy and not cache.memory_budget and device.startswith("cuda"):
-        from replayssm.cache.mamba_cache import as_dtype
-        from replayssm.models.dummy import parameter_bytes
-
-        weight_bytes = parameter_bytes(model_config, as_dtype(dtype, "dtype"))
+    if not cache.memory_budget and device.startswith("cuda"):
+        weight_bytes = weight_bytes_on_device(config, model_config, dtype)
     budget = cache.memory_budget or default_memory_budget(device, cache.gpu_memory_utilization, model_dir,
                                                           weight_bytes, tp)
     plan = plan_cache(

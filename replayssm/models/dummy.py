@@ -57,8 +57,17 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
 
 
-def parameter_bytes(config: ModelConfig, dtype: torch.dtype | None = None) -> int:
-    """Bytes the model's parameters take on the device (built on the meta device: nothing allocated)."""
+def parameter_bytes(config: ModelConfig, dtype: torch.dtype | None = None,
+                    quantization: str | None = None) -> int:
+    """Bytes the model's parameters take on the device, each at its stored dtype (built on the meta
+    device: nothing allocated). With quantization="fp8" (or an FP8 checkpoint's config) the layers
+    `--quantization fp8` quantizes count 1 byte per weight plus their fp32 scales."""
+    from replayssm.models.config_quant import RUNTIME_FP8
+    from replayssm.models.layers.fp8_linear import apply_fp8, runtime_fp8_params
+
+    assert quantization in (None, "fp8"), quantization
     with torch.device("meta"):
         model = model_class(config)(config, dtype=dtype or config.dtype)
+        if quantization is not None or config.quantization is not None:
+            apply_fp8(model, RUNTIME_FP8, runtime_fp8_params(model))  # as load_model does for dummy weights
     return sum(p.numel() * p.element_size() for p in model.parameters())

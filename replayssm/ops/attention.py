@@ -13,8 +13,9 @@ runs them: its decode kernel when every row has q_len <= 16 (decode and verify s
 kernel otherwise; without CUDA or Triton, `paged_attention_ref` (gathered K/V and SDPA).
 
 FP8 cache (`--kv-cache-dtype fp8`): the caches are float8_e4m3fn and each layer has two per-tensor
-fp32 scales, k_scale and v_scale. `store_kv` writes (k / k_scale) saturated to +-448 in E4M3; every
-read takes k_cache * k_scale and v_cache * v_scale. A 16- or 32-bit cache takes scales of 1.0.
+fp32 scales, k_scale and v_scale. `store_kv` writes (k / k_scale) saturated to +-448 in E4M3 (one
+fused Triton kernel on CUDA); every read takes k_cache * k_scale and v_cache * v_scale. A 16- or
+32-bit cache takes scales of 1.0.
 The Triton kernels convert E4M3 to the query dtype on load (exact: every E4M3 value is a bf16 and
 an fp16) and apply the scales in fp32, k_scale to the scores and v_scale to the output, which is
 the dequantized math with one rounding fewer. E4M3 loads need compute capability 8.9 (Ada,
@@ -45,8 +46,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write k, v (T, kv_heads, head_dim) into the caches at flat slots slot_mapping (T,) int (all >= 0).
 
-    An FP8 cache stores (k / k_scale) and (v / v_scale) in E4M3, rounded to nearest and saturated
-    to +-448; other caches store k and v in their dtype (scales 1.0)."""
+    An FP8 cache stores (k / k_scale) and (v / v_scale) in E4M3 (`quantize_kv`), rounded to nearest
+    and saturated to +-448; other caches store k and v in their dtype (scales 1.0). On CUDA an FP8
+    cache takes the fused Triton store (ops/triton/fp8_kv.py, bit-exact with this path)."""
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be (T, kv_heads, head_dim), got {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -59,6 +61,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if not slot_mapping.is_cuda and bool((slot_mapping < 0).any()):
         raise ValueError("slot_mapping has negative entries: pass only real tokens")
     _check_scales(k_cache, k_scale, v_scale)
+    if k.is_cuda and k_cache.dtype == FP8_DTYPE and k_cache.is_contiguous() and v_cache.is_contiguous():
+        try:
+            from replayssm.ops.triton.fp8_kv import store_kv_fp8_triton
+        except ImportError:
+            pass
+        else:
+            return store_kv_fp8_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     kv_heads, head_dim = k.shape[1:]
     idx = slot_mapping.long()
     k_cache.view(-1, kv_heads, head_dim)[idx] = quantize_kv(k, k_scale, k_cache.dtype)
@@ -66,10 +75,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """x in the cache's dtype: (x / scale) in fp32, saturated to +-448, as E4M3 for an FP8 cache."""
+    """x in the cache's dtype: x * (1 / scale) in fp32, saturated to +-448, as E4M3 for an FP8 cache.
+
+    The product with the fp32-rounded reciprocal (not a division) is what CUDA's tensor-by-scalar
+    division computes anyway, and what the Triton store (ops/triton/fp8_kv.py) matches bit for bit."""
     if dtype != FP8_DTYPE:
         return x.to(dtype)
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def _check_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:

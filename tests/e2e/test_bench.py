@@ -295,9 +295,11 @@ def test_bench_quick_state_dtypes_seed_mode_and_tp(tmp_path):
 
 
 @pytest.mark.parametrize("flag", [["--state-dtype", "float32,int8"], ["--tensor-parallel-size", "0"],
-                                  ["--modes", "ax"]])
+                                  ["--modes", "ax"], ["--quantization", "fp8,int4"],
+                                  ["--kv-cache-dtype", "fp16"], ["--quantization", "fp8", "--profile"]])
 def test_bench_refuses_bad_flags(flag, tmp_path, capsys):
-    """A bad --state-dtype, --tensor-parallel-size or --modes is a usage error naming the flag."""
+    """A bad --state-dtype, --tensor-parallel-size, --modes, --quantization or --kv-cache-dtype (or the FP8
+    flags with --profile) is a usage error naming the flag."""
     assert main(["bench", "--quick", *flag, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "replayssm bench: error:" in err and flag[0] in err
@@ -314,3 +316,26 @@ def test_result_stem_names_each_configuration():
     assert stem("granite-4.0-h-tiny", "ab", ("float32",)) == "e2e-granite-4.0-h-tiny"
     assert stem("nemotron-h-8b", "s", ("float32",)) == "e2e-seeds"
     assert stem("nemotron-h-8b", "a", ("float32", "float16")) == "e2e-fp32-fp16"
+    assert stem("nemotron-3-nano-30b-a3b", "ab", ("float32",), ("fp8",)) == "e2e-nemotron-3-nano-30b-a3b-fp8"
+    assert stem("nemotron-h-8b", "ab", ("float32",), ("none", "fp8"), ("auto", "fp8")) == \
+        "e2e-w16-fp8-kv16-kvfp8"
+
+
+def test_bench_quick_fp8_weights_and_kv(tmp_path):
+    """--quantization none,fp8 --kv-cache-dtype auto,fp8 runs modes a and b once per combination on the
+    Nemotron 3 Nano shape's toy twin (FP8 experts included); every row records its weights and KV dtype,
+    ON/OFF ratios stay within one combination, and each FP8 combination is compared with the model
+    dtype ON and OFF; the result file is named by the shape and both lists."""
+    argv = ["bench", "--quick", "--model-shape", "nemotron-3-nano-30b-a3b", "--modes", "ab", "--quantization",
+            "none,fp8", "--kv-cache-dtype", "auto,fp8", "--scale", "0.5", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "e2e-nemotron-3-nano-30b-a3b-w16-fp8-kv16-kvfp8.json").read_text())
+    combos = {(r["quantization"], r["kv_cache_dtype"]) for r in doc["rows"]}
+    assert combos == {("none", "auto"), ("none", "fp8"), ("fp8", "auto"), ("fp8", "fp8")}
+    assert all(r["output_tokens"] > 0 for r in doc["rows"])
+    assert len({(q["mode"], q["state_dtype"]) for q in doc["ratios"]}) == 2 * 4
+    variants = {(q["mode"], q["setting"], q["variant"]) for q in doc["variant_ratios"]}
+    assert ("a", "on", "float32 fp8 weights") in variants
+    assert ("b", "off", "float32 fp8 weights fp8 KV") in variants
+    md = (tmp_path / "e2e-nemotron-3-nano-30b-a3b-w16-fp8-kv16-kvfp8.md").read_text()
+    assert "| quantization | kv_cache_dtype |" in md and "float32 fp8 weights / float32" in md

@@ -103,6 +103,7 @@ def apply_fp8(model: nn.Module, quant: QuantConfig, fp8_params: set[str]) -> Non
                 rows = N if quant.per_channel else 1
                 setattr(module, scale_name(w_name),
                         nn.Parameter(torch.empty(E, rows, 1, device=w.device), requires_grad=False))
+                module.fp8_activation = quant.activation
                 done.add(full)
     left = sorted(fp8_params - done)
     if left:

@@ -18,7 +18,7 @@ from torch import nn
 from replayssm.models.config import ModelConfig
 from replayssm.ops.activation import relu2
 from replayssm.ops.fp8 import FP8_DTYPE, dequantize_fp8
-from replayssm.ops.moe import expert_mlp
+from replayssm.ops.moe import expert_mlp, expert_mlp_fp8, fp8_experts_path
 
 ACTIVATIONS = {"relu2": relu2, "silu": F.silu, "gelu": F.gelu}
 
@@ -96,7 +96,10 @@ class Experts(nn.Module):
 
     gated_act: up_proj (E, 2I, in) holds rows [gate | up] and the expert computes act(gate) * up
     (Granite's input_linear). FP8 experts (layers/fp8_linear.py) hold E4M3 stacks with
-    `up_proj_scale` / `down_proj_scale`; the grouped expert GEMM runs them dequantized to x.dtype.
+    `up_proj_scale` / `down_proj_scale` and `fp8_activation` (the checkpoint's activation scheme);
+    `fp8_experts_path` (ops/moe.py) picks the FP8 grouped GEMM with per-token activation scales
+    (also for checkpoints with static input scales, which the experts do not read) or the grouped
+    GEMM on the stacks dequantized to x.dtype.
     """
 
     def __init__(self, num_experts: int, in_dim: int, intermediate: int, act: str, *,
@@ -110,6 +113,7 @@ class Experts(nn.Module):
         self.gated = gated_act
         self.register_parameter("up_proj_scale", None)
         self.register_parameter("down_proj_scale", None)
+        self.fp8_activation = "none"  # set by apply_fp8 for E4M3 stacks
 
     def expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(up_proj, down_proj) as the expert GEMM takes them: FP8 stacks dequantized to `dtype`."""
@@ -119,6 +123,15 @@ class Experts(nn.Module):
         if down.dtype == FP8_DTYPE:
             down = dequantize_fp8(down, self.down_proj_scale, dtype)
         return up, down
+
+    def _expert_mlp(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The grouped expert MLP over rows x grouped by expert (ends: device-side group ends)."""
+        up, down = self.up_proj, self.down_proj
+        if (up.dtype == FP8_DTYPE and down.dtype == FP8_DTYPE
+                and fp8_experts_path(x, up, down, self.fp8_activation) == "scaled_grouped_mm"):
+            return expert_mlp_fp8(x, up, self.up_proj_scale, down, self.down_proj_scale, ends, self.act)
+        up, down = self.expert_weights(x.dtype)
+        return expert_mlp(x, up, down, ends, self.act)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, in); weights, ids (T, k). Weighted sum over each token's experts, accumulated in fp32.
@@ -137,8 +150,7 @@ class Experts(nn.Module):
         # scatter_add, not bincount: CUDA bincount reads the max id back to size its output.
         counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
         ends = torch.cumsum(counts.scatter_add_(0, flat, torch.ones_like(flat)), 0)
-        up, down = self.expert_weights(x.dtype)
-        h = expert_mlp(x[order // k], up, down, ends, self.act)
+        h = self._expert_mlp(x[order // k], ends)
         h = h * weights.flatten()[order, None]  # fp32 from here on
         per_slot = torch.empty_like(h)
         per_slot[order] = h
