@@ -36,10 +36,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_kernels sits beside this script
-from bench_kernels import copy_bandwidth_gbps, git_commit, time_graph  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    copy_bandwidth_gbps,
+    git_commit,
+    pool_slots,
+    simulate_cursors,
+    slot_sets,
+    time_graph,
+)
 
 from replayssm.ops.gdn import gdn_replay_forward, gdn_state_update  # noqa: E402
-from replayssm.ops.replay import replay_commit_ref  # noqa: E402
 from replayssm.ops.rounding import seed_tensor  # noqa: E402
 
 SHAPES = {"qwen3.5-27b": (16, 48, 128, 128), "qwen3-next-80b-a3b": (16, 32, 128, 128)}  # Hk, Hv, Dk, Dv
@@ -74,19 +80,14 @@ class Bench:
         self.R = W + q
         slot_bytes = Hv * Dk * Dv * sd.itemsize
         self.n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / (b * slot_bytes)))) if rotate else 1
-        writes = q if q > 1 else 0  # per-draft destination slots of the baseline verify
-        S = self.n_sets * b * (1 + writes)
+        S = pool_slots(self.n_sets, b, q)
         dev = device
         self.state = (torch.randn(S, Hv, Dk, Dv, device=dev) * 0.1).to(sd)
         self.ring_k = torch.randn(S, Hk, self.R, Dk, device=dev).to(ACT)
         self.ring_v = torch.randn(S, Hv, self.R, Dv, device=dev).to(ACT)
         self.ring_g = -torch.rand(S, Hv, self.R, device=dev) * 0.5 - 0.01
         self.ring_beta = torch.rand(S, Hv, self.R, device=dev) * 0.9 + 0.05
-        perm = torch.randperm(S, device=dev).to(torch.int32)
-        nb = self.n_sets * b
-        self.idx = [perm[j * b:(j + 1) * b].contiguous() for j in range(self.n_sets)]
-        self.dst = [perm[nb + j * b * q: nb + (j + 1) * b * q].view(b, q).contiguous() if writes else None
-                    for j in range(self.n_sets)]
+        self.idx, self.dst, live = slot_sets(self.n_sets, b, q, dev)
         self.q = torch.randn(b, q, Hk, Dk, device=dev).to(ACT)
         self.k = torch.randn(b, q, Hk, Dk, device=dev).to(ACT)
         self.v = torch.randn(b, q, Hv, Dv, device=dev).to(ACT)
@@ -94,21 +95,7 @@ class Bench:
         self.beta = torch.rand(b, q, Hv, device=dev) * 0.9 + 0.05
         self.o = torch.empty_like(self.v)
         self.seed = seed_tensor(1, dev)
-        self._simulate_cursors(S, perm[:nb])
-
-    def _simulate_cursors(self, S: int, live: torch.Tensor) -> None:
-        q, W = self.case.q, WINDOW
-        gen = torch.Generator().manual_seed(1)
-        start = torch.randint(0, self.R, (S,), dtype=torch.int32, generator=gen)
-        comm = torch.randint(1 if q == 1 else 0, W + 1, (S,), dtype=torch.int32, generator=gen)
-        live = live.cpu()
-        self.cursors, self.hist = [], []
-        for k in range(3 * W):  # 2W steps to reach the steady mix, then W recorded steps
-            if k >= 2 * W:
-                self.cursors.append((start.clone().to(self.state.device), comm.clone().to(self.state.device)))
-                self.hist.append(comm[live.long()].clone())
-            acc = torch.randint(1, q + 1, (live.numel(),), dtype=torch.int32, generator=gen)
-            replay_commit_ref(start, comm, live, acc, q, W, ring_rows=self.R)
+        self.cursors, self.hist = simulate_cursors(S, live, q, W, self.R, dev)
 
     def bytes_per_step(self, impl: str) -> float:
         """Fewest bytes one step must move, averaged over the recorded cycle."""

@@ -86,6 +86,46 @@ def copy_bandwidth_gbps() -> float:
     return 2 * a.numel() * 4 / statistics.median(times[2:]) / 1e9
 
 
+def pool_slots(n_sets: int, b: int, q: int) -> int:
+    """Slots of a pool for n_sets sets of b rows, plus q destination slots a row when q > 1 (the
+    baseline verify writes the state after each draft token to its own slot)."""
+    return n_sets * b * (1 + (q if q > 1 else 0))
+
+
+def slot_sets(n_sets: int, b: int, q: int, device) -> tuple[list, list, torch.Tensor]:
+    """A random permutation of the pool dealt into n_sets sets: each set's (b,) int32 state indices, its
+    (b, q) verify destinations (None when q = 1), and all the sets' live slots (the indices' union)."""
+    perm = torch.randperm(pool_slots(n_sets, b, q), device=device).to(torch.int32)
+    nb = n_sets * b
+    idx = [perm[j * b:(j + 1) * b].contiguous() for j in range(n_sets)]
+    dst = [perm[nb + j * b * q: nb + (j + 1) * b * q].view(b, q).contiguous() if q > 1 else None
+           for j in range(n_sets)]
+    return idx, dst, perm[:nb]
+
+
+def simulate_cursors(S: int, live: torch.Tensor, q: int, W: int, ring_rows: int, device,
+                     lockstep: bool = False, noflush: bool = False) -> tuple[list, list]:
+    """Ring cursors of a pool of S slots over one W-step cycle in the steady mix: random starts, the
+    live slots advanced 2W steps by the reference commit (q = 1 accepts 1; q > 1 accepts uniform in
+    [1, q]), then W recorded steps. Returns each recorded step's (ring_start, committed) on device and
+    the live slots' committed counts on the host (lockstep, noflush: as `Case`)."""
+    gen = torch.Generator().manual_seed(1)
+    start = torch.randint(0, ring_rows, (S,), dtype=torch.int32, generator=gen)
+    comm = torch.randint(1 if q == 1 else 0, W + 1, (S,), dtype=torch.int32, generator=gen)
+    if lockstep:
+        comm.fill_(1 if q == 1 else 0)
+    live = live.cpu()
+    cursors, hist = [], []
+    for k in range(3 * W):  # 2W steps to reach the steady mix, then W recorded steps
+        if k >= 2 * W:
+            c = comm.clamp(max=W - q) if noflush else comm.clone()
+            cursors.append((start.clone().to(device), c.to(device)))
+            hist.append(c[live.long()].clone())
+        acc = torch.randint(1, q + 1, (live.numel(),), dtype=torch.int32, generator=gen)
+        replay_commit_ref(start, comm, live, acc, q, W, ring_rows=ring_rows)
+    return cursors, hist
+
+
 class Bench:
     """Pools, tokens and simulated cursors for one case; bodies issue one graph's launches."""
 
@@ -98,18 +138,13 @@ class Bench:
         self.R = W + q
         slot_bytes = H * P * N * sd.itemsize
         self.n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / (b * slot_bytes))))
-        writes = q if q > 1 else 0  # per-draft destination slots of the baseline verify
-        S = self.n_sets * b * (1 + writes)
+        S = pool_slots(self.n_sets, b, q)
         dev = device
         self.state = (torch.randn(S, H, P, N, device=dev) * 0.5).to(sd)
         self.ring_x = torch.randn(S, H, self.R, P, device=dev).to(ACT)
         self.ring_B = torch.randn(S, G, self.R, N, device=dev).to(ACT)
         self.ring_dt = torch.rand(S, H, self.R, device=dev) * 0.1 + 0.01
-        perm = torch.randperm(S, device=dev).to(torch.int32)
-        nb = self.n_sets * b
-        self.idx = [perm[j * b:(j + 1) * b].contiguous() for j in range(self.n_sets)]
-        self.dst = [perm[nb + j * b * q: nb + (j + 1) * b * q].view(b, q).contiguous() if writes else None
-                    for j in range(self.n_sets)]
+        self.idx, self.dst, live = slot_sets(self.n_sets, b, q, dev)
         self.x = torch.randn(b, q, H, P, device=dev).to(ACT)
         self.dt = torch.randn(b, q, H, device=dev) - 2.0
         self.B = torch.randn(b, q, G, N, device=dev).to(ACT) / math.sqrt(N)
@@ -118,24 +153,8 @@ class Bench:
         self.D = torch.randn(H, device=dev)
         self.dt_bias = torch.rand(H, device=dev) - 1.0
         self.y = torch.empty_like(self.x)
-        self._simulate_cursors(S, perm[:nb])
-
-    def _simulate_cursors(self, S: int, live: torch.Tensor) -> None:
-        q, W = self.case.q, WINDOW
-        gen = torch.Generator().manual_seed(1)
-        start = torch.randint(0, self.R, (S,), dtype=torch.int32, generator=gen)
-        comm = torch.randint(1 if q == 1 else 0, W + 1, (S,), dtype=torch.int32, generator=gen)
-        if self.case.lockstep:
-            comm.fill_(1 if q == 1 else 0)
-        live = live.cpu()
-        self.cursors, self.hist = [], []
-        for k in range(3 * W):  # 2W steps to reach the steady mix, then W recorded steps
-            if k >= 2 * W:
-                c = comm.clamp(max=W - q) if self.case.noflush else comm.clone()
-                self.cursors.append((start.clone().to(self.state.device), c.to(self.state.device)))
-                self.hist.append(c[live.long()].clone())
-            acc = torch.randint(1, q + 1, (live.numel(),), dtype=torch.int32, generator=gen)
-            replay_commit_ref(start, comm, live, acc, q, W, ring_rows=self.R)
+        self.cursors, self.hist = simulate_cursors(S, live, q, W, self.R, dev, case.lockstep,
+                                                     case.noflush)
 
     def bytes_per_step(self, impl: str) -> float:
         """Fewest bytes one step must move, averaged over the recorded cycle."""

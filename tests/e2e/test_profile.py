@@ -89,12 +89,10 @@ def test_kernel_bench_cursor_mixes():
     bk = _load_benchmark("bench_kernels")
 
     def histories(lockstep: bool, q: int = 1, noflush: bool = False) -> list[torch.Tensor]:
-        bench = bk.Bench.__new__(bk.Bench)
-        bench.case, bench.R = bk.Case("nemotron-h-8b", 64, "fp32", q, lockstep, noflush), bk.WINDOW + q
-        bench.state = torch.empty(0)
-        bench._simulate_cursors(100, torch.arange(64, dtype=torch.int32))
-        assert all(bool((c[1][:64] == h).all()) for c, h in zip(bench.cursors, bench.hist))
-        return bench.hist
+        cursors, hist = bk.simulate_cursors(100, torch.arange(64, dtype=torch.int32), q, bk.WINDOW,
+                                            bk.WINDOW + q, "cpu", lockstep, noflush)
+        assert all(bool((c[1][:64] == h).all()) for c, h in zip(cursors, hist))
+        return hist
 
     def flush_counts(lockstep: bool, q: int = 1, noflush: bool = False) -> list[int]:
         return [int((h + q > bk.WINDOW).sum()) for h in histories(lockstep, q, noflush)]
