@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -39,3 +40,37 @@ def poisoned(*shape, dtype=torch.float32, device="cpu"):
 
 def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def sync_forbidden():
+    """Inside, any CUDA operation that waits on the device raises (set_sync_debug_mode("error"))."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def check_decode_step_has_no_host_sync(path, replayssm: bool) -> None:
+    """A ModelRunner on the checkpoint at path (dummy bf16 weights) prefills three rows in permuted slots,
+    then runs three decode steps; the warm ones (after the first compiles the kernels) execute and commit
+    with syncs forbidden, and their logits are finite."""
+    from replayssm.engine.model_runner import ModelRunner, ScheduledRow
+
+    runner = ModelRunner(path, device="cuda", dtype="bfloat16", replayssm=replayssm, load_format="dummy",
+                         num_slots=8, max_num_seqs=4, num_kv_blocks=32, kv_block_size=16)
+    slots, prompts = [5, 2, 7], [[3, 9, 4, 1, 8], [7, 7, 2], [11, 5, 6, 9, 10, 12, 3]]
+    tables = [[i * 4 + j for j in range(4)] for i in range(3)]
+    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
+    runner.execute(rows)
+    runner.commit(rows, [1] * 3)
+    pos = [len(p) for p in prompts]
+    for step in range(3):
+        rows = [ScheduledRow([17 + step], n, t, s, False) for n, t, s in zip(pos, tables, slots)]
+        torch.cuda.synchronize()
+        with sync_forbidden() if step else contextlib.nullcontext():
+            logits = runner.execute(rows)
+            runner.commit(rows, [1] * 3)
+        assert torch.isfinite(logits).all()
+        pos = [n + 1 for n in pos]

@@ -4,9 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import requires_cuda
-
-from replayssm.engine.model_runner import ModelRunner, ScheduledRow
+from conftest import check_decode_step_has_no_host_sync, requires_cuda
 
 # Every layer kind, dims that fit the bf16 grouped GEMM (multiples of 16).
 CONFIG = {
@@ -23,26 +21,7 @@ CONFIG = {
 def test_decode_step_has_no_host_sync(tmp_path, replayssm):
     """With torch.cuda.set_sync_debug_mode("error"), a warm decode step's execute + commit raise nothing."""
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    runner = ModelRunner(tmp_path, device="cuda", dtype="bfloat16", replayssm=replayssm, load_format="dummy",
-                         num_slots=8, max_num_seqs=4, num_kv_blocks=32, kv_block_size=16)
-    slots, prompts = [5, 2, 7], [[3, 9, 4, 1, 8], [7, 7, 2], [11, 5, 6, 9, 10, 12, 3]]
-    tables = [[i * 4 + j for j in range(4)] for i in range(3)]
-    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
-    runner.execute(rows)
-    runner.commit(rows, [1] * 3)
-    pos = [len(p) for p in prompts]
-    for step in range(3):
-        rows = [ScheduledRow([17 + step], n, t, s, False) for n, t, s in zip(pos, tables, slots)]
-        torch.cuda.synchronize()
-        if step:  # the first decode step compiles the kernels
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            logits = runner.execute(rows)
-            runner.commit(rows, [1] * 3)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert torch.isfinite(logits).all()
-        pos = [n + 1 for n in pos]
+    check_decode_step_has_no_host_sync(tmp_path, replayssm)
 
 
 def _warm_step_syncs(tmp_path, max_tokens: int, warm_steps: int = 1, **engine_kw) -> tuple[list, list[str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, requires_cuda
+from conftest import HAS_CUDA, requires_cuda, sync_forbidden
 
 from replayssm.models.layers.mlp import Experts, gated
 from replayssm.ops.fp8 import quantize_fp8
@@ -122,11 +122,8 @@ def test_fp8_experts_sync_free_and_graph_capturable():
     with torch.no_grad():
         ex(x, weights, ids)  # probes the op outside capture
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_forbidden():
             got = ex(x, weights, ids)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         dequant = Experts(E, in_dim, inter, "relu2", device="cuda", dtype=torch.bfloat16)
         up, down = ex.expert_weights(torch.bfloat16)
         dequant.up_proj, dequant.down_proj = torch.nn.Parameter(up), torch.nn.Parameter(down)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import requires_cuda
+from conftest import requires_cuda, sync_forbidden
 
 from replayssm.models.layers.mlp import Experts
 from replayssm.ops.moe import expert_mlp, expert_mlp_ref
@@ -58,11 +58,8 @@ def test_grouped_experts_cuda_sync_free_and_close():
     ex, x, weights, ids = make(64, 8, 2, 128, 256, torch.bfloat16, "cuda")
     with torch.no_grad():
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_forbidden():
             got = ex(x, weights, ids)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         want = loop_experts(ex, x, weights, ids)
     err = (got.float() - want.float()).norm() / want.float().norm()
     assert err < 1e-2, err

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_greedy, random_prompts
-from conftest import requires_cuda
+from conftest import check_decode_step_has_no_host_sync, requires_cuda
 from family_helpers import (
     GREEDY,
     NEW_TOKENS,
@@ -208,27 +208,7 @@ def test_graph_steps_equal_eager():
 def test_decode_step_has_no_host_sync(tmp_path, replayssm):
     """On CUDA, with torch.cuda.set_sync_debug_mode("error"), a warm Qwen3.5 decode step's execute and
     commit raise nothing (dummy bf16 weights)."""
-    path = _config_only(VARIANTS[1], tmp_path, dtype="bfloat16")
-    runner = ModelRunner(path, device="cuda", dtype="bfloat16", replayssm=replayssm, load_format="dummy",
-                         num_slots=8, max_num_seqs=4, num_kv_blocks=32, kv_block_size=16)
-    slots, prompts = [5, 2, 7], [[3, 9, 4, 1, 8], [7, 7, 2], [11, 5, 6, 9, 10, 12, 3]]
-    tables = [[i * 4 + j for j in range(4)] for i in range(3)]
-    rows = [ScheduledRow(p, 0, t, s, True) for p, t, s in zip(prompts, tables, slots)]
-    runner.execute(rows)
-    runner.commit(rows, [1] * 3)
-    pos = [len(p) for p in prompts]
-    for step in range(3):
-        rows = [ScheduledRow([17 + step], n, t, s, False) for n, t, s in zip(pos, tables, slots)]
-        torch.cuda.synchronize()
-        if step:  # the first decode step compiles the kernels
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            logits = runner.execute(rows)
-            runner.commit(rows, [1] * 3)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert torch.isfinite(logits).all()
-        pos = [n + 1 for n in pos]
+    check_decode_step_has_no_host_sync(_config_only(VARIANTS[1], tmp_path, dtype="bfloat16"), replayssm)
 
 
 def _mtp_checkpoint(tmp_path) -> str:
