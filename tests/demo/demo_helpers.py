@@ -7,9 +7,20 @@ import functools
 import shutil
 import tempfile
 
+import pytest
 import torch
 
 TOY_STEPS = 20
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models step fastest on one thread (and CI jobs do not oversubscribe the cores).
+    Import it into a test module to make it autouse there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @functools.cache

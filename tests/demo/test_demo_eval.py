@@ -6,8 +6,7 @@ import json
 import math
 
 import pytest
-import torch
-from demo_helpers import toy_checkpoint
+from demo_helpers import one_thread, toy_checkpoint  # noqa: F401 (autouse fixture)
 
 import replayssm.engine.llm as llm_module
 from replayssm.cli import main
@@ -16,14 +15,6 @@ from replayssm.demo_task import few_shot_prefix, held_out_set
 
 FIELDS = ("accuracy", "stderr", "correct", "num_questions", "mean_acceptance_length",
           "prefix_cache_hit_tokens")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class _Answering:

@@ -6,7 +6,7 @@ The tests of the trained checkpoint itself are skipped until replayssm/demo_mode
 from __future__ import annotations
 
 import pytest
-import torch
+from demo_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 import replayssm.demo as demo
 from replayssm.demo_eval import evaluate
@@ -21,14 +21,6 @@ requires_shipped = pytest.mark.skipif(
 # The README's quick-start question and the answer line the shipped model gives.
 README_PROMPT = "Q: Ann has 7 pens. She buys 5 more. She gives 3 away. How many pens does Ann have now? A:"
 README_ANSWER = " 7+5=12. 12-3=9. The answer is 9."
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_demo_uses_packaged_checkpoint_when_present(tmp_path, monkeypatch):

@@ -7,7 +7,13 @@ import os
 
 import pytest
 import torch
-from demo_helpers import prompt_ids, toy_checkpoint, toy_checkpoint_random_mtp, toy_checkpoint_small_dt
+from demo_helpers import (  # noqa: F401 (one_thread: autouse fixture)
+    one_thread,
+    prompt_ids,
+    toy_checkpoint,
+    toy_checkpoint_random_mtp,
+    toy_checkpoint_small_dt,
+)
 
 from replayssm.demo_net import Attention, DemoLM
 from replayssm.demo_task import held_out_set
@@ -15,14 +21,6 @@ from replayssm.demo_train import NEWLINE, make_batch, model_config, train
 from replayssm.engine.llm import LLM
 from replayssm.models.config import ModelConfig
 from replayssm.sampling_params import SamplingParams
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_checkpoint_files():
