@@ -38,6 +38,21 @@ def poisoned(*shape, dtype=torch.float32, device="cpu"):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view for bit-exact comparisons (NaN-safe)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_close(actual, expected, tol: float, what: str = "") -> None:
+    """max |actual - expected| <= tol * max(|expected|, 1), in float64 (equal-shaped empty tensors pass)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.numel() == 0:
+        return
+    err = (actual.double() - expected.double()).abs().max().item()
+    scale = max(expected.double().abs().max().item(), 1.0)
+    assert err <= tol * scale, f"{what}: max err {err:.3g} > {tol} * {scale:.3g}"
+
+
 def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import pytest
 import torch
-from conftest import poisoned
+from conftest import assert_close, bits, poisoned
 
 from replayssm.ops.gdn import (
     gdn_chunked_ref,
@@ -25,19 +25,6 @@ ACT_TOL = {F32: 1e-4, BF16: 1.2e-2}
 STATE_TOL = {F32: 1e-4, BF16: 1.6e-2}
 # (Hk, Hv, Dk, Dv): 1, 4 and 3 value heads per key head; Dk != Dv in two.
 HEADS = [(2, 2, 16, 16), (1, 4, 32, 16), (2, 6, 16, 8)]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view for bit-exact comparisons (NaN-safe)."""
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def assert_close(actual, expected, tol: float, what: str = "") -> None:
-    """max |actual - expected| <= tol * max(|expected|, 1), in float64."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    err = (actual.double() - expected.double()).abs().max().item()
-    scale = max(expected.double().abs().max().item(), 1.0)
-    assert err <= tol * scale, f"{what}: max err {err:.3g} > {tol} * {scale:.3g}"
 
 
 def make_tokens(b, n, Hk, Hv, Dk, Dv, dtype=F32):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import pytest
 import torch
-from conftest import poisoned
+from conftest import assert_close, bits, poisoned
 from ssm_oracle import softplus_dt, ssm_recurrence
 
 from replayssm.ops.replay import (
@@ -32,21 +32,6 @@ CASES = [
     (2, 2, 64, 64, BF16, F32),
     (16, 1, 32, 16, F16, BF16),
 ]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view for bit-exact comparisons (NaN-safe)."""
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def assert_close(actual, expected, tol: float, what: str = "") -> None:
-    """max |actual - expected| <= tol * max(|expected|, 1), in float64."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if expected.numel() == 0:
-        return
-    err = (actual.double() - expected.double()).abs().max().item()
-    scale = max(expected.double().abs().max().item(), 1.0)
-    assert err <= tol * scale, f"{what}: max err {err:.3g} > {tol} * {scale:.3g}"
 
 
 @dataclass

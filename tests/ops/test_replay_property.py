@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from conftest import assert_close, bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ssm_oracle import softplus_dt, ssm_recurrence
@@ -15,8 +16,6 @@ from test_replay import (
     F32,
     STATE_TOL,
     advance,
-    assert_close,
-    bits,
     history,
     make_cache,
     make_params,

@@ -6,9 +6,9 @@ import re
 
 import pytest
 import torch
-from conftest import poisoned
+from conftest import assert_close, bits, poisoned
 from ssm_oracle import softplus_dt, ssm_recurrence
-from test_replay import ACT_TOL, BF16, CASES, F32, STATE_TOL, assert_close, bits, make_params, make_step
+from test_replay import ACT_TOL, BF16, CASES, F32, STATE_TOL, make_params, make_step
 
 from replayssm.ops.common import softplus_dt as softplus_dt_fp32
 from replayssm.ops.rounding import seed_tensor
