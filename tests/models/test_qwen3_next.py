@@ -17,6 +17,7 @@ from family_helpers import (
     NEW_TOKENS,
     check_graph_steps_equal_eager,
     check_prefix_hit,
+    check_tp2,
     family_llm,
     greedy_tokens,
     hf_logits,
@@ -134,9 +135,8 @@ def test_ngram_speculation_is_lossless(variant, replayssm):
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
 
 
-def test_unsupported_rope_and_tensor_parallelism_are_refused():
-    """A scaled RoPE config and tensor_parallel_size > 1 raise ValueErrors naming the field."""
-    path, _ = tiny(VARIANTS[1])
+def test_unsupported_rope_is_refused():
+    """A scaled RoPE config raises a ValueError naming the field."""
     raw = {
         "architectures": ["Qwen3_5ForCausalLM"],
         "vocab_size": 8,
@@ -153,7 +153,26 @@ def test_unsupported_rope_and_tensor_parallelism_are_refused():
     }
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_hf(raw)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+
+
+# qwen3_next: fused projections and MoE; qwen3_5: split projections, value heads 1x and 4x the key heads
+# (each rank keeps one key head and its value heads).
+TP_VARIANTS = [VARIANTS[0], VARIANTS[1], ("qwen3_5", 2, 8)]
+
+
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+@pytest.mark.parametrize("variant", TP_VARIANTS, ids=[f"{k}-hk{hk}-hv{hv}" for k, hk, hv in TP_VARIANTS])
+def test_tensor_parallel_matches_transformers(variant, replayssm):
+    """Over 2 ranks (Gated DeltaNet by key heads, attention by heads, MLP / experts by the intermediate
+    dimension) greedy decoding gives transformers' tokens, ReplaySSM on (W = 4) and off."""
+    path, _ = tiny(variant)
+    check_tp2(path, PROMPTS, _want(variant, PROMPTS), replayssm=replayssm, replay_window=4)
+
+
+def test_tensor_parallel_refuses_key_heads_that_do_not_divide():
+    """One linear key head over 2 ranks is a ValueError naming linear_num_key_heads."""
+    path, _ = tiny(VARIANTS[2])
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
         family_llm(path, tensor_parallel_size=2)
 
 
