@@ -8,6 +8,13 @@
     mamba out_proj (hidden, H*P)                  columns (row-parallel)    its heads' columns
     attention q / k / v                           heads / kv heads          its heads (kv replicated
                                                                             when kv heads < ranks)
+    Qwen gated attention q_proj [q | gate]/head   heads                     its heads' 2 * head_dim rows
+    GDN in_proj_qkvz, in_proj_ba (Qwen3-Next)     key heads (a row block    its key heads' blocks
+                                                  per key head)
+    GDN in_proj_qkv, conv1d channels [q | k | v]  key heads; v by the       q_r, k_r and the v of the
+                                                  value heads reading them  value heads reading them
+    GDN in_proj_z / b / a, A_log, dt_bias         value heads               its value heads' entries
+    GDN out_proj (hidden, Hv*Dv)                  columns (row-parallel)    its value heads' columns
     attention o_proj, mlp down, expert down       columns (row-parallel)    its intermediate slice
     mlp up / gate, expert up (every expert)       rows (column-parallel)    its intermediate slice
     fused [gate | up] rows (Granite, Zamba2)      each half by rows         gate_r and up_r
@@ -15,7 +22,7 @@
                          B (out, rank)            rows, as the projection   the projection's rows
     embeddings, lm_head                           vocab rows (padded)       ceil(V / size) rows
     norms, routers, latent projections, Zamba2    replicated                everything
-    `linear`
+    `linear`, Qwen shared_expert_gate, MTP fc
     bias of a row-parallel projection             rank 0 only               zeros elsewhere
     FP8 weight_scale (N, 1) per channel           as its weight's rows      its rows' scales (all of
                                                                             them when row-parallel)

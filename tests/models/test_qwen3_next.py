@@ -24,7 +24,7 @@ from family_helpers import (
     our_logits,
 )
 
-from replayssm import SamplingParams
+from replayssm import LLM, SamplingParams
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.models.config import ModelConfig
 from replayssm.models.qwen3_next import OffsetRMSNorm, Qwen3NextForCausalLM
@@ -291,3 +291,14 @@ def test_mtp_speculation_is_lossless(tmp_path, replayssm):
     assert greedy_tokens(llm, PROMPTS) == want
     m = llm.get_metrics()
     assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]
+
+
+def test_mtp_speculation_is_lossless_over_two_ranks(tmp_path):
+    """With tensor_parallel_size=2 the MTP drafter's blocks shard like the target's: k = 3 drafts give the
+    one-rank greedy tokens, with drafts accepted."""
+    path = _mtp_checkpoint(tmp_path)
+    want = greedy_tokens(family_llm(path, replay_window=8), PROMPTS)
+    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2, replay_window=8,
+             num_speculative_tokens=3, speculative_method="mtp") as llm:
+        assert greedy_tokens(llm, PROMPTS) == want
+        assert llm.get_metrics()["spec_accepted_tokens"] > 0
