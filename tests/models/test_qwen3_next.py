@@ -302,3 +302,29 @@ def test_mtp_speculation_is_lossless_over_two_ranks(tmp_path):
              num_speculative_tokens=3, speculative_method="mtp") as llm:
         assert greedy_tokens(llm, PROMPTS) == want
         assert llm.get_metrics()["spec_accepted_tokens"] > 0
+
+
+def test_tensor_parallel_rank_caches_hold_its_heads():
+    """A TP=2 rank's Gated DeltaNet state and ring hold half the key and value heads; conv channels halve."""
+    from replayssm.cache.mamba_cache import mixer_cache_spec
+    from replayssm.distributed.sharding import local_config
+
+    cfg = ModelConfig.from_hf(json.loads((Path(tiny(TP_VARIANTS[2])[0]) / "config.json").read_text()))
+    whole, half = mixer_cache_spec(cfg), mixer_cache_spec(local_config(cfg, 2))
+    assert half.state_shape == (4, 8, 6) and whole.state_shape == (8, 8, 6)
+    assert 2 * half.conv_dim == whole.conv_dim
+    assert [f.heads for f in half.ring] == [f.heads // 2 for f in whole.ring]
+
+
+@requires_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+def test_tensor_parallel_cuda_tokens_equal_one_gpu(replayssm):
+    """On two GPUs (NCCL, the Gated DeltaNet Triton kernels, fp32) Qwen3-Next's TP=2 greedy tokens equal
+    one GPU's."""
+    path, _ = tiny(VARIANTS[0])
+    kw = dict(device="cuda", dtype="float32", max_model_len=128, replayssm=replayssm, replay_window=4)
+    with LLM(path, **kw) as llm:
+        want = greedy_tokens(llm, PROMPTS)
+    with LLM(path, tensor_parallel_size=2, **kw) as llm:
+        assert greedy_tokens(llm, PROMPTS) == want
