@@ -8,6 +8,13 @@
     mamba out_proj (hidden, H*P)                  columns (row-parallel)    its heads' columns
     attention q / k / v                           heads / kv heads          its heads (kv replicated
                                                                             when kv heads < ranks)
+    Qwen gated attention q_proj [q | gate]/head   heads                     its heads' 2 * head_dim rows
+    GDN in_proj_qkvz, in_proj_ba (Qwen3-Next)     key heads (a row block    its key heads' blocks
+                                                  per key head)
+    GDN in_proj_qkv, conv1d channels [q | k | v]  key heads; v by the       q_r, k_r and the v of the
+                                                  value heads reading them  value heads reading them
+    GDN in_proj_z / b / a, A_log, dt_bias         value heads               its value heads' entries
+    GDN out_proj (hidden, Hv*Dv)                  columns (row-parallel)    its value heads' columns
     attention o_proj, mlp down, expert down       columns (row-parallel)    its intermediate slice
     mlp up / gate, expert up (every expert)       rows (column-parallel)    its intermediate slice
     fused [gate | up] rows (Granite, Zamba2)      each half by rows         gate_r and up_r
@@ -15,7 +22,7 @@
                          B (out, rank)            rows, as the projection   the projection's rows
     embeddings, lm_head                           vocab rows (padded)       ceil(V / size) rows
     norms, routers, latent projections, Zamba2    replicated                everything
-    `linear`
+    `linear`, Qwen shared_expert_gate, MTP fc
     bias of a row-parallel projection             rank 0 only               zeros elsewhere
     FP8 weight_scale (N, 1) per channel           as its weight's rows      its rows' scales (all of
                                                                             them when row-parallel)
@@ -42,6 +49,7 @@ import torch
 
 from replayssm.distributed.parallel import TensorParallel
 from replayssm.models.config import ATTENTION, GDN, MAMBA, MLP, MOE, PARALLEL, ModelConfig
+from replayssm.models.config_qwen3_next import GDN_ARCHITECTURES
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
@@ -55,8 +63,10 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
 
     kinds = cfg.block_kinds
     if GDN in kinds:
-        raise ValueError(f"tensor_parallel_size={size}: {cfg.architecture} (Gated DeltaNet layers) runs "
-                         f"on one GPU only; use tensor_parallel_size=1")
+        # Each rank keeps whole key heads and the value heads that read them.
+        for name, value in (("gdn_num_k_heads (linear_num_key_heads)", cfg.gdn_num_k_heads),
+                            ("gdn_num_v_heads (linear_num_value_heads)", cfg.gdn_num_v_heads)):
+            need(value % size == 0, f"{name}={value} must be a multiple of {size}")
     if kinds & {MAMBA, PARALLEL}:
         H, G = cfg.mamba_num_heads, cfg.mamba_n_groups
         need(H % size == 0, f"mamba_num_heads={H} must be a multiple of {size}")
@@ -85,6 +95,8 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
         cfg,
         mamba_num_heads=cfg.mamba_num_heads // size,
         mamba_n_groups=max(cfg.mamba_n_groups // size, 1),
+        gdn_num_k_heads=cfg.gdn_num_k_heads // size,
+        gdn_num_v_heads=cfg.gdn_num_v_heads // size,
         num_attention_heads=cfg.num_attention_heads // size,
         num_key_value_heads=max(cfg.num_key_value_heads // size, 1) if cfg.num_key_value_heads else 0,
         intermediate_size=cfg.intermediate_size // size,
@@ -127,11 +139,13 @@ def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.mixer\.(.+)$")
-_EXPERT = re.compile(r"^experts\.\d+\.(up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 # Family modules beside `mixer`: our name -> (kind whose rules apply, leaf). A LoRA adapter's second
 # matrix (B) is sliced like the projection it adds to; its first (A) is replicated.
 _PARTS = (
-    (re.compile(r"^(?:layers|shared)\.\d+\.self_attn\.(.+)$"), ATTENTION),  # Falcon-H1, Zamba2 shared
+    (re.compile(r"^(?:layers|shared)\.\d+\.self_attn\.(.+)$"), ATTENTION),  # Falcon-H1, Zamba2, Qwen
+    (re.compile(r"^layers\.\d+\.linear_attn\.(.+)$"), GDN),  # Qwen3-Next, Qwen3.5
+    (re.compile(r"^layers\.\d+\.mlp\.((?:experts|shared_expert)\..+)$"), MOE),  # Qwen's MoE
     (re.compile(r"^(?:layers|shared)\.\d+\.(?:mlp|feed_forward)\.(.+)$"), MLP),
     (re.compile(r"^layers\.\d+\.block_sparse_moe\.(experts\..+)$"), MOE),  # Granite's stacked experts
     (re.compile(r"^layers\.\d+\.([qkv])_adapter\.1\.weight$"), ATTENTION),
@@ -182,11 +196,15 @@ def _rules(cfg: ModelConfig, kind: str, leaf: str, tp: TensorParallel):
         if leaf == "out_proj.weight":
             return 1, [x]
         return "rank0" if leaf == "out_proj.bias" else None
+    if kind == GDN:
+        return _gdn_rule(cfg, leaf, tp)
     if kind == ATTENTION:
         d = cfg.head_dim
         q = tuple(d * i for i in tp.split(cfg.num_attention_heads))
         kv = tuple(d * i for i in _owned(cfg.num_key_value_heads, tp))
-        table = {"q_proj": (0, [q]), "k_proj": (0, [kv]), "v_proj": (0, [kv])}
+        # Qwen's gated attention: q_proj rows [q | gate] per head, 2 * head_dim rows each.
+        q_rows = tuple(2 * i for i in q) if cfg.architecture in GDN_ARCHITECTURES else q
+        table = {"q_proj": (0, [q_rows]), "k_proj": (0, [kv]), "v_proj": (0, [kv])}
         proj, _, what = leaf.partition(".")
         if proj in table:
             return table[proj]
@@ -199,14 +217,42 @@ def _rules(cfg: ModelConfig, kind: str, leaf: str, tp: TensorParallel):
     m = _EXPERT.match(leaf)
     if m:
         r = tp.split(cfg.moe_intermediate_size)
-        return (0, [r]) if m.group(1) == "up_proj" else (1, [r])
+        return (1, [r]) if m.group(1) == "down_proj" else (0, [r])
     if leaf in ("experts.up_proj", "experts.down_proj"):
         # Granite's stacked experts: up (E, 2I, hidden) rows [gate | up], down (E, hidden, I).
         r = tp.split(cfg.moe_intermediate_size)
         return (1, _halves(r, cfg.moe_intermediate_size)) if leaf == "experts.up_proj" else (2, [r])
-    if leaf.startswith("shared_experts."):
-        return _mlp_rule(leaf[len("shared_experts."):], cfg.moe_shared_intermediate_size, tp)
+    shared, dot, rest = leaf.partition(".")
+    if dot and shared in ("shared_experts", "shared_expert"):  # Nemotron-H's, Qwen's
+        return _mlp_rule(rest, cfg.moe_shared_intermediate_size, tp)
     return "rank0" if leaf == "fc2_latent_proj.bias" else None
+
+
+def _gdn_rule(cfg: ModelConfig, leaf: str, tp: TensorParallel):
+    """Gated DeltaNet by key heads: rank r keeps key heads [k0, k1) and value heads [k0 n, k1 n) (n = Hv / Hk
+    value heads read each key head). The fused projections (Qwen3-Next) hold one row block per key head,
+    in_proj_qkvz [q k v z] (2 Dk + 2 n Dv rows) and in_proj_ba [b a] (2 n rows), so a rank's rows are
+    one contiguous range; the conv channels are [q | k | v] in both layouts."""
+    Hk, Dk, Dv = cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
+    n = cfg.gdn_num_v_heads // Hk
+    k0, k1 = tp.split(Hk)
+    v0, v1 = k0 * n, k1 * n
+    K = Hk * Dk
+    qkv = [(k0 * Dk, k1 * Dk), (K + k0 * Dk, K + k1 * Dk), (2 * K + v0 * Dv, 2 * K + v1 * Dv)]
+    block = 2 * Dk + 2 * n * Dv
+    table = {
+        "in_proj_qkvz.weight": (0, [(k0 * block, k1 * block)]),
+        "in_proj_ba.weight": (0, [(k0 * 2 * n, k1 * 2 * n)]),
+        "in_proj_qkv.weight": (0, qkv),
+        "conv1d.weight": (0, qkv),
+        "in_proj_z.weight": (0, [(v0 * Dv, v1 * Dv)]),
+        "in_proj_b.weight": (0, [(v0, v1)]),
+        "in_proj_a.weight": (0, [(v0, v1)]),
+        "A_log": (0, [(v0, v1)]),
+        "dt_bias": (0, [(v0, v1)]),
+        "out_proj.weight": (1, [(v0 * Dv, v1 * Dv)]),
+    }
+    return table.get(leaf)  # norm.weight (Dv, shared by the heads): replicated
 
 
 def _mlp_rule(leaf: str, intermediate: int, tp: TensorParallel):

@@ -10,8 +10,11 @@ grouped experts, and adds the shared expert times sigmoid(shared_expert_gate(x))
 
 Module names follow the checkpoints after `model.` (Qwen3.5's published `model.language_model.`):
 layers.{i}.{input_layernorm, linear_attn | self_attn, post_attention_layernorm, mlp}; the frame's
-embeddings / norm_f are embed_tokens / norm. Not served: the vision tower (`model.visual.*`), tensor
-parallelism. The MTP layers (`mtp.*`, `Qwen3NextMTP`) are the MTP drafter's (speculative/mtp_model.py):
+embeddings / norm_f are embed_tokens / norm. Not served: the vision tower (`model.visual.*`). Under tensor
+parallelism (distributed/sharding.py) each rank keeps whole key heads of the Gated DeltaNet with the value
+heads that read them, its attention heads and its slice of every intermediate dimension; the mixer and
+the FFN each end in one all-reduce. The MTP layers (`mtp.*`, `Qwen3NextMTP`) are the MTP drafter's
+(speculative/mtp_model.py), sharded the same way:
 
     h = fc([pre_fc_norm_embedding(embed(x_{i+1})) | pre_fc_norm_hidden(h_i)])    (2*hidden -> hidden)
     h = layers.{j}(h) for each MTP layer (a gated-attention block), out = norm(h); logits = lm_head(out)
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replayssm.distributed.parallel import SINGLE, TensorParallel
+from replayssm.distributed.sharding import local_config
 from replayssm.models.config import ATTENTION, GDN, MLP, MOE, ModelConfig
 from replayssm.models.config_qwen3_next import QWEN3_NEXT
 from replayssm.models.hybrid import DecoderLM
@@ -143,23 +147,26 @@ class Qwen3NextBlock(nn.Module):
     """h <- h + mixer(norm(h)); h <- h + ffn(norm(h))."""
 
     def __init__(
-        self, cfg: ModelConfig, kind: str, ffn_kind: str, index_of_kind: int, *, device=None, dtype=None
+        self, cfg: ModelConfig, kind: str, ffn_kind: str, index_of_kind: int, *, device=None, dtype=None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.kind = kind
+        self.tp = tp
+        local = local_config(cfg, tp.size)  # head and intermediate counts of this rank's shard
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
         if kind == GDN:
             fused = cfg.architecture == QWEN3_NEXT
-            self.linear_attn = GatedDeltaNet(cfg, index_of_kind, fused_projections=fused, **kw)
+            self.linear_attn = GatedDeltaNet(local, index_of_kind, fused_projections=fused, **kw)
         else:
             assert kind == ATTENTION, kind
-            self.self_attn = GatedAttention(cfg, index_of_kind, **kw)
+            self.self_attn = GatedAttention(local, index_of_kind, **kw)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
         self.mlp = (
-            SparseMoE(cfg, **kw)
+            SparseMoE(local, **kw)
             if ffn_kind == MOE
-            else SwiGLU(cfg.hidden_size, cfg.intermediate_size, False, **kw)
+            else SwiGLU(cfg.hidden_size, local.intermediate_size, False, **kw)
         )
 
     @property
@@ -168,8 +175,10 @@ class Qwen3NextBlock(nn.Module):
         return self.linear_attn if self.kind == GDN else self.self_attn
 
     def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
-        h = h + self.mixer(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Row-parallel out_proj / o_proj / down projections leave partial sums (sigmoid(shared_expert_gate)
+        # scales the shared expert's partial sum, which is linear).
+        h = h + self.tp.all_reduce(self.mixer(self.input_layernorm(h), ctx))
+        return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Qwen3NextForCausalLM(DecoderLM):
@@ -178,13 +187,11 @@ class Qwen3NextForCausalLM(DecoderLM):
     checkpoint_name = staticmethod(checkpoint_name)
 
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
-        if tp.size > 1:
-            raise ValueError(f"tensor_parallel_size={tp.size}: {cfg.architecture} runs on one GPU only")
         kw = dict(device=device, dtype=dtype or cfg.dtype)
         counts = {GDN: 0, ATTENTION: 0}
         blocks = []
         for kind, ffn_kind in zip(cfg.layer_types, cfg.ffn_types):
-            blocks.append(Qwen3NextBlock(cfg, kind, ffn_kind, counts[kind], **kw))
+            blocks.append(Qwen3NextBlock(cfg, kind, ffn_kind, counts[kind], tp=tp, **kw))
             counts[kind] += 1
         super().__init__(cfg, blocks, tp=tp, cast_before_weight=False, **kw)
         self.norm_f = OffsetRMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
@@ -202,8 +209,6 @@ class Qwen3NextMTP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"tensor_parallel_size={tp.size}: {cfg.architecture} runs on one GPU only")
         if not cfg.num_nextn_predict_layers:
             raise ValueError("speculative_method='mtp' needs a checkpoint with mtp_num_hidden_layers >= 1; "
                              "this one has none")
@@ -214,7 +219,7 @@ class Qwen3NextMTP(nn.Module):
         self.pre_fc_norm_hidden = OffsetRMSNorm(H, cfg.norm_eps, **kw)
         ffn = mtp_ffn_kind(cfg)
         self.layers = nn.ModuleList(
-            Qwen3NextBlock(cfg, ATTENTION, ffn, j, **kw) for j in range(cfg.num_nextn_predict_layers)
+            Qwen3NextBlock(cfg, ATTENTION, ffn, j, tp=tp, **kw) for j in range(cfg.num_nextn_predict_layers)
         )
         self.norm = OffsetRMSNorm(H, cfg.norm_eps, **kw)
 

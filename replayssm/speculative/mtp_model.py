@@ -1,6 +1,6 @@
 """Multi-token-prediction (MTP) heads, read from the checkpoint's `mtp.*` tensors: Nemotron-H's
 (below) and Qwen3-Next / Qwen3.5's (`models/qwen3_next.py: Qwen3NextMTP`, one gated-attention block
-behind fc over the two normed inputs; one GPU only). Both take the same inputs and share the target's
+behind fc over the two normed inputs). Both take the same inputs and share the target's
 embedding and LM head, so `load_mtp` picks the class by architecture and the drafter is the same.
 
 transformers has no MTP module (it ignores `mtp.*` on load), so this follows the public

@@ -110,7 +110,8 @@ def check_tight_memory_preempts(path, prompts, want) -> None:
     assert llm.get_metrics()["num_preemptions"] > 0
 
 
-def check_tp2(path, prompts, want) -> None:
-    """Tensor parallelism over 2 ranks (gloo, fp32) gives the greedy tokens `want`."""
-    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
+def check_tp2(path, prompts, want, **kw) -> None:
+    """Tensor parallelism over 2 ranks (gloo, fp32; `kw` more engine arguments) gives the greedy tokens
+    `want`."""
+    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2, **kw) as llm:
         assert greedy_tokens(llm, prompts) == want

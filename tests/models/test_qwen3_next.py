@@ -17,13 +17,14 @@ from family_helpers import (
     NEW_TOKENS,
     check_graph_steps_equal_eager,
     check_prefix_hit,
+    check_tp2,
     family_llm,
     greedy_tokens,
     hf_logits,
     our_logits,
 )
 
-from replayssm import SamplingParams
+from replayssm import LLM, SamplingParams
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.models.config import ModelConfig
 from replayssm.models.qwen3_next import OffsetRMSNorm, Qwen3NextForCausalLM
@@ -134,9 +135,8 @@ def test_ngram_speculation_is_lossless(variant, replayssm):
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
 
 
-def test_unsupported_rope_and_tensor_parallelism_are_refused():
-    """A scaled RoPE config and tensor_parallel_size > 1 raise ValueErrors naming the field."""
-    path, _ = tiny(VARIANTS[1])
+def test_unsupported_rope_is_refused():
+    """A scaled RoPE config raises a ValueError naming the field."""
     raw = {
         "architectures": ["Qwen3_5ForCausalLM"],
         "vocab_size": 8,
@@ -153,7 +153,26 @@ def test_unsupported_rope_and_tensor_parallelism_are_refused():
     }
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_hf(raw)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+
+
+# qwen3_next: fused projections and MoE; qwen3_5: split projections, value heads 1x and 4x the key heads
+# (each rank keeps one key head and its value heads).
+TP_VARIANTS = [VARIANTS[0], VARIANTS[1], ("qwen3_5", 2, 8)]
+
+
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+@pytest.mark.parametrize("variant", TP_VARIANTS, ids=[f"{k}-hk{hk}-hv{hv}" for k, hk, hv in TP_VARIANTS])
+def test_tensor_parallel_matches_transformers(variant, replayssm):
+    """Over 2 ranks (Gated DeltaNet by key heads, attention by heads, MLP / experts by the intermediate
+    dimension) greedy decoding gives transformers' tokens, ReplaySSM on (W = 4) and off."""
+    path, _ = tiny(variant)
+    check_tp2(path, PROMPTS, _want(variant, PROMPTS), replayssm=replayssm, replay_window=4)
+
+
+def test_tensor_parallel_refuses_key_heads_that_do_not_divide():
+    """One linear key head over 2 ranks is a ValueError naming linear_num_key_heads."""
+    path, _ = tiny(VARIANTS[2])
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
         family_llm(path, tensor_parallel_size=2)
 
 
@@ -252,3 +271,40 @@ def test_mtp_speculation_is_lossless(tmp_path, replayssm):
     assert greedy_tokens(llm, PROMPTS) == want
     m = llm.get_metrics()
     assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]
+
+
+def test_mtp_speculation_is_lossless_over_two_ranks(tmp_path):
+    """With tensor_parallel_size=2 the MTP drafter's blocks shard like the target's: k = 3 drafts give the
+    one-rank greedy tokens, with drafts accepted."""
+    path = _mtp_checkpoint(tmp_path)
+    want = greedy_tokens(family_llm(path, replay_window=8), PROMPTS)
+    with LLM(path, device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2, replay_window=8,
+             num_speculative_tokens=3, speculative_method="mtp") as llm:
+        assert greedy_tokens(llm, PROMPTS) == want
+        assert llm.get_metrics()["spec_accepted_tokens"] > 0
+
+
+def test_tensor_parallel_rank_caches_hold_its_heads():
+    """A TP=2 rank's Gated DeltaNet state and ring hold half the key and value heads; conv channels halve."""
+    from replayssm.cache.mamba_cache import mixer_cache_spec
+    from replayssm.distributed.sharding import local_config
+
+    cfg = ModelConfig.from_hf(json.loads((Path(tiny(TP_VARIANTS[2])[0]) / "config.json").read_text()))
+    whole, half = mixer_cache_spec(cfg), mixer_cache_spec(local_config(cfg, 2))
+    assert half.state_shape == (4, 8, 6) and whole.state_shape == (8, 8, 6)
+    assert 2 * half.conv_dim == whole.conv_dim
+    assert [f.heads for f in half.ring] == [f.heads // 2 for f in whole.ring]
+
+
+@requires_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
+def test_tensor_parallel_cuda_tokens_equal_one_gpu(replayssm):
+    """On two GPUs (NCCL, the Gated DeltaNet Triton kernels, fp32) Qwen3-Next's TP=2 greedy tokens equal
+    one GPU's."""
+    path, _ = tiny(VARIANTS[0])
+    kw = dict(device="cuda", dtype="float32", max_model_len=128, replayssm=replayssm, replay_window=4)
+    with LLM(path, **kw) as llm:
+        want = greedy_tokens(llm, PROMPTS)
+    with LLM(path, tensor_parallel_size=2, **kw) as llm:
+        assert greedy_tokens(llm, PROMPTS) == want
