@@ -5,6 +5,7 @@ CPU, its greedy tokens, one varlen prefill's logits beside transformers', and th
 from __future__ import annotations
 
 import torch
+from checkpoints import cached_checkpoint, hf_greedy, random_prompts
 
 from replayssm import LLM, SamplingParams
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
@@ -12,6 +13,29 @@ from replayssm.models.loader import load_weights
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+# Each family's tiny checkpoint (a tests/checkpoints.py kind and its overrides) and its prompts' seed.
+# Granite: tokens stay diverse under tied embeddings when the residual branch outweighs the embedding.
+FAMILIES = {
+    "granite": ("granite_hybrid", dict(embedding_multiplier=0.5, residual_multiplier=1.5), 1234),
+    "bamba": ("bamba", {}, 4321),
+    "falcon_h1": ("falcon_h1", {}, 1234),
+    "zamba2": ("zamba2", {}, 1234),
+}
+
+
+def family_prompts(family: str) -> list[list[int]]:
+    """Four prompts of different lengths (5, 17, 33, 9 tokens)."""
+    return random_prompts((5, 17, 33, 9), seed=FAMILIES[family][2])
+
+
+def family_case(family: str, **overrides):
+    """(path, transformers model, prompts, transformers' greedy tokens) of the family's tiny checkpoint."""
+    kind, base, _ = FAMILIES[family]
+    path, hf = cached_checkpoint(kind, **{**base, **overrides})
+    prompts = family_prompts(family)
+    return path, hf, prompts, hf_greedy(hf, prompts, NEW_TOKENS)
 
 
 def family_llm(path, **kw):

@@ -6,17 +6,13 @@ import dataclasses
 
 import pytest
 import torch
-from checkpoints import cached_checkpoint, hf_greedy, random_prompts
+from checkpoints import cached_checkpoint
 from conftest import requires_cuda
 from family_helpers import (
-    NEW_TOKENS,
     check_graph_steps_equal_eager,
-    check_prefix_hit,
-    check_speculation,
-    check_tight_memory_preempts,
     check_tp2,
-    family_llm,
-    greedy_tokens,
+    family_case,
+    family_prompts,
     hf_logits,
     our_logits,
 )
@@ -40,14 +36,13 @@ PUBLISHED_9B = {
 
 
 def _prompts():
-    return random_prompts((5, 17, 33, 9), seed=4321)
+    return family_prompts("bamba")
 
 
 @pytest.fixture(scope="module")
 def bamba():
     """(path, transformers model, prompts, transformers greedy tokens)."""
-    path, hf = cached_checkpoint("bamba")
-    return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
+    return family_case("bamba")
 
 
 def test_published_config_fields():
@@ -110,32 +105,6 @@ def test_partial_rotary_is_applied(edit):
     assert cfg.rotary_dim == cfg.head_dim // 2
     logits, prompts = our_logits(path, TwoPartForCausalLM, dataclasses.replace(cfg, **edit))
     assert (logits - hf_logits(hf, prompts)).abs().max() > 1e-2
-
-
-@pytest.mark.parametrize("replayssm", [True, False])
-def test_greedy_matches_transformers(bamba, replayssm):
-    """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
-    path, _, prompts, hf = bamba
-    assert greedy_tokens(family_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
-
-
-def test_prefix_cache_hit_gives_transformers_tokens(bamba):
-    """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
-    path, hf_model, prompts, _ = bamba
-    check_prefix_hit(path, hf_model, prompts)
-
-
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_gives_transformers_tokens(bamba, method):
-    """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
-    path, _, prompts, hf = bamba
-    check_speculation(path, prompts, hf, method)
-
-
-def test_tight_memory_preempts_with_transformers_tokens(bamba):
-    """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
-    path, _, prompts, hf = bamba
-    check_tight_memory_preempts(path, prompts, hf)
 
 
 def test_tp2_gives_transformers_tokens(bamba):

@@ -6,17 +6,13 @@ import dataclasses
 
 import pytest
 import torch
-from checkpoints import cached_checkpoint, hf_greedy, random_prompts
+from checkpoints import cached_checkpoint, hf_greedy
 from conftest import requires_cuda
 from family_helpers import (
     NEW_TOKENS,
     check_graph_steps_equal_eager,
-    check_prefix_hit,
-    check_speculation,
-    check_tight_memory_preempts,
     check_tp2,
-    family_llm,
-    greedy_tokens,
+    family_prompts,
     hf_logits,
     our_logits,
 )
@@ -56,14 +52,7 @@ BIASES = dict(projectors_bias=True, mamba_proj_bias=True, attention_bias=True, m
 
 
 def _prompts():
-    return random_prompts((5, 17, 33, 9), seed=1234)
-
-
-@pytest.fixture(scope="module")
-def falcon():
-    """(path, transformers model, prompts, transformers greedy tokens)."""
-    path, hf = cached_checkpoint("falcon_h1")
-    return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
+    return family_prompts("falcon_h1")
 
 
 def test_published_config_fields():
@@ -149,32 +138,6 @@ def test_bf16_projection_multipliers_round_as_transformers():
         want_k = theirs.self_attn.k_proj(x) * m.key_multiplier
         assert torch.equal(ours.layers[1].mixer.in_proj(x), want_in)
         assert torch.equal(ours.layers[1].self_attn.k_proj(x), want_k)
-
-
-@pytest.mark.parametrize("replayssm", [True, False])
-def test_greedy_matches_transformers(falcon, replayssm):
-    """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
-    path, _, prompts, hf = falcon
-    assert greedy_tokens(family_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
-
-
-def test_prefix_cache_hit_gives_transformers_tokens(falcon):
-    """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
-    path, hf_model, prompts, _ = falcon
-    check_prefix_hit(path, hf_model, prompts)
-
-
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_gives_transformers_tokens(falcon, method):
-    """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
-    path, _, prompts, hf = falcon
-    check_speculation(path, prompts, hf, method)
-
-
-def test_tight_memory_preempts_with_transformers_tokens(falcon):
-    """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
-    path, _, prompts, hf = falcon
-    check_tight_memory_preempts(path, prompts, hf)
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(mamba_n_groups=1, **NORMS["norm_then_gate"], **BIASES)],

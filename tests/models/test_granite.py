@@ -7,16 +7,16 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import cached_checkpoint, hf_greedy, random_prompts
+from checkpoints import cached_checkpoint, hf_greedy
 from conftest import requires_cuda
 from family_helpers import (
+    FAMILIES,
     NEW_TOKENS,
     check_graph_steps_equal_eager,
-    check_prefix_hit,
-    check_speculation,
-    check_tight_memory_preempts,
     check_tp2,
+    family_case,
     family_llm,
+    family_prompts,
     greedy_tokens,
     hf_logits,
     our_logits,
@@ -28,8 +28,7 @@ from replayssm.models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from replayssm.models.loader import load_model
 from replayssm.models.two_part import TwoPartForCausalLM
 
-# Tokens stay diverse under tied embeddings when the residual branch outweighs the embedding.
-MULTIPLIERS = dict(embedding_multiplier=0.5, residual_multiplier=1.5)
+MULTIPLIERS = FAMILIES["granite"][1]
 
 # The fields of ibm-granite/granite-4.0-h-small's config.json that shape the model.
 PUBLISHED_SMALL = {
@@ -54,14 +53,13 @@ def _checkpoint(**overrides):
 
 
 def _prompts():
-    return random_prompts((5, 17, 33, 9), seed=1234)
+    return family_prompts("granite")
 
 
 @pytest.fixture(scope="module")
 def granite():
     """(path, transformers model, prompts, transformers greedy tokens)."""
-    path, hf = _checkpoint()
-    return path, hf, _prompts(), hf_greedy(hf, _prompts(), NEW_TOKENS)
+    return family_case("granite")
 
 
 def test_published_config_fields():
@@ -122,30 +120,10 @@ def test_each_multiplier_is_applied(field):
     assert (logits - hf_logits(hf, prompts)).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("replayssm", [True, False])
-def test_greedy_matches_transformers(granite, replayssm):
-    """A batch of prompts of different lengths gives transformers' greedy tokens, ReplaySSM on and off."""
-    path, _, prompts, hf = granite
-    assert greedy_tokens(family_llm(path, replayssm=replayssm, replay_window=5), prompts) == hf
-
-
 def test_dense_layout_greedy_matches_transformers():
     """num_local_experts = 0 (shared MLP only, as granite-4.0-h-micro): transformers' greedy tokens."""
     path, hf = _checkpoint(num_local_experts=0)
     assert greedy_tokens(family_llm(path), _prompts()) == hf_greedy(hf, _prompts(), NEW_TOKENS)
-
-
-def test_prefix_cache_hit_gives_transformers_tokens(granite):
-    """A prompt extending a cached one hits the prefix cache and still gives transformers' tokens."""
-    path, hf_model, prompts, _ = granite
-    check_prefix_hit(path, hf_model, prompts)
-
-
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_gives_transformers_tokens(granite, method):
-    """k = 3 drafts (n-gram, or the model itself as draft model) give transformers' greedy tokens."""
-    path, _, prompts, hf = granite
-    check_speculation(path, prompts, hf, method)
 
 
 def test_transformers5_tensor_names_load(tmp_path):
@@ -206,12 +184,6 @@ def test_tp2_shards_split_every_expert():
         assert torch.equal(shard[gate_up], _halves_of(full[gate_up], 0, r))
         assert torch.equal(shard[out], full[out].chunk(2, dim=1)[r])
         assert torch.equal(shard[router], full[router])
-
-
-def test_tight_memory_preempts_with_transformers_tokens(granite):
-    """Tight KV memory with prefix caching preempts and resumes requests; tokens stay transformers'."""
-    path, _, prompts, hf = granite
-    check_tight_memory_preempts(path, prompts, hf)
 
 
 @requires_cuda
