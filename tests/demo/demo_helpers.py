@@ -7,20 +7,10 @@ import functools
 import shutil
 import tempfile
 
-import pytest
 import torch
+from threads import one_thread  # noqa: F401 (autouse fixture, re-exported to test modules)
 
 TOY_STEPS = 20
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models step fastest on one thread (and CI jobs do not oversubscribe the cores).
-    Import it into a test module to make it autouse there."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @functools.cache

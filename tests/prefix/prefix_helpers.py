@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 from checkpoints import cached_checkpoint
+from threads import one_thread  # noqa: F401 (autouse fixture, re-exported to test modules)
 
 from replayssm.engine.model_runner import ModelRunner, ScheduledRow
 from replayssm.speculative.proposer import Drafts, Proposer
@@ -15,16 +15,6 @@ BLOCK = 4
 SMALL = dict(hybrid_override_pattern="M*M-M", hidden_size=32, mamba_num_heads=4, mamba_head_dim=8,
              ssm_state_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
              intermediate_size=32, chunk_size=4)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models step fastest on one thread (and CI jobs do not oversubscribe the cores).
-    Import it into a test module to make it autouse there."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class OracleDrafter(Proposer):

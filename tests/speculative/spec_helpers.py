@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 from checkpoints import cached_checkpoint
+from threads import one_thread  # noqa: F401 (autouse fixture, re-exported to test modules)
 
 from replayssm import LLM, SamplingParams
 
 MAX_LEN = 96
 NEW_TOKENS = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (no oversubscription when CI runs jobs side by side).
-    Import it into a test module to make it autouse there."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def target() -> str:
