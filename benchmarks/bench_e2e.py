@@ -260,6 +260,20 @@ def _shape(name: str) -> tuple[dict, dict]:
     return MODEL_SHAPES[name]
 
 
+def first_layers(config: dict, n: int) -> dict:
+    """config cut to its first n layers: the layer pattern (hybrid_override_pattern or layer_types)
+    sliced, so a shallower model keeps the published layer mix (what --layers runs)."""
+    depth = config["num_hidden_layers"]
+    if not 1 <= n <= depth:
+        raise ValueError(f"--layers must be in 1..{depth} (the shape's num_hidden_layers), got {n}")
+    out = {**config, "num_hidden_layers": n}
+    if "hybrid_override_pattern" in config:
+        out["hybrid_override_pattern"] = config["hybrid_override_pattern"][:n]
+    if "layer_types" in config:
+        out["layer_types"] = list(config["layer_types"][:n])
+    return out
+
+
 def h200_workload(scale: float = 1.0, model_shape: str = "nemotron-h-8b") -> Workload:
     return Workload(_shape(model_shape)[0], "cuda", "bfloat16").scaled(scale)
 

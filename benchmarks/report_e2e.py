@@ -385,13 +385,15 @@ def assemble(meta: dict[str, Any], result: dict[str, Any], targets: dict[str, fl
 
 def result_stem(model_shape: str, modes: str, state_dtypes: tuple[str, ...],
                 quantizations: tuple[str, ...] = ("none",),
-                kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> str:
+                kv_cache_dtypes: tuple[str, ...] = ("auto",), layers: int | None = None) -> str:
     """The file name of a run's result, so each configuration keeps its own current result: e2e for
     the default (Nemotron-H 8B, fp32 state, model-dtype weights and KV), then -SHAPE for another model
-    shape, -seeds for mode s alone, the state dtypes when they are not fp32 alone (e2e-fp32-fp16),
+    shape, -NLAYERS for a --layers cut, -seeds for mode s alone, the state dtypes when they are not fp32 alone (e2e-fp32-fp16),
     the weights when not the model dtype alone (-fp8; -w16-fp8 for both) and likewise the KV cache
     (-kvfp8; -kv16-kvfp8)."""
     stem = "e2e" if model_shape == "nemotron-h-8b" else f"e2e-{model_shape}"
+    if layers is not None:
+        stem += f"-{layers}layers"
     if modes == "s":
         stem += "-seeds"
     elif tuple(state_dtypes) != ("float32",):

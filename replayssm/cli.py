@@ -138,6 +138,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "a toy model of the same structure")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the first N layers of the shape's published layer pattern: a shallower model "
+                        "with the same layer mix, e.g. the bf16 nemotron-3-nano-30b-a3b at 26 of its 52 layers "
+                        "fits an 80 GB GPU at batch 256 (default: all layers)")
     parser.add_argument("--modes", default="abc",
                         help="which modes to run: a decode, b speculative, c prefix caching, s the seeds' "
                         "prefix-caching workload (51,200 shared tokens, 20 turns of 2,048 in / 1,024 out x "
@@ -275,6 +279,8 @@ def run_bench(args: argparse.Namespace) -> int:
         workload = bench.h200_workload(args.scale, args.model_shape)
     else:
         raise ValueError("the full benchmark needs a CUDA GPU; use --quick for the CPU smoke run")
+    if args.layers is not None:
+        workload = dataclasses.replace(workload, config=bench.first_layers(workload.config, args.layers))
     sizes = {f: getattr(args, f) for f in ("shared_context", "turns", "turn_input", "turn_output")}
     for f, v in sizes.items():
         if v is not None and v < 1:
@@ -325,7 +331,8 @@ def run_bench(args: argparse.Namespace) -> int:
         log(f"bench: {doc['plot_note'] or f'wrote {out}/e2e-profile.{{json,md,png}}'}")
         return 0
 
-    stem = report.result_stem(args.model_shape, args.modes, state_dtypes, quantizations, kv_cache_dtypes)
+    stem = report.result_stem(args.model_shape, args.modes, state_dtypes, quantizations, kv_cache_dtypes,
+                              args.layers)
 
     def save(partial: dict, with_plot: bool = False) -> dict:
         return report.write_results(partial, out, command, bench.TARGETS, merge=args.merge, stem=stem,

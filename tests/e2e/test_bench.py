@@ -319,6 +319,24 @@ def test_result_stem_names_each_configuration():
     assert stem("nemotron-3-nano-30b-a3b", "ab", ("float32",), ("fp8",)) == "e2e-nemotron-3-nano-30b-a3b-fp8"
     assert stem("nemotron-h-8b", "ab", ("float32",), ("none", "fp8"), ("auto", "fp8")) == \
         "e2e-w16-fp8-kv16-kvfp8"
+    assert stem("nemotron-3-nano-30b-a3b", "a", ("float32",), ("none", "fp8"), layers=26) == \
+        "e2e-nemotron-3-nano-30b-a3b-26layers-w16-fp8"
+
+
+def test_first_layers_keeps_the_published_layer_mix():
+    """--layers cuts the layer pattern, not just the depth: the first n pattern entries survive, and a
+    count outside 1..depth is a ValueError naming the flag."""
+    from replayssm.cli import _load_benchmark
+
+    bench = _load_benchmark("bench_e2e")
+    nano = bench.first_layers(bench.NEMOTRON_3_NANO, 26)
+    assert nano["num_hidden_layers"] == 26
+    assert nano["hybrid_override_pattern"] == bench.NEMOTRON_3_NANO["hybrid_override_pattern"][:26]
+    assert {"M", "E", "*"} <= set(nano["hybrid_override_pattern"])
+    granite = bench.first_layers(bench.GRANITE_4_H_TINY, 7)
+    assert granite["layer_types"] == ["mamba"] * 5 + ["attention", "mamba"]
+    with pytest.raises(ValueError, match="--layers"):
+        bench.first_layers(bench.NEMOTRON_3_NANO, 53)
 
 
 def test_bench_quick_fp8_weights_and_kv(tmp_path):
