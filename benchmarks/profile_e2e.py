@@ -243,7 +243,9 @@ def profile_setting(w, model_dir: str, replayssm: bool, steps: int, warm: int, l
     kw = dict(device=w.device, dtype=w.dtype, replay_window=w.window, state_dtype="float32",
               kv_block_size=w.kv_block_size, max_num_batched_tokens=w.max_num_batched_tokens,
               load_format="dummy", cuda_graphs=w.cuda_graphs, replayssm=replayssm,
-              max_num_seqs=w.decode_batch, max_model_len=w.decode_prompt + total + 1)
+              max_num_seqs=w.decode_batch, max_model_len=w.decode_prompt + total + 1,
+              quantization=None if w.quantizations[0] == "none" else w.quantizations[0],
+              kv_cache_dtype=w.kv_cache_dtypes[0])
     engine = LLMEngine(EngineConfig.from_kwargs(model_dir, **kw))
     rng, vocab = random.Random(f"profile-{replayssm}"), w.config["vocab_size"]
     params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
@@ -296,4 +298,5 @@ def run_profile(w, steps: int = 16, warm: int = 4, log=print) -> dict[str, Any]:
     return {"settings": settings, "parts": list(PARTS),
             "copy_bandwidth_gb_s": (bw / 1e9) if (bw := copy_bandwidth()) else None,
             "workload": {"batch": w.decode_batch, "prompt": w.decode_prompt, "window": w.window,
-                         "cuda_graphs": w.cuda_graphs, "dtype": w.dtype}}
+                         "cuda_graphs": w.cuda_graphs, "dtype": w.dtype,
+                         "quantization": w.quantizations[0], "kv_cache_dtype": w.kv_cache_dtypes[0]}}

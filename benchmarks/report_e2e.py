@@ -388,9 +388,9 @@ def result_stem(model_shape: str, modes: str, state_dtypes: tuple[str, ...],
                 kv_cache_dtypes: tuple[str, ...] = ("auto",), layers: int | None = None) -> str:
     """The file name of a run's result, so each configuration keeps its own current result: e2e for
     the default (Nemotron-H 8B, fp32 state, model-dtype weights and KV), then -SHAPE for another model
-    shape, -NLAYERS for a --layers cut, -seeds for mode s alone, the state dtypes when they are not fp32 alone (e2e-fp32-fp16),
-    the weights when not the model dtype alone (-fp8; -w16-fp8 for both) and likewise the KV cache
-    (-kvfp8; -kv16-kvfp8)."""
+    shape, -Nlayers for a --layers cut, -seeds for mode s alone, the state dtypes when they are not
+    fp32 alone (e2e-fp32-fp16), the weights when not the model dtype alone (-fp8; -w16-fp8 for both)
+    and likewise the KV cache (-kvfp8; -kv16-kvfp8)."""
     stem = "e2e" if model_shape == "nemotron-h-8b" else f"e2e-{model_shape}"
     if layers is not None:
         stem += f"-{layers}layers"
@@ -441,7 +441,9 @@ def render_profile(doc: dict[str, Any]) -> str:
              f"- commit `{doc['commit']}`, device {doc['device']}, command `{doc['command']}`",
              f"- batch {off['batch']}, {doc.get('workload', {}).get('prompt', '?')}-token prompts, "
              f"eager steps profiled: {off['steps']} (one ring flush per row in ON); "
-             "GPU ms = sum of kernel times attributed to the part", "",
+             "GPU ms = sum of kernel times attributed to the part; weights "
+             f"{doc.get('workload', {}).get('quantization', 'none')}, KV cache "
+             f"{doc.get('workload', {}).get('kv_cache_dtype', 'auto')}", "",
              "| part | OFF ms/step | ON ms/step | OFF - ON |", "|---|---|---|---|"]
     for p in doc["parts"]:
         a, b = off["parts_us_per_step"].get(p, 0.0) / 1e3, on["parts_us_per_step"].get(p, 0.0) / 1e3
@@ -501,10 +503,12 @@ def plot_profile(doc: dict[str, Any], path: Path) -> str | None:
                       "ms per step", path)
 
 
-def write_profile(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """e2e-profile.{json,md,png} under out_dir; returns the document with its meta."""
-    doc = write_doc(doc, out_dir, meta, "e2e-profile", render_profile)
-    doc["plot_note"] = plot_profile(doc, Path(out_dir) / "e2e-profile.png")
+def write_profile(doc: dict[str, Any], out_dir: str | Path, meta: dict[str, Any],
+                  stem: str = "e2e-profile") -> dict[str, Any]:
+    """{stem}.{json,md,png} under out_dir (e2e-profile for the default shape and dtypes, then as
+    `result_stem`); returns the document with its meta."""
+    doc = write_doc(doc, out_dir, meta, stem, render_profile)
+    doc["plot_note"] = plot_profile(doc, Path(out_dir) / f"{stem}.png")
     return doc
 
 

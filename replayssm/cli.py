@@ -139,9 +139,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply output lengths and context sizes (default: 1.0; batches unchanged)")
     parser.add_argument("--layers", type=int, default=None,
-                        help="keep the first N layers of the shape's published layer pattern: a shallower model "
-                        "with the same layer mix, e.g. the bf16 nemotron-3-nano-30b-a3b at 26 of its 52 layers "
-                        "fits an 80 GB GPU at batch 256 (default: all layers)")
+                        help="keep the first N layers of the shape's published layer pattern: a shallower "
+                        "model with the same layer mix, e.g. the bf16 nemotron-3-nano-30b-a3b at 26 of its "
+                        "52 layers fits an 80 GB GPU at batch 256 (default: all layers)")
     parser.add_argument("--modes", default="abc",
                         help="which modes to run: a decode, b speculative, c prefix caching, s the seeds' "
                         "prefix-caching workload (51,200 shared tokens, 20 turns of 2,048 in / 1,024 out x "
@@ -268,9 +268,11 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be a comma-separated list among {', '.join(choices)}, "
                              f"got {value!r}")
     quantizations, kv_cache_dtypes = variants["--quantization"], variants["--kv-cache-dtype"]
-    if (args.profile or args.profile_prefill) and (quantizations, kv_cache_dtypes) != (("none",), ("auto",)):
-        raise ValueError("--quantization and --kv-cache-dtype apply to the modes; the --profile runs take "
-                         "the model dtype")
+    if args.profile_prefill and (quantizations, kv_cache_dtypes) != (("none",), ("auto",)):
+        raise ValueError("--quantization and --kv-cache-dtype apply to the modes and --profile; "
+                         "--profile-prefill takes the model dtype")
+    if args.profile and (len(quantizations), len(kv_cache_dtypes)) != (1, 1):
+        raise ValueError("--profile takes one --quantization and one --kv-cache-dtype (run it once per setting)")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.quick:
@@ -326,9 +328,11 @@ def run_bench(args: argparse.Namespace) -> int:
             workload = dataclasses.replace(workload, decode_prompt=args.profile_prompt)
         prof = _load_benchmark("profile_e2e")
         doc = prof.run_profile(workload, steps=args.profile_steps, warm=min(4, args.profile_steps), log=log)
-        doc = report.write_profile(doc, out, report.run_meta(command))
+        stem = report.result_stem(args.model_shape, "a", ("float32",), quantizations, kv_cache_dtypes,
+                                  args.layers).replace("e2e", "e2e-profile", 1)
+        doc = report.write_profile(doc, out, report.run_meta(command), stem)
         print(report.render_profile(doc))
-        log(f"bench: {doc['plot_note'] or f'wrote {out}/e2e-profile.{{json,md,png}}'}")
+        log(f"bench: {doc['plot_note'] or f'wrote {out}/{stem}.{{json,md,png}}'}")
         return 0
 
     stem = report.result_stem(args.model_shape, args.modes, state_dtypes, quantizations, kv_cache_dtypes,

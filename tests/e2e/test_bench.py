@@ -357,3 +357,14 @@ def test_bench_quick_fp8_weights_and_kv(tmp_path):
     assert ("b", "off", "float32 fp8 weights fp8 KV") in variants
     md = (tmp_path / "e2e-nemotron-3-nano-30b-a3b-w16-fp8-kv16-kvfp8.md").read_text()
     assert "| quantization | kv_cache_dtype |" in md and "float32 fp8 weights / float32" in md
+
+
+def test_bench_profile_takes_one_weight_and_kv_setting(tmp_path, capsys):
+    """--profile runs one (weights, KV cache) setting: a list of several is a usage error naming the flag,
+    and --layers beyond the shape's depth is one too."""
+    from replayssm.cli import main
+
+    assert main(["bench", "--quick", "--profile", "--quantization", "none,fp8", "--out", str(tmp_path)]) == 2
+    assert "--profile takes one --quantization" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--modes", "a", "--layers", "0", "--out", str(tmp_path)]) == 2
+    assert "--layers must be in 1..6" in capsys.readouterr().err
