@@ -272,7 +272,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("--quantization and --kv-cache-dtype apply to the modes and --profile; "
                          "--profile-prefill takes the model dtype")
     if args.profile and (len(quantizations), len(kv_cache_dtypes)) != (1, 1):
-        raise ValueError("--profile takes one --quantization and one --kv-cache-dtype (run it once per setting)")
+        raise ValueError("--profile takes one --quantization and one --kv-cache-dtype "
+                         "(run it once per setting)")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.quick:
