@@ -37,6 +37,20 @@ class LaunchConfig:
     num_warps: int = 4
 
 
+# The state update's tile per (state dtype, several tokens per row: verify, which writes the state after
+# each token); `benchmarks/bench_gdn_kernels.py --sweep` times the candidates per (dtype, q).
+CONFIGS = {
+    # Dk = 128 rows by 32 columns is 32 fp32 registers a thread at 4 warps; Dv = 128 gives 4 programs a head.
+    (torch.float32, False): LaunchConfig(block_v=32, num_warps=4),
+    (torch.float32, True): LaunchConfig(block_v=32, num_warps=4),  # verify keeps one tile across q tokens
+    # 16-bit writes hold the rounding's temporaries beside the tile (q roundings a program on verify).
+    (torch.float16, False): LaunchConfig(block_v=32, num_warps=4),
+    (torch.float16, True): LaunchConfig(block_v=32, num_warps=4),
+    (torch.bfloat16, False): LaunchConfig(block_v=32, num_warps=4),  # fp16's bytes and rounding work
+    (torch.bfloat16, True): LaunchConfig(block_v=32, num_warps=4),
+}
+
+
 @triton.jit
 def unit_key(ptr, kk, km, scale):
     """The (BLOCK_K,) key at ptr, L2-normalized in fp32 and times `scale` (x rsqrt(|x|^2 + 1e-6), the eps
