@@ -34,8 +34,10 @@ On the Qwen3-Next-80B-A3B shape (Hk 16, Hv 32, Dk = Dv = 128, bf16 activations, 
 W = 16) a state is 2 MiB and E = 12.25 KiB: the baseline moves 4 MiB per decode step, ReplaySSM
 at most 2 MiB + 196 KiB of history + 12 KiB appended, plus 2 MiB once in W steps (2.33 MiB).
 
-The decode ops dispatch with `pick_impl`: Triton twins (`ops/triton/gdn.py`) for CUDA tensors, the
-`*_ref` functions here elsewhere.
+The decode ops dispatch with `pick_impl`: Triton twins (`ops/triton/gdn.py`) for CUDA tensors, each at
+the tile its table gives for (state dtype, more than one token per row) (`gdn_state.py: CONFIGS` for
+the state update, `ops/triton/gdn.py: REPLAY_CONFIGS` for replay and materialize), the `*_ref`
+functions here elsewhere.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""benchmarks/bench_gdn_kernels.py: the --quick CPU smoke run writes its files; the byte model."""
+"""benchmarks/bench_gdn_kernels.py: the --quick CPU smoke run (plain and --sweep) writes its files; the
+byte model."""
 
 import json
 
@@ -36,3 +37,29 @@ def test_bytes_per_step_qwen3_next_shape():
     assert b.bytes_per_step("baseline") == tokens + 2 * state
     replay = b.bytes_per_step("replay")
     assert state + tokens + entry <= replay <= 2 * state + tokens + (bench.WINDOW + 1) * entry
+
+
+def test_quick_sweep_times_both_ops_at_every_tile(tmp_path, capsys):
+    """--quick --sweep writes gdn-kernels_sweep.json (no md): one row per case, op and tile named
+    "<op> <tile>", and prints one winner per (op, state dtype, q) among the swept tiles."""
+    bench = _load_benchmark("bench_gdn_kernels")
+    bench.main(["--quick", "--sweep", "16x4,32x8", "--out", str(tmp_path)])
+    assert not (tmp_path / "gdn-kernels.md").exists() and not (tmp_path / "gdn-kernels.json").exists()
+    doc = json.loads((tmp_path / "gdn-kernels_sweep.json").read_text())
+    cases = [(sd, q) for sd in ("fp32", "bf16") for q in (1, 4)]
+    names = [f"{op} {tile}" for op in ("baseline", "replay") for tile in ("16x4", "32x8")]
+    assert sorted((r["state_dtype"], r["q"], r["impl"]) for r in doc["rows"]) == sorted(
+        (sd, q, name) for sd, q in cases for name in names)
+    assert all(r["sweep"] and r["us_per_step"] > 0 for r in doc["rows"])
+    keys = {f"{op} {sd} q={q}" for sd, q in cases for op in ("baseline", "replay")}
+    assert set(doc["winners"]) == keys and all(set(w) == {"16x4", "32x8"} for w in doc["winners"].values())
+    winners = [line for line in capsys.readouterr().out.splitlines() if "-> winner" in line]
+    assert sorted(line.split(" tiles")[0] for line in winners) == sorted(keys)
+
+
+def test_sweep_rejects_a_malformed_tile(tmp_path, capsys):
+    """--sweep with a tile that is not BLOCK_VxWARPS in powers of two exits with a message naming it."""
+    bench = _load_benchmark("bench_gdn_kernels")
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--sweep", "32x4,48x4", "--out", str(tmp_path)])
+    assert "--sweep: tile '48x4'" in capsys.readouterr().err

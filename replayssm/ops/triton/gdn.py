@@ -1,9 +1,10 @@
 """Gated DeltaNet decode ops in Triton: the entry points `ops/gdn.py` dispatches to on CUDA.
 
 Each `<op>_triton` has the signature and contract of `ops/gdn.py: <op>_ref` (arguments validated by
-the public op). The kernels live in `gdn_state.py` (baseline state update, shared jitted helpers) and
-`gdn_replay.py` (ReplaySSM forward with flush, materialize); all three keep a (Dk, BLOCK_V) fp32
-state tile in registers per (Dv tile, value head, row) program.
+the public op). The kernels live in `gdn_state.py` (baseline state update, its tile table `CONFIGS`,
+shared jitted helpers) and `gdn_replay.py` (ReplaySSM forward with flush, materialize; their tile table
+`REPLAY_CONFIGS` is here); all three keep a (Dk, BLOCK_V) fp32 state tile in registers per (Dv tile,
+value head, row) program. Each entry point looks its tile up once per call by (state dtype, n > 1).
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ from __future__ import annotations
 import torch
 
 from replayssm.ops.triton.gdn_replay import launch_materialize, launch_replay_forward
-from replayssm.ops.triton.gdn_state import LaunchConfig, launch_state_update
+from replayssm.ops.triton.gdn_state import CONFIGS, LaunchConfig, launch_state_update
 
-# The tile per state dtype. Dk = 128 rows by 32 columns is 32 fp32 registers per thread at 4 warps,
-# leaving room for the rounding temporaries of 16-bit writes; Dv = 128 gives 4 programs per head.
-CONFIGS = {
-    torch.float32: LaunchConfig(block_v=32, num_warps=4),
-    torch.float16: LaunchConfig(block_v=32, num_warps=4),
-    torch.bfloat16: LaunchConfig(block_v=32, num_warps=4),
+# The replay kernels' tile per (state dtype, several tokens per row); `gdn_state.py: CONFIGS` holds the
+# state update's. Materialize replays history and stores once, as a one-token row: (dtype, False).
+REPLAY_CONFIGS = {
+    # Dk = 128 rows by 32 columns is 32 fp32 registers a thread at 4 warps; Dv = 128 gives 4 programs a head.
+    (torch.float32, False): LaunchConfig(block_v=32, num_warps=4),
+    (torch.float32, True): LaunchConfig(block_v=32, num_warps=4),  # q new tokens after the same history
+    # 16-bit flush rows hold the rounding's temporaries beside the tile.
+    (torch.float16, False): LaunchConfig(block_v=32, num_warps=4),
+    (torch.float16, True): LaunchConfig(block_v=32, num_warps=4),
+    (torch.bfloat16, False): LaunchConfig(block_v=32, num_warps=4),  # fp16's bytes and rounding work
+    (torch.bfloat16, True): LaunchConfig(block_v=32, num_warps=4),
 }
 
 
@@ -28,7 +34,7 @@ def gdn_state_update_triton(state, q, k, v, g, beta, state_indices, *,
     """Baseline decode / verify (`ops.gdn.gdn_state_update`). With dst_indices, a row's destinations may
     include its own source (a program reads its tile before writing it) but no other row's source."""
     return launch_state_update(state, q, k, v, g, beta, state_indices, dst_indices, rand_seed, out,
-                               CONFIGS[state.dtype])
+                               CONFIGS[state.dtype, q.shape[1] > 1])
 
 
 def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start,
@@ -36,7 +42,8 @@ def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_v, ring_g, r
                               out: torch.Tensor | None = None) -> torch.Tensor:
     """ReplaySSM decode / verify step (`ops.gdn.gdn_replay_forward`)."""
     return launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start,
-                                 committed, state_indices, window, rand_seed, out, CONFIGS[state.dtype])
+                                 committed, state_indices, window, rand_seed, out,
+                                 REPLAY_CONFIGS[state.dtype, q.shape[1] > 1])
 
 
 def gdn_replay_materialize_triton(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed,
@@ -44,4 +51,4 @@ def gdn_replay_materialize_triton(state, ring_k, ring_v, ring_g, ring_beta, ring
                                   rand_seed: torch.Tensor | None = None) -> None:
     """state[dst] = state[src] advanced by n ring entries (`ops.gdn.gdn_replay_materialize`)."""
     launch_materialize(state, ring_k, ring_v, ring_g, ring_beta, ring_start, src_indices, num_entries,
-                       dst_indices, rand_seed, CONFIGS[state.dtype])
+                       dst_indices, rand_seed, REPLAY_CONFIGS[state.dtype, False])

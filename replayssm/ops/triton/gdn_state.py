@@ -8,8 +8,11 @@ registers across the q tokens and runs the per-token delta rule on it:
 
 Plain decode reads the tile once and writes it once; verify (`dst_indices`) reads it once and writes
 the state after each token to its own slot. 16-bit pools round with `stochastic_round_pairs` (the
-seed read on the device), so a write's bits depend only on (seed, destination element).
-The jitted helpers here are shared with the replay kernels (`gdn_replay.py`).
+seed read on the device), so a write's bits depend only on (seed, destination element). A store
+hashes the tile's int32 offsets within one (slot, head) state and adds the slot's part to the seed mix
+once, so verify's q stores share one offset tile and do no per-element 64-bit work. The tile per
+(state dtype, q > 1) is `CONFIGS`. The jitted helpers here are shared with the replay kernels
+(`gdn_replay.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,20 @@ class LaunchConfig:
     num_warps: int = 4
 
 
+# The state update's tile per (state dtype, several tokens per row: verify, which writes the state after
+# each token); `benchmarks/bench_gdn_kernels.py --sweep` times the candidates per (dtype, q).
+CONFIGS = {
+    # Dk = 128 rows by 32 columns is 32 fp32 registers a thread at 4 warps; Dv = 128 gives 4 programs a head.
+    (torch.float32, False): LaunchConfig(block_v=32, num_warps=4),
+    (torch.float32, True): LaunchConfig(block_v=32, num_warps=4),  # verify keeps one tile across q tokens
+    # 16-bit writes hold the rounding's temporaries beside the tile (q roundings a program on verify).
+    (torch.float16, False): LaunchConfig(block_v=32, num_warps=4),
+    (torch.float16, True): LaunchConfig(block_v=32, num_warps=4),
+    (torch.bfloat16, False): LaunchConfig(block_v=32, num_warps=4),  # fp16's bytes and rounding work
+    (torch.bfloat16, True): LaunchConfig(block_v=32, num_warps=4),
+}
+
+
 @triton.jit
 def unit_key(ptr, kk, km, scale):
     """The (BLOCK_K,) key at ptr, L2-normalized in fp32 and times `scale` (x rsqrt(|x|^2 + 1e-6), the eps
@@ -58,17 +75,23 @@ def store_state(state_ptr, S, slot, hv, Hv, kk, vv, tmask, seed_mix,
                 DK: tl.constexpr, DV: tl.constexpr, STATE_DTYPE: tl.constexpr, MAXV: tl.constexpr):
     """state[slot, hv, kk, vv] = S (rounded stochastically into a 16-bit pool); nothing where slot < 0."""
     base = (tl.maximum(slot, 0).to(tl.int64) * Hv + hv) * (DK * DV)
-    offs = base + kk[:, None] * DV + vv[None, :]
-    val = stochastic_round_pairs(S, offs, seed_mix, STATE_DTYPE, MAXV, DV)
-    tl.store(state_ptr + offs, val, mask=tmask & ((offs * 0 + slot) >= 0))
+    local = kk[:, None] * DV + vv[None, :]  # int32, the same for every slot: computed once per program
+    if (DK * DV) % 2 == 0:
+        # base is even, so element base + local hashes (base >> 1) + (local >> 1) with parity local & 1:
+        # base >> 1 joins the seed mix (a scalar add mod 2^32) and the tile's work stays int32 and
+        # shared by verify's q stores, with the bits of the pool-wide offsets.
+        val = stochastic_round_pairs(S, local, seed_mix + (base >> 1).to(tl.uint32), STATE_DTYPE, MAXV, DV)
+    else:
+        val = stochastic_round_pairs(S, base + local, seed_mix, STATE_DTYPE, MAXV, DV)
+    tl.store(state_ptr + base + local, val, mask=tmask & ((local * 0 + slot) >= 0))
 
 
 @triton.jit
 def load_state(state_ptr, slot, hv, Hv, kk, vv, tmask, DK: tl.constexpr, DV: tl.constexpr):
     """state[slot, hv, kk, vv] as fp32 (zeros where slot < 0)."""
     base = (tl.maximum(slot, 0).to(tl.int64) * Hv + hv) * (DK * DV)
-    offs = base + kk[:, None] * DV + vv[None, :]
-    return tl.load(state_ptr + offs, mask=tmask & ((offs * 0 + slot) >= 0), other=0.0).to(tl.float32)
+    local = kk[:, None] * DV + vv[None, :]
+    return tl.load(state_ptr + base + local, mask=tmask & ((local * 0 + slot) >= 0), other=0.0).to(tl.float32)
 
 
 @triton.jit
