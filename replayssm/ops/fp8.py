@@ -17,8 +17,7 @@ tests compare against the dequantized checkpoint).
 Activation quantization, `quantize_per_token` and `quantize_static`, is one Triton launch on CUDA
 (ops/triton/fp8_quant.py) and the PyTorch `*_ref` elsewhere, bit for bit the same
 (`quantize_path` picks). The row-wise GEMMs take the weight scale as dense fp32 rows, (1, N) or
-(E, N): `scale_rows` gives a view of a per-channel scale and expands a per-tensor one once, keeping
-it on the scale tensor.
+(E, N): `scale_rows` gives a view of a per-channel scale and expands a per-tensor one once.
 """
 
 from __future__ import annotations
@@ -27,11 +26,13 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+from replayssm.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
 ACTIVATIONS = ("dynamic", "static", "none")
-MIN_SCALE = 1e-12  # an all-zero row or token gets a tiny scale, not a division by zero
+# Per-tensor / per-expert weight scales expanded to dense rows (scale_rows), kept while the scale lives.
+_EXPANDED_SCALES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def quantize_fp8(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +120,9 @@ def scale_rows(weight_scale: torch.Tensor, N: int) -> torch.Tensor:
     (1,) scale, (E, N) for stacked experts' (E, N, 1) or (E, 1, 1).
 
     A per-channel scale is a view (no copy). A per-tensor or per-expert one is expanded once and kept
-    on the scale tensor, keyed on its version counter, so a scale loaded in place later is expanded
-    again; inference tensors keep no version counter and are expanded at every call."""
+    beside the scale tensor (`_EXPANDED_SCALES`), keyed on its version counter, so a scale loaded in
+    place later is expanded again; inference tensors keep no version counter and are expanded at every
+    call."""
     lead = weight_scale.shape[0] if weight_scale.dim() == 3 else 1
     rows = weight_scale.reshape(lead, -1)
     if rows.shape[1] == N and rows.dtype == torch.float32 and rows.is_contiguous():
@@ -128,10 +130,9 @@ def scale_rows(weight_scale: torch.Tensor, N: int) -> torch.Tensor:
     if weight_scale.is_inference():
         return rows.float().expand(lead, N).contiguous()
     key = (weight_scale._version, N)
-    kept = getattr(weight_scale, "_fp8_rows", None)
+    kept = _EXPANDED_SCALES.get(weight_scale)
     if kept is None or kept[0] != key:
-        kept = (key, rows.float().expand(lead, N).contiguous())
-        weight_scale._fp8_rows = kept
+        kept = _EXPANDED_SCALES[weight_scale] = (key, rows.float().expand(lead, N).contiguous())
     return kept[1]
 
 

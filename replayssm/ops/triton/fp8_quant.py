@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from replayssm.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from replayssm.ops.triton.fp8_kv import _e4m3_bits
 
 _ONE_PASS_K = 8192  # widest row kept in registers: 32 fp32 a thread at 8 warps
