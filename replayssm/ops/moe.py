@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from replayssm.ops.fp8 import FP8_DTYPE, quantize_per_token
+from replayssm.ops.fp8 import FP8_DTYPE, quantize_per_token, scale_rows
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +128,12 @@ def _scaled_grouped_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tens
     """x (M, K) bf16 -> (M, N) bf16: row r of group e is x[r] @ (w_q[e] * w_scale[e]).T (x per-token E4M3).
 
     `_scaled_grouped_mm` wants the (E, K, N) operand column-major (w_q (E, N, K) row-major transposed),
-    scale_a (M,) one per row of x and scale_b (E, N) one per expert and output channel, both fp32."""
+    scale_a (M,) one per row of x and scale_b (E, N) one per expert and output channel, both fp32 and
+    dense (`scale_rows`: a view of a per-channel scale, a per-expert one expanded once)."""
     E, N, _ = w_q.shape
     xq, x_scale = quantize_per_token(x)
-    scale_b = w_scale.float().reshape(E, -1).expand(E, N).contiguous()
-    return torch._scaled_grouped_mm(xq, w_q.transpose(-2, -1), x_scale.reshape(-1), scale_b, offs=ends,
-                                    out_dtype=torch.bfloat16)
+    return torch._scaled_grouped_mm(xq, w_q.transpose(-2, -1), x_scale.reshape(-1), scale_rows(w_scale, N),
+                                    offs=ends, out_dtype=torch.bfloat16)
 
 
 def _check_fp8(x, up_q, up_scale, down_q, down_scale, group_ends) -> None:

@@ -14,6 +14,8 @@ from replayssm.ops.fp8 import (
     fp8_path,
     quantize_fp8,
     quantize_per_token,
+    quantize_static,
+    scale_rows,
 )
 
 
@@ -72,6 +74,39 @@ def test_per_token_quantization():
     torch.testing.assert_close(scale.double(), expected, rtol=1e-6, atol=0)
     err = (xq.double() * scale.double() - x.double()).abs()
     assert (err <= _rounding_bound(x, scale)).all()
+
+
+def test_static_quantization_gives_every_row_the_input_scale():
+    """quantize_static divides by the per-tensor input scale and returns it as every row's (M, 1) scale."""
+    x = torch.randn(6, 32).to(torch.bfloat16)
+    input_scale = torch.tensor([0.0123])
+    xq, scale = quantize_static(x, input_scale)
+    assert scale.shape == (6, 1) and torch.all(scale == input_scale)
+    err = (xq.double() * scale.double() - x.double()).abs()
+    assert (err <= _rounding_bound(x, scale)).all()
+
+
+def test_scale_rows_per_channel_is_a_view():
+    """A per-channel scale reaches the row-wise GEMM as a view of its parameter: (N, 1) -> (1, N),
+    (E, N, 1) -> (E, N), no copy."""
+    for shape, rows in (((24, 1), (1, 24)), ((3, 24, 1), (3, 24))):
+        s = torch.rand(shape) + 0.5
+        got = scale_rows(s, 24)
+        assert got.shape == rows and got.is_contiguous() and got.data_ptr() == s.data_ptr()
+        assert torch.equal(got.flatten(), s.flatten())
+
+
+def test_scale_rows_per_tensor_expanded_once():
+    """A per-tensor (1,) or per-expert (E, 1, 1) scale is expanded to dense rows once and kept; a scale
+    loaded in place afterwards is expanded again."""
+    for s, rows in ((torch.tensor([0.5]), (1, 16)), (torch.tensor([0.5, 2.0]).view(2, 1, 1), (2, 16))):
+        s = torch.nn.Parameter(s, requires_grad=False)
+        first = scale_rows(s, 16)
+        assert first.shape == rows and first.is_contiguous()
+        assert torch.equal(first, s.reshape(-1, 1).expand(rows))
+        assert scale_rows(s, 16) is first
+        s.copy_(s * 3)
+        assert torch.equal(scale_rows(s, 16), s.reshape(-1, 1).expand(rows))
 
 
 def test_cpu_dispatch_takes_the_reference():

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayssm.ops.fp8 import FP8_DTYPE, FP8_MAX
+from replayssm.ops.fp8_format import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
