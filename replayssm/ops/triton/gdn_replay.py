@@ -20,6 +20,9 @@ fp32 (a power series in A cancels catastrophically when keys repeat and beta, a 
 Products run on tensor cores to fp32 accuracy (`tf32.dot_split`) with the raw keys and queries as
 operands and their L2 scales applied to the result rows: 16-bit activations and a 16-bit state tile
 are exact in TF32, so K S0 takes one pass with both 16-bit, two with one, three (tf32x3) with none.
+K K^T, q K^T, K S0 and q S0 accumulate over key columns KEY_CHUNK at a time (a whole (T, Dk) operand
+in registers spills at Dk = 128); the flush streams the same chunks again, reloading the history keys
+and the checkpoint rows it folds, and stores each (KEY_CHUNK, BLOCK_V) piece of the new checkpoint.
 
     state[s] read once; out (q rows) stored; ring rows (o + h + t) mod R = raw (k_t, v_t, g_t, beta_t)
     state[s] written iff h + q > W (16-bit pools rounded with `stochastic_round_pairs`)
@@ -31,11 +34,13 @@ tile, g and beta by each value head's first Dv tile.
 
 Cost per row and value head (T = BLOCK_T, Qp = max(16, next_pow2(q)), s / a state / activation bytes):
 reads Dk Dv s of state, h (Dk + Dv) a + 8 h of ring and q (2 Dk + Dv) a + 8 q of inputs (the key rows
-again per Dv tile, from L2); writes q Dv a of output, q (Dk + Dv) a + 8 q of ring, Dk Dv s on a flush.
-Tensor-core MACs: T Dk Dv (K S0), Qp Dk Dv (q S0), T Dk Dv on a flush, T^2 Dv + Qp T Dv (E, outputs)
-and, per Dv tile, T^2 Dk + Qp T Dk (k.k, q.k); T^3 / 3 fp32 FLOPs of substitution per Dv tile. At
-Dk = Dv = 128, T = 32, Qp = 16: ~0.9 M MAC per (row, head) on a flush step, ~0.4 M otherwise, against
-64 KiB of fp32 state (on CUDA cores the sequential recurrence costs ~5 Dk Dv FLOPs per history token).
+again per Dv tile, from L2); writes q Dv a of output, q (Dk + Dv) a + 8 q of ring, and on a flush
+Dk Dv s (reading the state and the history keys again). Tensor-core MACs: T Dk Dv (K S0), Qp Dk Dv
+(q S0), T^2 Dv + Qp T Dv (E, outputs), T Dk Dv more on a flush, and per Dv tile T^2 Dk + Qp T Dk
+(k.k, q.k) and ~2 T^3 fp32 FLOPs of substitution on the CUDA cores; each MAC takes 1 to 3 TF32 passes
+(above). At Dk = Dv = 128, T = 32, Qp = 16 and BLOCK_V = Dv: ~1.2 M MAC per (row, head) and step,
++0.5 M on a flush, against 64 KiB of fp32 state; the per-token recurrence would take ~5 Dk Dv FLOPs
+per history token (~1.3 MFLOP at h = 16) on the CUDA cores, compute-bound at these bytes.
 
 `gdn_replay_materialize`: the same solve over the first n ring entries of src (no new tokens, no
 outputs), S after them stored to dst.
