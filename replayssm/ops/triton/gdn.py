@@ -2,8 +2,8 @@
 
 Each `<op>_triton` has the signature and contract of `ops/gdn.py: <op>_ref` (arguments validated by
 the public op). The kernels live in `gdn_state.py` (baseline state update, shared jitted helpers) and
-`gdn_replay.py` (ReplaySSM forward with flush, materialize); all three keep a (Dk, BLOCK_V) fp32
-state tile in registers per (Dv tile, value head, row) program.
+`gdn_replay.py` (ReplaySSM forward with flush, materialize: the chunked WY/UT form on tensor cores);
+all three run one program per (Dv tile, value head, row).
 """
 
 from __future__ import annotations
