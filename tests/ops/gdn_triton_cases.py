@@ -5,10 +5,11 @@ permuted slots and a padding row, ring rows outside each history NaN (never read
 output. It runs the Triton twin and the fp32 `*_ref` on copies and the float64 recurrence, and asserts:
 
 - outputs within the fp32 tolerance of the float64 recurrence and of the fp32 reference;
-- fp32 states within the fp32 tolerance; 16-bit states within one ulp of the reference's bits and
-  equal to them for at least 99% of the elements (the kernels run the sequential recurrence, the
-  reference the WY form: the fp32 values differ by summation order, so a stochastic rounding flips
-  only where its random threshold falls between the two);
+- fp32 states within the fp32 tolerance; 16-bit states within one ulp plus that tolerance of the
+  reference's and equal to its bits for at least 99% of the elements (kernel and reference sum in
+  different orders, on tensor cores or not: the fp32 values differ by rounding, near-zero elements
+  of a Dk = 128 sum by more than an ulp through cancellation, and a stochastic rounding flips only
+  where its random threshold falls between the two);
 - ring rows, cursors and every untouched slot bit-exact; a second Triton run bit-identical (`repeat`:
   races show on the GPU; the interpreter runs programs one after another and skips it).
 
@@ -53,13 +54,15 @@ def _same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _states_match(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """fp32: within TOL; 16-bit: within one ulp and >= 99% bit-equal (see the module docstring)."""
+    """fp32: within TOL; 16-bit: within one ulp + TOL and >= 99% bit-equal (see the module docstring)."""
     if got.dtype == F32:
         _close(name, got, want, TOL)
         return
     g, w = got.float(), want.float()
     ulp = torch.where(w == 0, 2.0**-126, w.abs() * 2.0**-7)  # bf16 keeps 8 significant bits
-    assert bool(((g - w).abs() <= ulp * 1.0001).all()), f"{name}: more than one ulp from the reference"
+    fp32_err = TOL * max(w.abs().max().item(), 1.0)  # the fp32 states' bound, as in `_close`
+    within = (g - w).abs() <= ulp * 1.0001 + fp32_err
+    assert bool(within.all()), f"{name}: beyond one ulp + the fp32 tolerance of the reference"
     equal = (_bits(got) == _bits(want)).double().mean().item()
     assert equal >= 0.99, f"{name}: only {equal:.4f} of the 16-bit states equal the reference's bits"
 
@@ -70,10 +73,25 @@ def _untouched(name: str, got: torch.Tensor, orig: torch.Tensor, touched: torch.
     _same_bits(name, got[keep], orig[keep])
 
 
-def _tokens(b, n, Hk, Hv, Dk, Dv, act, device):
-    q, k = torch.randn(b, n, Hk, Dk), torch.randn(b, n, Hk, Dk)
+def _keys(shape, Dk: int, similar: bool) -> torch.Tensor:
+    """Random keys; `similar`: one shared direction plus 5% noise, so k_i . k_j ~ 1 for every pair."""
+    if not similar:
+        return torch.randn(*shape, Dk)
+    return torch.randn(Dk).expand(*shape, Dk) + 0.05 * torch.randn(*shape, Dk)
+
+
+def _gates(shape, similar: bool):
+    """(g, beta): log decay in [-0.8, -0.02] and beta in [0.05, 0.95]; `similar`: little decay
+    (g in [-0.02, -0.001]) and beta in [0.9, 0.99], the regime where the WY solve's terms grow."""
+    if similar:
+        return -(torch.rand(shape) * 0.019 + 0.001), torch.rand(shape) * 0.09 + 0.9
+    return -(torch.rand(shape) * 0.78 + 0.02), torch.rand(shape) * 0.9 + 0.05
+
+
+def _tokens(b, n, Hk, Hv, Dk, Dv, act, device, similar=False):
+    q, k = torch.randn(b, n, Hk, Dk), _keys((b, n, Hk), Dk, similar)
     v = torch.randn(b, n, Hv, Dv)
-    g, beta = -(torch.rand(b, n, Hv) * 0.78 + 0.02), torch.rand(b, n, Hv) * 0.9 + 0.05
+    g, beta = _gates((b, n, Hv), similar)
     return tuple(t.to(device) for t in (q.to(act), k.to(act), v.to(act), g, beta))
 
 
@@ -84,13 +102,13 @@ def _slots(b: int, S: int, device) -> torch.Tensor:
     return idx.to(device)
 
 
-def _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device):
+def _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device, similar=False):
     """(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed); rows past each history NaN."""
     ring_start = torch.randint(0, R, (S,), dtype=torch.int32)
     committed = torch.as_tensor(committed, dtype=torch.int32)
     state = (torch.randn(S, Hv, Dk, Dv) * 0.5).to(state_dtype)
-    ring = [torch.randn(S, Hk, R, Dk).to(act), torch.randn(S, Hv, R, Dv).to(act),
-            -(torch.rand(S, Hv, R) * 0.78 + 0.02), torch.rand(S, Hv, R) * 0.9 + 0.05]
+    ring = [_keys((S, Hk, R), Dk, similar).to(act), torch.randn(S, Hv, R, Dv).to(act),
+            *_gates((S, Hv, R), similar)]
     for s in range(S):
         free = [r for r in range(R) if (r - int(ring_start[s])) % R >= int(committed[s])]
         for t in ring:
@@ -157,9 +175,11 @@ def check_state_update(device, *, Hk, Hv, Dk, Dv, b, S, n, verify, state_dtype, 
     _same_bits("second run", again, got_state)
 
 
-def check_replay(device, *, Hk, Hv, Dk, Dv, n, W, state_dtype, act, block_v=32, repeat=True):
+def check_replay(device, *, Hk, Hv, Dk, Dv, n, W, state_dtype, act, block_v=32, num_warps=4, repeat=True,
+                 similar=False):
     """A replay step over rows holding every ring fill 0..W (flush iff h + n > W) plus a padding row:
-    outputs, flushed checkpoints and appended ring rows match; cursors and other slots never move."""
+    outputs, flushed checkpoints and appended ring rows match; cursors and other slots never move.
+    `similar`: nearly parallel keys, beta near 1 and little decay (`_keys`, `_gates`)."""
     torch.manual_seed(n * 13 + Hv + W)
     fills = list(range(W + 1))
     b = len(fills) + 1
@@ -169,14 +189,14 @@ def check_replay(device, *, Hk, Hv, Dk, Dv, n, W, state_dtype, act, block_v=32, 
     rows = [i for i in range(b) if int(idx[i]) >= 0]
     for i, h in zip(rows, fills):
         committed[int(idx[i])] = h
-    cache = _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device)
-    step = _tokens(b, n, Hk, Hv, Dk, Dv, act, device)
+    cache = _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device, similar)
+    step = _tokens(b, n, Hk, Hv, Dk, Dv, act, device, similar)
     seed = seed_tensor(5, device)
     want_cache = [t.clone() for t in cache]
     want = gdn_replay_forward_ref(*step, *want_cache, idx, W, rand_seed=seed)
     got_cache = [t.clone() for t in cache]
     out = torch.full_like(step[2], float("nan"))
-    cfg = LaunchConfig(block_v=block_v)
+    cfg = LaunchConfig(block_v=block_v, num_warps=num_warps)
     got = launch_replay_forward(*step, *got_cache, idx, W, seed, out, cfg)
     assert got is out
     _close("o vs reference", got, want, ACT_TOL[act])
@@ -208,7 +228,7 @@ def check_replay(device, *, Hk, Hv, Dk, Dv, n, W, state_dtype, act, block_v=32, 
         _same_bits("second run", g_, w_)
 
 
-def check_materialize(device, *, Hk, Hv, Dk, Dv, W, state_dtype, act, block_v=32):
+def check_materialize(device, *, Hk, Hv, Dk, Dv, W, state_dtype, act, block_v=32, num_warps=4):
     """state[dst] = state[src] advanced by n = 0..committed ring entries (n = 0 copies exactly); sources,
     rings and other slots untouched; padding rows skipped."""
     torch.manual_seed(Hv * 3 + W)
@@ -226,7 +246,8 @@ def check_materialize(device, *, Hk, Hv, Dk, Dv, W, state_dtype, act, block_v=32
     want_cache = [t.clone() for t in cache]
     gdn_replay_materialize_ref(*want_cache, src, num, dst, rand_seed=seed)
     got_cache = [t.clone() for t in cache]
-    launch_materialize(*got_cache[:6], src, num, dst, seed, LaunchConfig(block_v=block_v))
+    cfg = LaunchConfig(block_v=block_v, num_warps=num_warps)
+    launch_materialize(*got_cache[:6], src, num, dst, seed, cfg)
     _states_match("state", got_cache[0], want_cache[0])
     for g_, w_ in zip(got_cache[1:], cache[1:]):
         _same_bits("ring / cursors", g_, w_)
@@ -244,8 +265,9 @@ def check_materialize(device, *, Hk, Hv, Dk, Dv, W, state_dtype, act, block_v=32
             _close(f"row {i} (n = {cnt}) vs float64", got_cache[0][d], want_s, TOL)
 
 
-# Interpreter parts: tiny shapes, Dv split into two tiles (block_v = 8), W = 4 (fills 0..4).
-SMALL = dict(Dk=16, Dv=16, block_v=8, repeat=False)
+# Interpreter parts: tiny shapes, Dv split into two tiles (block_v = 16, the smallest tl.dot dim),
+# W = 4 (fills 0..4).
+SMALL = dict(Dk=48, Dv=32, block_v=16, repeat=False)
 
 
 def _part_state_update(state_dtype):
@@ -265,14 +287,22 @@ def _part_replay(n, state_dtype):
     return run
 
 
-def _part_materialize():
-    for (Hk, Hv) in HEADS.values():
-        for sd in (F32, BF16):
-            check_materialize("cpu", Hk=Hk, Hv=Hv, W=4, state_dtype=sd, act=BF16, Dk=16, Dv=16, block_v=8)
+def _part_materialize(state_dtype):
+    def run():
+        for (Hk, Hv) in HEADS.values():
+            check_materialize("cpu", Hk=Hk, Hv=Hv, W=4, state_dtype=state_dtype, act=BF16, Dk=48, Dv=32,
+                              block_v=16)
+    return run
+
+
+def _part_replay_similar():
+    """W = 16 (every fill 0..16, a 32-row solve) on nearly parallel keys, fp32 throughout."""
+    check_replay("cpu", Hk=1, Hv=2, n=4, W=16, state_dtype=F32, act=F32, similar=True, **SMALL)
 
 
 DTYPES = (("fp32", F32), ("bf16", BF16))
-PARTS = {"materialize": _part_materialize,
+PARTS = {"replay_similar": _part_replay_similar,
+         **{f"materialize_{name}": _part_materialize(sd) for name, sd in DTYPES},
          **{f"state_update_{name}": _part_state_update(sd) for name, sd in DTYPES},
          **{f"replay_q{n}_{name}": _part_replay(n, sd) for n in (1, 4) for name, sd in DTYPES}}
 

@@ -17,9 +17,10 @@ BIG = dict(Dk=128, Dv=128)
 
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_gdn_kernels_interpreted(part):
-    """Under the interpreter at tiny shapes (two Dv tiles, W = 4, GQA 1 and 4, fp32 and bf16 state): every
-    ring fill 0..W with and without flush, q = 1 and 4, padding rows; outputs and states match the
-    float64 recurrence and the references, rings and untouched slots exact."""
+    """Under the interpreter at tiny shapes (Dk = 48: four key chunks, the last masked; two Dv tiles; W = 4,
+    and W = 16 on nearly parallel keys; GQA 1 and 4, fp32 and bf16 state): every ring fill 0..W with and
+    without flush, q = 1 and 4, padding rows; outputs and states match the float64 recurrence and the
+    references, rings and untouched slots exact."""
     run_interpreted(part, script="gdn_triton_cases.py")
 
 
@@ -46,6 +47,21 @@ def test_replay_forward_gpu(heads, n, state_dtype):
 
     Hk, Hv = HEADS[heads]
     check_replay("cuda", Hk=Hk * 2, Hv=Hv * 2, n=n, W=16, state_dtype=state_dtype, act=state_dtype, **BIG)
+
+
+@requires_cuda
+@pytest.mark.parametrize("block_v,num_warps", [(64, 4), (64, 8), (128, 8)])
+@pytest.mark.parametrize("state_dtype", [F32, BF16])
+def test_replay_tiles_gpu(state_dtype, block_v, num_warps):
+    """Replay forward and materialize at the tile configs the benchmark sweeps beyond the default (BLOCK_V
+    up to Dv: one program per head) match, nearly parallel keys included."""
+    from gdn_triton_cases import check_materialize, check_replay
+
+    for similar in (False, True):
+        check_replay("cuda", Hk=2, Hv=8, n=4, W=16, state_dtype=state_dtype, act=BF16, block_v=block_v,
+                     num_warps=num_warps, similar=similar, **BIG)
+    check_materialize("cuda", Hk=2, Hv=8, W=16, state_dtype=state_dtype, act=BF16, block_v=block_v,
+                      num_warps=num_warps, **BIG)
 
 
 @requires_cuda

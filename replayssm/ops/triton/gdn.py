@@ -2,9 +2,9 @@
 
 Each `<op>_triton` has the signature and contract of `ops/gdn.py: <op>_ref` (arguments validated by
 the public op). The kernels live in `gdn_state.py` (baseline state update, its tile table `CONFIGS`,
-shared jitted helpers) and `gdn_replay.py` (ReplaySSM forward with flush, materialize; their tile table
-`REPLAY_CONFIGS` is here); all three keep a (Dk, BLOCK_V) fp32 state tile in registers per (Dv tile,
-value head, row) program. Each entry point looks its tile up once per call by (state dtype, n > 1).
+shared jitted helpers) and `gdn_replay.py` (ReplaySSM forward with flush, materialize: the chunked
+WY/UT form on tensor cores; their tile table `REPLAY_CONFIGS` is here); all three run one program per
+(Dv tile, value head, row). Each entry point looks its tile up once per call by (state dtype, n > 1).
 """
 
 from __future__ import annotations
