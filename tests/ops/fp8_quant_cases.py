@@ -21,10 +21,14 @@ def rows(M: int, K: int, dtype: torch.dtype, device, seed: int = 0) -> torch.Ten
     x = torch.randn(M, K, generator=g, dtype=torch.float64)
     x *= torch.logspace(-30 if dtype != torch.float16 else -4, 30 if dtype != torch.float16 else 4, M,
                         dtype=torch.float64).view(M, 1)
-    x[0] = 0.0
-    x[1] = torch.randn(K, generator=g, dtype=torch.float64) * 1e-14
-    x[2, K // 2] = x[2].abs().max() * 1e5 if dtype != torch.float16 else 6e4
-    x[3, :3] = -0.0
+    special = torch.randn(K, generator=g, dtype=torch.float64) * 1e-14
+    if M > 1:  # the special rows where there are rows for them (M = 1 keeps one random row)
+        x[0] = 0.0
+        x[1] = special
+    if M > 2:
+        x[2, K // 2] = x[2].abs().max() * 1e5 if dtype != torch.float16 else 6e4
+    if M > 3:
+        x[3, :3] = -0.0
     return x.to(dtype).to(device)
 
 

@@ -36,7 +36,8 @@ EXPECTED = {
                                 (13, 15, MonoMMA(64, 2, order=True)),
                                 (16, 32, MonoMMA(64, 2, order=True, join=True, maxnreg=128)),
                                 (33, 64, Stream(**S32, items=2)), (65, 512, Stream(**S32))],
-    ("8B", "16-bit", "one"): [(1, 1, Mono(32, 4)), (2, 16, Mono(32, 2)), (17, 512, Lean(32, 4))],
+    ("8B", "16-bit", "one"): [(1, 1, Mono(32, 4)), (2, 16, Mono(32, 2)),
+                              (17, 512, Lean(32, 4, few_flush_programs_per_sm=2))],
     ("8B", "16-bit", "several"): [(1, 1, MonoMMA(32, 4, join=True)), (2, 4, MonoMMA(32, 2, join=True)),
                                   (5, 16, SPLIT), (17, 64, S16_FEW), (65, 512, S16_MANY)],
     ("TP8", "fp32", "one"): [(1, 32, Mono(32, 4)), (33, 63, Mono(32, 2)), (64, 128, Mono(32, 2, order=True)),
@@ -47,7 +48,7 @@ EXPECTED = {
                                  (128, 256, MonoMMA(64, 2, order=True, join=True)),
                                  (257, 512, Stream(**S32, items=2))],
     ("TP8", "16-bit", "one"): [(1, 8, Mono(32, 4)), (9, 63, Mono(32, 2)), (64, 128, Mono(32, 2, order=True)),
-                               (129, 512, Lean(32, 4))],
+                               (129, 512, Lean(32, 4, few_flush_programs_per_sm=2))],
     ("TP8", "16-bit", "several"): [(1, 8, MonoMMA(32, 4, join=True)), (9, 32, MonoMMA(32, 2, join=True)),
                                    (33, 128, SPLIT), (129, 512, S16_FEW)],
 }
