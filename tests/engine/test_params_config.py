@@ -50,6 +50,7 @@ def test_sampling_params_defaults_and_normalization():
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"no_such_flag": 1}, "no_such_flag"),
         ({"host_threads": -1}, "host_threads"),
+        ({"replayssm": "yes"}, "replayssm"),
     ],
 )
 def test_bad_engine_args_name_the_field(kwargs, field):
@@ -64,6 +65,19 @@ def test_window_bounds_drafts_only_with_replayssm():
         EngineConfig.from_kwargs("p", num_speculative_tokens=3, replay_window=2)
     c = EngineConfig.from_kwargs("p", num_speculative_tokens=3, replay_window=2, replayssm=False)
     assert c.spec.num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize("kw, on", [({}, True), ({"replayssm": False}, False)], ids=["auto", "explicit-off"])
+def test_auto_replayssm_is_on_for_mamba2(kw, on):
+    """replayssm unset resolves on for a Nemotron-H (Mamba-2) model; an explicit False is kept. The engine's
+    config and runner hold the resolved bool."""
+    from checkpoints import cached_checkpoint
+
+    from replayssm.engine.llm_engine import LLMEngine
+
+    path, _ = cached_checkpoint("nemotron_h")
+    engine = LLMEngine(EngineConfig.from_kwargs(path, device="cpu", max_num_seqs=2, max_model_len=64, **kw))
+    assert engine.config.replayssm is on and engine.runner.replayssm is on
 
 
 def test_engine_kwargs_route_to_sub_configs():

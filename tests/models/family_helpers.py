@@ -101,12 +101,12 @@ def check_graph_steps_equal_eager(path, dtype: str = "float32", tol: float = 1e-
         assert (g - w).norm() / w.norm() < tol
 
 
-def check_prefix_hit(path, hf_model, prompts) -> None:
+def check_prefix_hit(path, hf_model, prompts, **kw) -> None:
     """A prompt extending a cached one hits the prefix cache (whole blocks of the first) and still gives
-    transformers' greedy tokens."""
+    transformers' greedy tokens (`kw`: more engine arguments)."""
     from checkpoints import hf_greedy
 
-    llm = family_llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4)
+    llm = family_llm(path, enable_prefix_caching=True, prefix_checkpoint_interval=4, kv_block_size=4, **kw)
     first, second = prompts[2], prompts[2] + prompts[0]
     llm.generate([first], GREEDY, use_tqdm=False)
     out = llm.generate([second], GREEDY, use_tqdm=False)[0]

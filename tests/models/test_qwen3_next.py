@@ -113,11 +113,13 @@ def test_greedy_tokens_match_transformers(variant, replayssm):
     assert greedy_tokens(llm, PROMPTS) == _want(variant, PROMPTS)
 
 
+@pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[2]], ids=[IDS[0], IDS[2]])
-def test_prefix_hit_equals_miss(variant):
-    """A prompt extending a cached one starts from a published checkpoint and gives transformers' tokens."""
+def test_prefix_hit_equals_miss(variant, replayssm):
+    """A prompt extending a cached one starts from a published checkpoint and gives transformers' tokens,
+    ReplaySSM on (checkpoints materialized from the ring) and off (state copies)."""
     path, hf = tiny(variant)
-    check_prefix_hit(path, hf, PROMPTS)
+    check_prefix_hit(path, hf, PROMPTS, replayssm=replayssm)
 
 
 @pytest.mark.parametrize("replayssm", [True, False], ids=["replayssm", "baseline"])
@@ -133,6 +135,41 @@ def test_ngram_speculation_is_lossless(variant, replayssm):
     assert greedy_tokens(llm, prompts, GREEDY) == hf_greedy(tiny(variant)[1], prompts, NEW_TOKENS)
     m = llm.get_metrics()
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("kw, on", [
+    ({}, False),
+    ({"num_speculative_tokens": 3, "speculative_method": "ngram"}, True),
+    ({"num_speculative_tokens": 1, "speculative_method": "draft", "draft_model": "self"}, True),
+    ({"replayssm": True}, True),
+    ({"replayssm": False, "num_speculative_tokens": 3, "speculative_method": "ngram"}, False),
+], ids=["plain", "ngram", "draft", "explicit-on", "explicit-off-ngram"])
+def test_auto_replayssm_is_on_only_with_speculation(kw, on):
+    """replayssm unset resolves off for Gated DeltaNet plain decode and on with speculative decoding (k >= 1);
+    an explicit value is kept. The runner, the slot plan and the metrics all see the resolved value."""
+    path, _ = tiny(VARIANTS[0])
+    if kw.get("draft_model") == "self":
+        kw = dict(kw, draft_model=path)
+    llm = family_llm(path, replay_window=8, **kw)
+    k = kw.get("num_speculative_tokens", 0)
+    assert llm.engine.config.replayssm is on and llm.engine.runner.replayssm is on
+    assert llm.engine.plan.slots_per_request == (1 if on else 1 + k)
+    assert llm.get_metrics()["replayssm"] == int(on)
+
+
+def test_auto_default_decodes_like_the_baseline():
+    """generate() with replayssm unset gives the replayssm=False run's tokens and logprobs exactly (sampled,
+    seeded), where the ReplaySSM run's logprobs differ in their rounding."""
+    path, _ = tiny(VARIANTS[1])
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True, logprobs=0)
+
+    def run(**kw):
+        outs = family_llm(path, replay_window=4, **kw).generate(PROMPTS, params, use_tqdm=False)
+        return [(o.token_ids, o.logprobs) for o in outs]
+
+    auto, baseline, replay = run(), run(replayssm=False), run(replayssm=True)
+    assert auto == baseline
+    assert replay != baseline
 
 
 def test_unsupported_rope_is_refused():
@@ -206,11 +243,11 @@ def test_bf16_state_keeps_greedy_tokens_close():
     run's at (almost) every step of a short generation (ReplaySSM, W = 4: the ring flushes)."""
     path, _ = tiny(VARIANTS[1])
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm16 = family_llm(path, replay_window=4, state_dtype="bfloat16")
+    llm16 = family_llm(path, replayssm=True, replay_window=4, state_dtype="bfloat16")
     cache = llm16.engine.runner.mamba_cache
     assert cache.state and all(s.dtype == torch.bfloat16 for s in cache.state)
     got = greedy_tokens(llm16, PROMPTS, params)
-    want = greedy_tokens(family_llm(path, replay_window=4), PROMPTS, params)
+    want = greedy_tokens(family_llm(path, replayssm=True, replay_window=4), PROMPTS, params)
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     assert same >= 0.9 * sum(len(w) for w in want)
 
