@@ -296,10 +296,10 @@ def test_bench_quick_state_dtypes_seed_mode_and_tp(tmp_path):
 
 @pytest.mark.parametrize("flag", [["--state-dtype", "float32,int8"], ["--tensor-parallel-size", "0"],
                                   ["--modes", "ax"], ["--quantization", "fp8,int4"],
-                                  ["--kv-cache-dtype", "fp16"], ["--quantization", "fp8", "--profile"]])
+                                  ["--kv-cache-dtype", "fp16"], ["--quantization", "none,fp8", "--profile"]])
 def test_bench_refuses_bad_flags(flag, tmp_path, capsys):
     """A bad --state-dtype, --tensor-parallel-size, --modes, --quantization or --kv-cache-dtype (or the FP8
-    flags with --profile) is a usage error naming the flag."""
+    flags listing several settings with --profile) is a usage error naming the flag."""
     assert main(["bench", "--quick", *flag, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "replayssm bench: error:" in err and flag[0] in err
