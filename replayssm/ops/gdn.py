@@ -314,8 +314,8 @@ def gdn_replay_materialize_ref(state, ring_k, ring_e, ring_g, ring_beta, ring_st
         return
     src = src_indices[rows].long()
     # n <= committed <= W < R: padding to R needs no host read of max(n).
-    hk, es, gs = _gather_history(ring_k, ring_e, ring_g, src, ring_start[src].long(), num_entries[rows].long(),
-                                 ring_k.shape[2])
+    hk, es, gs = _gather_history(ring_k, ring_e, ring_g, src, ring_start[src].long(),
+                                 num_entries[rows].long(), ring_k.shape[2])
     ks = heads_from_groups(l2norm(hk), state.shape[1])
     S_new = _fold(ks, es, torch.cumsum(gs, dim=1), state[src].float())
     store_states(state, dst_indices[rows].long(), S_new, rand_seed)
