@@ -32,7 +32,7 @@ What mutates when (one engine step):
     * baseline verify writes the state after token t into spec slot t, never into the source.
     ** staggered checkpoints: before a slot's first decode forward after a prefill, j null entries
        (`set_null_history`; engine/model_runner.py says why and how j is chosen). A zeroed entry is a
-       no-op token for every mixer: Δ = 0 (Mamba-2), g = beta = 0 (Gated DeltaNet).
+       no-op entry for every mixer: Δ = 0 (Mamba-2), g = 0 and e = 0 (Gated DeltaNet).
     *** a step whose rows each decode one token and keep it (`MambaMetadata.advance_windows`)
         advances the windows in its forward and skips the conv commit (engine/decode_commit.py).
 
@@ -177,7 +177,7 @@ class MambaCache:
 
     def set_null_history(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         """committed = counts (for slots whose cursors are 0) over zeroed ring rows: entries that change
-        nothing (Δ = 0 for Mamba-2, g = beta = 0 for Gated DeltaNet; engine/model_runner.py, staggered
+        nothing (Δ = 0 for Mamba-2, g = 0 and e = 0 for Gated DeltaNet; engine/model_runner.py, staggered
         checkpoints). Zeroing every field keeps a slot clear of whatever an earlier request left in its
         rows (0 * NaN = NaN)."""
         for t in self._ring_tensors():
