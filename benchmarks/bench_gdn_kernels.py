@@ -118,7 +118,7 @@ class Bench:
         dev = device
         self.state = (torch.randn(S, Hv, Dk, Dv, device=dev) * 0.1).to(sd)
         self.ring_k = torch.randn(S, Hk, self.R, Dk, device=dev).to(ACT)
-        self.ring_v = torch.randn(S, Hv, self.R, Dv, device=dev).to(ACT)
+        self.ring_e = torch.randn(S, Hv, self.R, Dv, device=dev) * 0.5  # deltas: fp32
         self.ring_g = -torch.rand(S, Hv, self.R, device=dev) * 0.5 - 0.01
         self.ring_beta = torch.rand(S, Hv, self.R, device=dev) * 0.9 + 0.05
         self.idx, self.dst, live = slot_sets(self.n_sets, b, q, dev)
@@ -136,14 +136,16 @@ class Bench:
         Hk, Hv, Dk, Dv = self.shape
         b, q = self.case.batch, self.case.q
         s, a = STATE_DTYPES[self.case.state_dtype].itemsize, ACT.itemsize
-        entry = Hk * Dk * a + Hv * Dv * a + 8 * Hv  # k, v, g, beta of one token
-        tokens = b * q * (entry + Hk * Dk * a + Hv * Dv * a)  # + q in, o out
+        token = Hk * Dk * a + Hv * Dv * a + 8 * Hv  # the step's k, v, g, beta of one token
+        tokens = b * q * (token + Hk * Dk * a + Hv * Dv * a)  # + q in, o out
         state = Hv * Dk * Dv * s
         if impl == "baseline":
             return tokens + b * state * (1 + q)  # read once; written once (plain) or q times (verify)
         h = torch.stack(self.hist).double()  # (W, rows)
         flush = (h + q > WINDOW).double()
-        per_row = state * (1 + flush) + h * entry + q * entry  # checkpoint, flush, history, appends
+        read = Hk * Dk * a + 4 * Hv * Dv + 4 * Hv  # a ring entry as replay reads it: k, e fp32, g
+        append = read + 4 * Hv  # and as it is appended: + beta
+        per_row = state * (1 + flush) + h * read + q * append  # checkpoint, flush, history, appends
         return tokens + float(per_row.sum(1).mean()) / self.n_sets
 
     def body(self, impl: str, tile: LaunchConfig):
@@ -151,7 +153,7 @@ class Bench:
         `tile`; on the CPU the public op (its reference, which has no tile)."""
         cuda = self.state.is_cuda
         step = (self.q, self.k, self.v, self.g, self.beta)
-        ring = (self.ring_k, self.ring_v, self.ring_g, self.ring_beta)
+        ring = (self.ring_k, self.ring_e, self.ring_g, self.ring_beta)
 
         def run():
             for k in range(WINDOW):

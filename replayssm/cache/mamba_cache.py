@@ -6,7 +6,7 @@ differs between mixers is only the shape of the state and the fields of a ring e
 
     mixer            state           ring fields (per slot: (heads, R, width), or (heads, R) if width 0)
     Mamba-2          (H, P, N)       x (H, P) act, B (G, N) act, dt (H) fp32 (Δ after softplus)
-    Gated DeltaNet   (Hv, Dk, Dv)    k (Hk, Dk) act, v (Hv, Dv) act, g (Hv) fp32, beta (Hv) fp32
+    Gated DeltaNet   (Hv, Dk, Dv)    k (Hk, Dk) act, e (Hv, Dv) fp32 (the token's delta), g, beta (Hv) fp32
 
 Per recurrent layer l, per slot s (S = num_slots + 1: the last slot is the runner's private scratch):
 
@@ -32,7 +32,7 @@ What mutates when (one engine step):
     * baseline verify writes the state after token t into spec slot t, never into the source.
     ** staggered checkpoints: before a slot's first decode forward after a prefill, j null entries
        (`set_null_history`; engine/model_runner.py says why and how j is chosen). A zeroed entry is a
-       no-op token for every mixer: Δ = 0 (Mamba-2), g = beta = 0 (Gated DeltaNet).
+       no-op entry for every mixer: Δ = 0 (Mamba-2), g = 0 and e = 0 (Gated DeltaNet).
     *** a step whose rows each decode one token and keep it (`MambaMetadata.advance_windows`)
         advances the windows in its forward and skips the conv commit (engine/decode_commit.py).
 
@@ -99,7 +99,9 @@ def mixer_cache_spec(cfg: ModelConfig) -> MixerCacheSpec:
     """The cache description of `cfg`'s recurrent layers (all of one mixer kind)."""
     if cfg.num_gdn_layers:
         Hk, Hv, Dk, Dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
-        ring = (RingField("k", Hk, Dk), RingField("v", Hv, Dv), RingField("g", Hv, 0, True),
+        # e: the delta each token adds (ops/gdn.py), computed once when its token is new; fp32 so
+        # replaying it reproduces the baseline's fp32 recurrence.
+        ring = (RingField("k", Hk, Dk), RingField("e", Hv, Dv, True), RingField("g", Hv, 0, True),
                 RingField("beta", Hv, 0, True))
         return MixerCacheSpec((Hv, Dk, Dv), cfg.gdn_conv_dim, cfg.conv_kernel, ring)
     H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups
@@ -175,7 +177,7 @@ class MambaCache:
 
     def set_null_history(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         """committed = counts (for slots whose cursors are 0) over zeroed ring rows: entries that change
-        nothing (Δ = 0 for Mamba-2, g = beta = 0 for Gated DeltaNet; engine/model_runner.py, staggered
+        nothing (Δ = 0 for Mamba-2, g = 0 and e = 0 for Gated DeltaNet; engine/model_runner.py, staggered
         checkpoints). Zeroing every field keeps a slot clear of whatever an earlier request left in its
         rows (0 * NaN = NaN)."""
         for t in self._ring_tensors():

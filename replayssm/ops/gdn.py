@@ -8,31 +8,43 @@ q, k (Dk) raw, v (Dv), log decay g <= 0 and beta in (0, 1). Every op L2-normaliz
 
 With Γ_t = Σ_{i<=t} g_i from a state S_0, the WY/UT form of L tokens solves one unit lower
 triangular system (I + A) U = [beta v | beta exp(Γ) k], A_ij = beta_i (k_i.k_j) exp(Γ_i - Γ_j)
-for j < i, and with v'_j = U_v - U_k S_0 (the delta each token adds):
+for j < i, and with v'_j = U_v - U_k S_0 (the delta e_j each token adds, below):
 
     o_t = exp(Γ_t) S_0^T q_t + Σ_{j<=t} (q_t.k_j) exp(Γ_t - Γ_j) v'_j
     S_L = exp(Γ_L) S_0 + Σ_j exp(Γ_L - Γ_j) k_j v'_jᵀ
 
 ReplaySSM keeps the Mamba-2 cache contract (ops/replay.py): a checkpoint S_0 per slot and a ring
-of raw (k, v, g, beta) behind the same cursors ring_start / committed, so `replay_commit` moves
-them unchanged. A decode row of q tokens runs the form above over its h history entries
-(zero-padded to W: g = beta = 0 is a no-op token) and its q new tokens, appends the new entries,
-and folds the history into S_0 iff h + q > W. Raw k is stored, so a replayed token normalizes to
-the same fp32 key the baseline used.
+of (k raw, e, g, beta) behind the same cursors ring_start / committed, so `replay_commit` moves them
+unchanged. e_t = beta_t (v_t - a_t S_{t-1}^T k_t) (a_t = exp(g_t)) is the delta token t adds,
+S_t = a_t S_{t-1} + k_t e_t^T: it depends only on the tokens before t, not on where the checkpoint
+sits nor on later tokens, so it is computed once, in the step where its token is new, and stored in
+fp32. With Γ the cumulative g from the checkpoint over the ring entries, then the new tokens:
 
-Bytes per decode row, layer and step (s: state element bytes, a: activation bytes; one ring entry
-is E = Hk Dk a + Hv Dv a + 8 Hv, k + v in the activation dtype, g and beta fp32):
+    a_t S_{t-1}^T k_t = exp(Γ_t) S_0^T k_t + Σ_{i<t} exp(Γ_t - Γ_i) (k_i.k_t) e_i
+    e_t = beta_t (v_t - that)                              new tokens only, in order
+    o_t = exp(Γ_t) S_0^T q_t + Σ_{i<=t} exp(Γ_t - Γ_i) (k_i.q_t) e_i
+    S after the first c entries = exp(Γ_{c-1}) S_0 + Σ_{i<c} exp(Γ_{c-1} - Γ_i) k_i e_i^T
+
+A decode row of q tokens computes its new tokens' e, their outputs, appends (k, e, g, beta), and
+folds the history into S_0 iff h + q > W; materialize is the fold over n entries. History rows past
+`committed` are zero (g = 0, k = e = 0: a no-op entry). Raw k is stored, so a replayed key normalizes
+to the same fp32 key the baseline used. Verify appends every drafted token; the accepted ones the
+cursor keeps are exact, since an e never depends on later tokens. beta is stored with each entry but
+no op reads it back (e carries it).
+
+Bytes per decode row, layer and step (s: state element bytes, a: activation bytes; a ring entry
+reads as E_r = Hk Dk a + 4 Hv Dv + 4 Hv (k, e fp32, g) and is appended as E_w = E_r + 4 Hv (beta)):
 
     op                                    reads                  writes
     gdn_state_update (q = 1)              Hv Dk Dv s             Hv Dk Dv s
     gdn_state_update (verify, q tokens)   Hv Dk Dv s             q Hv Dk Dv s
-    gdn_replay_forward                    Hv Dk Dv s + h E       q E
+    gdn_replay_forward                    Hv Dk Dv s + h E_r     q E_w
       + flush (h + q > W, 1 step in ~W)   -                      Hv Dk Dv s
-    gdn_replay_materialize (n entries)    Hv Dk Dv s + n E       Hv Dk Dv s
+    gdn_replay_materialize (n entries)    Hv Dk Dv s + n E_r     Hv Dk Dv s
 
 On the Qwen3-Next-80B-A3B shape (Hk 16, Hv 32, Dk = Dv = 128, bf16 activations, fp32 state,
-W = 16) a state is 2 MiB and E = 12.25 KiB: the baseline moves 4 MiB per decode step, ReplaySSM
-at most 2 MiB + 196 KiB of history + 12 KiB appended, plus 2 MiB once in W steps (2.33 MiB).
+W = 16) a state is 2 MiB and E_r = 20.1 KiB: the baseline moves 4 MiB per decode step, ReplaySSM
+at most 2 MiB + 322 KiB of history + 20 KiB appended, plus 2 MiB once in W steps (2.46 MiB).
 
 The decode ops dispatch with `pick_impl`: Triton twins (`ops/triton/gdn.py`) for CUDA tensors, each at
 the tile its table gives for (state dtype, more than one token per row) (`gdn_state.py: CONFIGS` for
@@ -141,14 +153,14 @@ def gdn_chunked_ref(q, k, v, g, beta, state0, *, chunk_size: int = 64, dtype: to
     return torch.cat(outs, 1), S
 
 
-def _check_cache(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed) -> None:
+def _check_cache(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed) -> None:
     check_tensor("state", state, (None, None, None, None), FLOAT_DTYPES)
     num_slots, Hv, Dk, Dv = state.shape
     dev = state.device
     check_tensor("ring_k", ring_k, (num_slots, None, None, Dk), FLOAT_DTYPES, dev)
     check_group_count("ring_k", Hv, ring_k.shape[1])
     R = ring_k.shape[2]
-    check_tensor("ring_v", ring_v, (num_slots, Hv, R, Dv), (ring_k.dtype,), dev)
+    check_tensor("ring_e", ring_e, (num_slots, Hv, R, Dv), (torch.float32,), dev)
     check_tensor("ring_g", ring_g, (num_slots, Hv, R), (torch.float32,), dev)
     check_tensor("ring_beta", ring_beta, (num_slots, Hv, R), (torch.float32,), dev)
     check_cursors(ring_start, committed, num_slots, dev)
@@ -168,34 +180,48 @@ def _check_step(q, k, v, g, beta, state, Hk: int, act_dtypes, out) -> None:
         check_tensor("out", out, tuple(v.shape), (q.dtype,), dev)
 
 
-def _gather_history(ring_k, ring_v, ring_g, ring_beta, slots, start, count, length: int):
-    """First `count` ring entries of each slot as fp32 (n, length, heads, ...), zeroed past count
-    (g = beta = 0, k = v = 0: a no-op token), so rejected drafts or NaN rows past it are never read."""
+def _gather_history(ring_k, ring_e, ring_g, slots, start, count, length: int):
+    """First `count` ring entries of each slot as fp32 k (n, length, Hk, Dk), e (n, length, Hv, Dv),
+    g (n, length, Hv), zeroed past count (a no-op entry), so rejected drafts or NaN rows past it are
+    never read."""
     R = ring_k.shape[2]
     j = torch.arange(length, device=slots.device)
     rows = (start[:, None] + j) % R
     valid = (j[None, :] < count[:, None])[:, :, None]
     s = slots[:, None]
     ks = torch.where(valid[..., None], ring_k[s, :, rows].float(), 0.0)  # advanced indices go first
-    vs = torch.where(valid[..., None], ring_v[s, :, rows].float(), 0.0)
+    es = torch.where(valid[..., None], ring_e[s, :, rows], 0.0)
     gs = torch.where(valid, ring_g[s, :, rows], 0.0)
-    bs = torch.where(valid, ring_beta[s, :, rows], 0.0)
-    return ks, vs, gs, bs
+    return ks, es, gs
 
 
-def gdn_replay_forward(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed,
+def _new_deltas(ks, es, gam, vs, bs, S0, first: int):
+    """e at positions first..L-1 in place, in order: beta_t (v_t - a_t S_{t-1}^T k_t) from S0 and every
+    e before t. ks (n, L, H, Dk) normalized; es (n, L, H, Dv) (positions < first given); gam = Γ
+    (n, L, H); vs, bs (n, L - first, H, ...) the new tokens' v and beta; S0 (n, H, Dk, Dv)."""
+    for t in range(first, ks.shape[1]):
+        w = torch.exp((gam[:, t, None] - gam[:, :t]).clamp_max(0.0)) * torch.einsum(
+            "njhk,nhk->njh", ks[:, :t], ks[:, t])
+        pred = torch.exp(gam[:, t])[..., None] * torch.einsum("nhkv,nhk->nhv", S0, ks[:, t])
+        pred = pred + torch.einsum("njh,njhv->nhv", w, es[:, :t])
+        es[:, t] = bs[:, t - first, :, None] * (vs[:, t - first] - pred)
+    return es
+
+
+def gdn_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
                        state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """ReplaySSM decode/verify step for Gated DeltaNet, n tokens per row; returns o (b, n, Hv, Dv).
 
     q, k (b, n, Hk, Dk) raw; v (b, n, Hv, Dv); g (b, n, Hv) log decay <= 0; beta (b, n, Hv);
-    state (S, Hv, Dk, Dv) fp32/fp16/bf16; ring_k (S, Hk, R, Dk), ring_v (S, Hv, R, Dv) in q.dtype;
+    state (S, Hv, Dk, Dv) fp32/fp16/bf16; ring_k (S, Hk, R, Dk) in q.dtype; ring_e (S, Hv, R, Dv),
     ring_g, ring_beta (S, Hv, R) fp32; ring_start, committed (S,) int32 (read only; `replay_commit`
     moves them); state_indices (b,) int32, -1 = padding (o rows zero, nothing touched);
-    1 <= n <= window, R >= window + n. Mutates: ring rows (o + h + t) mod R of each row's slot, and
-    state[s] iff h + n > window (fp16/bf16 rounded stochastically with rand_seed).
+    1 <= n <= window, R >= window + n. Mutates: ring rows (o + h + t) mod R of each row's slot
+    (k raw, the token's e, g, beta), and state[s] iff h + n > window (fp16/bf16 rounded
+    stochastically with rand_seed).
     """
-    _check_cache(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed)
+    _check_cache(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed)
     _check_step(q, k, v, g, beta, state, ring_k.shape[1], (ring_k.dtype,), out)
     b, n = q.shape[:2]
     check_int("window", window, 1)
@@ -208,13 +234,13 @@ def gdn_replay_forward(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_bet
         used = committed[state_indices[state_indices >= 0].long()]
         if used.numel() and int(used.max()) > window:
             raise ValueError(f"committed: cursors must be <= window = {window}, got {used.tolist()}")
-    args = (q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed,
+    args = (q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
             state_indices, window)
     impl = pick_impl("gdn", "gdn_replay_forward", state, gdn_replay_forward_ref)
     return impl(*args, rand_seed=resolve_seed(rand_seed, state.device), out=out)
 
 
-def gdn_replay_forward_ref(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed,
+def gdn_replay_forward_ref(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
                            state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference of `gdn_replay_forward` (same contract): vectorized over rows, fp32 math."""
@@ -228,33 +254,32 @@ def gdn_replay_forward_ref(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring
     slots = state_indices[rows].long()
     h, o = committed[slots].long(), ring_start[slots].long()
 
-    # Positions 0..W-1 hold the history (no-op tokens past h), W..W+n-1 the new tokens.
-    hk, hv, hg, hb = _gather_history(ring_k, ring_v, ring_g, ring_beta, slots, o, h, W)
+    # Positions 0..W-1 hold the history (no-op entries past h), W..W+n-1 the new tokens.
+    hk, he, hg = _gather_history(ring_k, ring_e, ring_g, slots, o, h, W)
     ks = heads_from_groups(l2norm(torch.cat([hk, k[rows].float()], 1)), Hv)
-    vs = torch.cat([hv, v[rows].float()], 1)
-    gs = torch.cat([hg, g[rows].float()], 1)
-    bs = torch.cat([hb, beta[rows].float()], 1)
+    gam = torch.cumsum(torch.cat([hg, g[rows].float()], 1), dim=1)
     S0 = state[slots].float()
-    v_new, gam = _deltas(ks, vs, gs, bs, S0)
+    es = torch.cat([he, he.new_zeros(len(rows), n, *he.shape[2:])], 1)
+    es = _new_deltas(ks, es, gam, v[rows].float(), beta[rows].float(), S0, W)
     qs = _keys(q[rows], Hv, torch.float32) * q.shape[-1] ** -0.5
-    out[rows] = _outputs(qs, ks, v_new, gam, S0, W).to(out.dtype)
+    out[rows] = _outputs(qs, ks, es, gam, S0, W).to(out.dtype)
 
     # Append after the history; h + n <= R, so appended rows never overlap history rows.
     app = (o[:, None] + h[:, None] + torch.arange(n, device=q.device)) % R
     ring_k[slots[:, None], :, app] = k[rows]
-    ring_v[slots[:, None], :, app] = v[rows]
+    ring_e[slots[:, None], :, app] = es[:, W:]
     ring_g[slots[:, None], :, app] = g[rows].float()
     ring_beta[slots[:, None], :, app] = beta[rows].float()
 
-    # Flush: fold the history (its v' do not depend on the new tokens) into the checkpoint.
+    # Flush: fold the history into the checkpoint.
     flush = (h + n > W).nonzero().squeeze(1)
     if flush.numel():
-        S_new = _fold(ks[flush, :W], v_new[flush, :W], gam[flush, :W], S0[flush])
+        S_new = _fold(ks[flush, :W], es[flush, :W], gam[flush, :W], S0[flush])
         store_states(state, slots[flush], S_new, rand_seed)
     return out
 
 
-def gdn_replay_materialize(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed, src_indices,
+def gdn_replay_materialize(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed, src_indices,
                            num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
     """state[dst] = state[src] advanced by the first n committed ring entries of src (n = 0 copies).
 
@@ -262,7 +287,7 @@ def gdn_replay_materialize(state, ring_k, ring_v, ring_g, ring_beta, ring_start,
     0 <= n <= committed[src]; a row with src or dst = -1 is skipped. Never modifies src; ring and
     cursors of dst are not touched (callers reset them).
     """
-    _check_cache(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed)
+    _check_cache(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed)
     num_slots, dev = state.shape[0], state.device
     check_indices("src_indices", src_indices, (None,), num_slots, dev)
     m = src_indices.shape[0]
@@ -275,26 +300,25 @@ def gdn_replay_materialize(state, ring_k, ring_v, ring_g, ring_beta, ring_start,
             raise ValueError(f"num_entries: need 0 <= n <= committed[src], got {num_entries.tolist()}")
         if bool(torch.isin(dst_indices[use], src_indices[use]).any()):
             raise ValueError(f"dst_indices: a destination is also a source, got {dst_indices.tolist()}")
-    args = (state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed, src_indices, num_entries,
+    args = (state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed, src_indices, num_entries,
             dst_indices)
     impl = pick_impl("gdn", "gdn_replay_materialize", state, gdn_replay_materialize_ref)
     return impl(*args, rand_seed=resolve_seed(rand_seed, dev))
 
 
-def gdn_replay_materialize_ref(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed, src_indices,
+def gdn_replay_materialize_ref(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed, src_indices,
                                num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
-    """PyTorch reference of `gdn_replay_materialize` (same contract)."""
+    """PyTorch reference of `gdn_replay_materialize` (same contract): the fold over n entries."""
     rows = ((src_indices >= 0) & (dst_indices >= 0)).nonzero().squeeze(1)
     if rows.numel() == 0:
         return
     src = src_indices[rows].long()
     # n <= committed <= W < R: padding to R needs no host read of max(n).
-    hk, vs, gs, bs = _gather_history(ring_k, ring_v, ring_g, ring_beta, src, ring_start[src].long(),
-                                     num_entries[rows].long(), ring_k.shape[2])
+    hk, es, gs = _gather_history(ring_k, ring_e, ring_g, src, ring_start[src].long(),
+                                 num_entries[rows].long(), ring_k.shape[2])
     ks = heads_from_groups(l2norm(hk), state.shape[1])
-    S0 = state[src].float()
-    v_new, gam = _deltas(ks, vs, gs, bs, S0)
-    store_states(state, dst_indices[rows].long(), _fold(ks, v_new, gam, S0), rand_seed)
+    S_new = _fold(ks, es, torch.cumsum(gs, dim=1), state[src].float())
+    store_states(state, dst_indices[rows].long(), S_new, rand_seed)
 
 
 def gdn_state_update(state, q, k, v, g, beta, state_indices, *, dst_indices: torch.Tensor | None = None,

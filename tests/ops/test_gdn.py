@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import assert_close, bits, poisoned
 
+from replayssm.ops.common import heads_from_groups
 from replayssm.ops.gdn import (
     gdn_chunked_ref,
     gdn_recurrence_ref,
@@ -48,11 +49,39 @@ def advance(S0, k, v, g, beta):
     return run64(S0, k, k, v, g, beta)[1][-1]
 
 
+def unit_keys(k, Hv):
+    """Raw k (n, Hk, Dk) -> float64 L2-normalized (n, Hv, Dk)."""
+    k = k.double()
+    return heads_from_groups(k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6), Hv)
+
+
+def deltas64(S0, k, v, g, beta):
+    """Float64 e_t = beta_t (v_t - a_t S_{t-1}^T k_t) of each token run from S0: (n, Hv, Dv)."""
+    S, out = S0.double(), []
+    for kn, vt, gt, bt in zip(unit_keys(k, v.shape[1]), v.double(), g.double(), beta.double()):
+        S = torch.exp(gt)[:, None, None] * S
+        e = bt[:, None] * (vt - torch.einsum("hkv,hk->hv", S, kn))
+        S = S + kn[:, :, None] * e[:, None, :]
+        out.append(e)
+    return torch.stack(out) if out else torch.zeros(0, *S0.shape[:1], S0.shape[-1], dtype=F64)
+
+
+def values64(S0, k, e, g, beta):
+    """The float64 v whose run from S0 adds the deltas e (inverts `deltas64`): v_t = e_t / beta_t + a_t
+    S_{t-1}^T k_t."""
+    S, out = S0.double(), []
+    for kn, et, gt, bt in zip(unit_keys(k, e.shape[1]), e.double(), g.double(), beta.double()):
+        S = torch.exp(gt)[:, None, None] * S
+        out.append(et / bt[:, None] + torch.einsum("hkv,hk->hv", S, kn))
+        S = S + kn[:, :, None] * et[:, None, :]
+    return torch.stack(out) if out else e.double()
+
+
 @dataclass
 class Cache:
     state: torch.Tensor  # (S, Hv, Dk, Dv)
     ring_k: torch.Tensor  # (S, Hk, R, Dk)
-    ring_v: torch.Tensor  # (S, Hv, R, Dv)
+    ring_e: torch.Tensor  # (S, Hv, R, Dv) fp32
     ring_g: torch.Tensor  # (S, Hv, R) fp32
     ring_beta: torch.Tensor  # (S, Hv, R) fp32
     ring_start: torch.Tensor  # (S,) int32
@@ -66,31 +95,35 @@ class Cache:
 
 
 def make_cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act_dtype) -> Cache:
-    """Random pool, random ring_start; rows outside each history are NaN (they must never be read)."""
+    """Random pool, random ring_start, random deltas e (beta times a normal: any e is the delta of some v,
+    `values64`); rows outside each history are NaN (they must never be read)."""
     ring_start = torch.randint(0, R, (S,), dtype=torch.int32)
+    beta = torch.rand(S, Hv, R) * 0.9 + 0.05
     cache = Cache(
         (torch.randn(S, Hv, Dk, Dv) * 0.5).to(state_dtype),
         torch.randn(S, Hk, R, Dk).to(act_dtype),
-        torch.randn(S, Hv, R, Dv).to(act_dtype),
+        torch.randn(S, Hv, R, Dv) * beta[..., None],
         -(torch.rand(S, Hv, R) * 0.78 + 0.02),
-        torch.rand(S, Hv, R) * 0.9 + 0.05,
+        beta,
         ring_start,
         torch.as_tensor(committed, dtype=torch.int32),
     )
     for s in range(S):
         free = [r for r in range(R) if (r - int(ring_start[s])) % R >= int(cache.committed[s])]
-        for t in (cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta):
+        for t in (cache.ring_k, cache.ring_e, cache.ring_g, cache.ring_beta):
             t[s][:, free] = float("nan")
     return cache
 
 
 def history(cache: Cache, s: int, n: int | None = None):
-    """The first n (default committed) ring entries of slot s: k (n,Hk,Dk), v (n,Hv,Dv), g, beta (n,Hv)."""
+    """The first n (default committed) ring entries of slot s as the tokens that produced them, from its
+    checkpoint: k (n, Hk, Dk), float64 v (n, Hv, Dv) (`values64`), g, beta (n, Hv)."""
     R = cache.ring_k.shape[2]
     n = int(cache.committed[s]) if n is None else n
     rows = [(int(cache.ring_start[s]) + j) % R for j in range(n)]
-    return (cache.ring_k[s][:, rows].transpose(0, 1), cache.ring_v[s][:, rows].transpose(0, 1),
-            cache.ring_g[s][:, rows].T, cache.ring_beta[s][:, rows].T)
+    k, e = cache.ring_k[s][:, rows].transpose(0, 1), cache.ring_e[s][:, rows].transpose(0, 1)
+    g, beta = cache.ring_g[s][:, rows].T, cache.ring_beta[s][:, rows].T
+    return k, values64(cache.state[s], k, e, g, beta), g, beta
 
 
 def replay(cache: Cache, step, idx, W, **kw):
@@ -137,7 +170,8 @@ def test_chunked_matches_recurrence(Hk, Hv, Dk, Dv, act_dtype):
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", HEADS)
 def test_replay_forward_matches_recurrence(Hk, Hv, Dk, Dv, state_dtype, act_dtype, n):
     """For every ring fill 0..W: outputs equal the recurrence from checkpoint + history, the state is
-    written iff h + n > W (with the history's state), appends are exact, nothing else changes."""
+    written iff h + n > W (with the history's state), the appended e are the recurrence's deltas (k, g,
+    beta exact), nothing else changes."""
     W = 6
     R, S = W + n, W + 4
     idx = torch.randperm(S)[: W + 1].to(torch.int32)
@@ -160,17 +194,19 @@ def test_replay_forward_matches_recurrence(Hk, Hv, Dk, Dv, state_dtype, act_dtyp
         S_hist = advance(before.state[s], *history(before, s))
         o_ref = run64(S_hist, q[i], k[i], v[i], g[i], beta[i])[0]
         assert_close(o[i], o_ref, ACT_TOL[act_dtype], f"o row {i}, h = {h}")
+        e_ref = deltas64(S_hist, k[i], v[i], g[i], beta[i])
         if h + n > W:
             assert_close(cache.state[s], S_hist, STATE_TOL[state_dtype], f"flushed state, h = {h}")
         else:
             assert torch.equal(bits(cache.state[s]), bits(before.state[s])), f"h = {h} must not flush"
         rows = [(start + h + t) % R for t in range(n)]
         appended[s, rows] = True
-        for name, new in zip(("ring_k", "ring_v", "ring_g", "ring_beta"), (k[i], v[i], g[i], beta[i])):
+        assert_close(cache.ring_e[s][:, rows].transpose(0, 1), e_ref, STATE_TOL[F32], f"e row {i}, h = {h}")
+        for name, new in zip(("ring_k", "ring_g", "ring_beta"), (k[i], g[i], beta[i])):
             assert torch.equal(bits(getattr(cache, name)[s][:, rows]), bits(new.transpose(0, 1))), name
     untouched = [s for s in range(S) if s not in idx.tolist()]
     assert torch.equal(bits(cache.state[untouched]), bits(before.state[untouched]))
-    for name in ("ring_k", "ring_v", "ring_g", "ring_beta"):
+    for name in ("ring_k", "ring_e", "ring_g", "ring_beta"):
         old, new = bits(getattr(before, name)), bits(getattr(cache, name))
         keep = ~appended[:, None, :, None] if old.dim() == 4 else ~appended[:, None, :]
         assert torch.equal(torch.where(keep, new, 0), torch.where(keep, old, 0)), name
@@ -221,25 +257,49 @@ def test_materialize_any_ring_position(state_dtype):
         assert torch.equal(bits(trial.state[[0, 1, 3]]), bits(cache.state[[0, 1, 3]]))
 
 
+@pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", HEADS)
-def test_replay_steps_follow_accepted_tokens(Hk, Hv, Dk, Dv):
-    """Twelve verify steps with random acceptance: every output equals the float64 recurrence over
-    exactly the accepted tokens before it, through several flushes and ring wrap-arounds."""
-    W, n, S = 5, 3, 3
+def test_replay_steps_follow_accepted_tokens(Hk, Hv, Dk, Dv, n):
+    """Twelve steps of n tokens with random acceptance: every output, and every state materialized from
+    checkpoint + committed entries, equals the float64 recurrence over exactly the accepted tokens, through
+    several flushes and ring wrap-arounds."""
+    W, S = 5, 4
     R = W + n
-    cache = make_cache(S, Hk, Hv, Dk, Dv, R, [0, 0, 0], F32, F32)
+    cache = make_cache(S, Hk, Hv, Dk, Dv, R, [0, 0, 0, 0], F32, F32)
     idx = torch.tensor([2, 0], dtype=torch.int32)
-    S0 = {s: cache.state[s].double() for s in (2, 0)}
-    accepted = {s: [torch.empty(0, *t.shape[1:]) for t in history(cache, 0, 1)] for s in (2, 0)}
+    S_acc = {s: cache.state[s].double() for s in (2, 0)}  # float64 state after every accepted token
     for _ in range(12):
         step = make_tokens(2, n, Hk, Hv, Dk, Dv)
         o = replay(cache, step, idx, W)
         acc = torch.randint(1, n + 1, (2,), dtype=torch.int32)
         for i, s in enumerate(idx.tolist()):
-            S_prev = advance(S0[s], *accepted[s])
-            assert_close(o[i], run64(S_prev, *(t[i] for t in step))[0], 1e-4, f"slot {s}")
-            accepted[s] = [torch.cat([a, t[i, : int(acc[i])]]) for a, t in zip(accepted[s], step[1:])]
+            o64, states = run64(S_acc[s], *(t[i] for t in step))
+            assert_close(o[i], o64, 1e-4, f"slot {s}")
+            S_acc[s] = states[int(acc[i]) - 1]
         replay_commit(cache.ring_start, cache.committed, idx, acc, n, W, ring_rows=R)
+        for s in idx.tolist():
+            dst = torch.tensor([1], dtype=torch.int32)
+            gdn_replay_materialize(*cache.tensors(), torch.tensor([s], dtype=torch.int32),
+                                   cache.committed[[s]].clone(), dst)
+            assert_close(cache.state[1], S_acc[s], 1e-4, f"materialized slot {s}")
+
+
+def test_replay_decode_equals_baseline_decode():
+    """Forty one-token steps: ReplaySSM (ring of deltas, flushes every W) and the baseline state update give
+    the same outputs, and the materialized state equals the baseline's state."""
+    Hk, Hv, Dk, Dv, W = 1, 4, 16, 8, 6
+    cache = make_cache(3, Hk, Hv, Dk, Dv, W + 1, [0, 0, 0], F32, F32)
+    plain = cache.state.clone()
+    idx = torch.tensor([0, 2], dtype=torch.int32)
+    for _ in range(40):
+        step = make_tokens(2, 1, Hk, Hv, Dk, Dv)
+        o = replay(cache, step, idx, W)
+        replay_commit(cache.ring_start, cache.committed, idx, torch.ones(2, dtype=torch.int32), 1, W,
+                      ring_rows=W + 1)
+        assert_close(o, gdn_state_update(plain, *step, idx), 1e-5, "outputs")
+    gdn_replay_materialize(*cache.tensors(), idx[:1], cache.committed[[0]].clone(),
+                           torch.tensor([1], dtype=torch.int32))
+    assert_close(cache.state[1], plain[0], 1e-5, "state")
 
 
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
@@ -300,7 +360,7 @@ def _replay_args(**over):
     Hk, Hv, Dk, Dv, W, S, n = 1, 2, 8, 8, 4, 5, 2
     cache = make_cache(S, Hk, Hv, Dk, Dv, W + n, [1, 2, 3, 4, 0], F32, F32)
     q, k, v, g, beta = make_tokens(2, n, Hk, Hv, Dk, Dv)
-    names = ("state", "ring_k", "ring_v", "ring_g", "ring_beta", "ring_start", "committed")
+    names = ("state", "ring_k", "ring_e", "ring_g", "ring_beta", "ring_start", "committed")
     args = dict(q=q, k=k, v=v, g=g, beta=beta, **dict(zip(names, cache.tensors())),
                 state_indices=torch.tensor([3, -1], dtype=torch.int32), window=W)
     args.update(over)
@@ -314,7 +374,7 @@ REPLAY_BAD = [
     ("v", dict(v=torch.randn(2, 2, 3, 8))),
     ("g", dict(g=torch.randn(2, 1, 2))),
     ("ring_g", dict(ring_g=torch.rand(5, 2, 6).bfloat16())),
-    ("ring_v", dict(ring_v=torch.rand(5, 2, 6, 8).bfloat16())),
+    ("ring_e", dict(ring_e=torch.rand(5, 2, 6, 8).bfloat16())),  # e is fp32 whatever the activations
     ("state_indices", dict(state_indices=torch.tensor([2, 2], dtype=torch.int32))),
     ("committed", dict(committed=torch.tensor([0, 0, 0, 5, 0], dtype=torch.int32))),
 ]
@@ -330,7 +390,7 @@ def test_replay_forward_rejects_bad_arguments(name, over):
 def test_materialize_and_baseline_reject_bad_arguments():
     """gdn_replay_materialize and gdn_state_update raise ValueError naming the bad argument."""
     args = _replay_args()
-    cache = [args[k] for k in ("state", "ring_k", "ring_v", "ring_g", "ring_beta", "ring_start", "committed")]
+    cache = [args[k] for k in ("state", "ring_k", "ring_e", "ring_g", "ring_beta", "ring_start", "committed")]
     one = torch.tensor([0], dtype=torch.int32)
     for name, src, cnt, dst in [("num_entries", one, torch.tensor([2], dtype=torch.int32), one + 2),
                                 ("dst_indices", one, one, one),

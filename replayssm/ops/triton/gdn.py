@@ -2,8 +2,8 @@
 
 Each `<op>_triton` has the signature and contract of `ops/gdn.py: <op>_ref` (arguments validated by
 the public op). The kernels live in `gdn_state.py` (baseline state update, its tile table `CONFIGS`,
-shared jitted helpers) and `gdn_replay.py` (ReplaySSM forward with flush, materialize: the chunked
-WY/UT form on tensor cores; their tile table `REPLAY_CONFIGS` is here); all three run one program per
+shared jitted helpers) and `gdn_replay.py` (ReplaySSM forward with flush over a ring of deltas,
+materialize; their tile table `REPLAY_CONFIGS` is here); all three run one program per
 (Dv tile, value head, row). Each entry point looks its tile up once per call by (state dtype, n > 1).
 """
 
@@ -15,17 +15,18 @@ from replayssm.ops.triton.gdn_replay import launch_materialize, launch_replay_fo
 from replayssm.ops.triton.gdn_state import CONFIGS, LaunchConfig, launch_state_update
 
 # The replay kernels' tile per (state dtype, several tokens per row); `gdn_state.py: CONFIGS` holds the
-# state update's. Materialize replays history and stores once, as a one-token row: (dtype, False).
+# state update's. Materialize folds ring entries and stores once, as a one-token row: (dtype, False).
 REPLAY_CONFIGS = {
-    # The H100 sweep (Qwen3.5-27B shape, batch 256): 64 columns at 4 warps share each program's token
-    # solve (K K^T, the substitution) over twice the columns of 32x4 without spilling, where 8 warps
-    # split the small products too thinly. fp32 q = 1 / 4: 855 / 970 us against 1259 / 1385 at 32x4.
+    # 64 columns at 4 warps: the per-program key products (new keys and queries against the ring's keys)
+    # and the new tokens' substitution are shared over 64 state columns, and a (Dk, 64) fp32 tile reads
+    # a slot's rows in 256-byte runs, as the state update's best tile does. `bench_gdn_kernels.py --sweep`
+    # times the candidates per (state dtype, q).
     (torch.float32, False): LaunchConfig(block_v=64, num_warps=4),
     (torch.float32, True): LaunchConfig(block_v=64, num_warps=4),
     (torch.float16, False): LaunchConfig(block_v=64, num_warps=4),  # bf16's tile: the same products
     (torch.float16, True): LaunchConfig(block_v=64, num_warps=4),
-    (torch.bfloat16, False): LaunchConfig(block_v=64, num_warps=4),  # 758 us against 1176 at 32x4
-    (torch.bfloat16, True): LaunchConfig(block_v=64, num_warps=4),  # 866 us against 1328 at 32x4
+    (torch.bfloat16, False): LaunchConfig(block_v=64, num_warps=4),
+    (torch.bfloat16, True): LaunchConfig(block_v=64, num_warps=4),
 }
 
 
@@ -38,18 +39,18 @@ def gdn_state_update_triton(state, q, k, v, g, beta, state_indices, *,
                                CONFIGS[state.dtype, q.shape[1] > 1])
 
 
-def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start,
+def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start,
                               committed, state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
                               out: torch.Tensor | None = None) -> torch.Tensor:
     """ReplaySSM decode / verify step (`ops.gdn.gdn_replay_forward`)."""
-    return launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_v, ring_g, ring_beta, ring_start,
+    return launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start,
                                  committed, state_indices, window, rand_seed, out,
                                  REPLAY_CONFIGS[state.dtype, q.shape[1] > 1])
 
 
-def gdn_replay_materialize_triton(state, ring_k, ring_v, ring_g, ring_beta, ring_start, committed,
+def gdn_replay_materialize_triton(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
                                   src_indices, num_entries, dst_indices, *,
                                   rand_seed: torch.Tensor | None = None) -> None:
     """state[dst] = state[src] advanced by n ring entries (`ops.gdn.gdn_replay_materialize`)."""
-    launch_materialize(state, ring_k, ring_v, ring_g, ring_beta, ring_start, src_indices, num_entries,
+    launch_materialize(state, ring_k, ring_e, ring_g, ring_beta, ring_start, src_indices, num_entries,
                        dst_indices, rand_seed, REPLAY_CONFIGS[state.dtype, False])
