@@ -274,11 +274,11 @@ class EngineConfig:
         """replayssm with auto (None) resolved for the model (a ``ModelConfig``); True / False as given.
 
         Measured on an H100. Mamba-2 models: ReplaySSM wins everywhere, 1.2-1.9x. Gated DeltaNet at the
-        Qwen3.5-27B shape: the replay step re-solves the ring's tokens every step, so with one token per
-        row it is compute-bound, 843 us against the plain state update's 552 us at batch 256 (0.65x),
-        and plain decode with ReplaySSM on reaches 0.92x the baseline's throughput end to end; with
-        speculative decoding (k = 3) the replay step wins 1.5-2.1x per kernel and 1.10x end to end, and
-        a request holds one state slot instead of 1 + k.
+        Qwen3.5-27B shape (the form whose ring kept raw v and re-solved its tokens every step; the ring
+        of deltas has no GPU timing yet): one token per row took 843 us against the plain state
+        update's 552 us at batch 256 (0.65x), plain decode with ReplaySSM on 0.92x end to end; with
+        speculative decoding (k = 3) the replay step won 1.5-2.1x per kernel and 1.10x end to end, and
+        a request holds one state slot instead of 1 + k (docs/design.md, "Gated DeltaNet").
         """
         if self.replayssm is not None:
             return self.replayssm  # explicit: kept as given
