@@ -153,6 +153,129 @@ def gdn_chunked_ref(q, k, v, g, beta, state0, *, chunk_size: int = 64, dtype: to
     return torch.cat(outs, 1), S
 
 
+def gdn_chunked_varlen_ref(q, k, v, g, beta, cu_seqlens: list[int], state0, points: list[tuple[int, int]], *,
+                           chunk_size: int = 64, dtype: torch.dtype = torch.float32,
+                           out: torch.Tensor | None = None):
+    """The chunked form over packed rows, batched over rows; returns (o, states at `points`).
+
+    q, k (T, Hk, Dk) raw; v (T, Hv, Dv); g, beta (T, Hv): n rows back to back, row i the tokens
+    cu_seqlens[i]:cu_seqlens[i + 1] (a host list), run from state0[i] (n, Hv, Dk, Dv). points (host list)
+    asks for (row, length) with 0 <= length <= the row's length. Returns o (T, Hv, Dv), written into
+    `out` when given (any float dtype) else in `dtype`, and the state of each point's row after its
+    first `length` tokens (m, Hv, Dk, Dv) in `dtype`, in points' order.
+
+    Each row is cut at its points into segments and the chunks restart at each segment's start, as a
+    `gdn_chunked_ref` call per segment would run them. Round r runs every row's r-th segment in one
+    call, right-padded to the longest (rows of very different lengths in groups: `_length_groups`):
+
+        row 0  |a a a a a|b b b|             points (0, 5), (0, 8)
+        row 1  |c c c c c c c c c c|         point (1, 10)
+        round 0: [a a a a a . . . . .]  [c c c c c c c c c c]      . = padding
+        round 1: [b b b]                                          (row 1 has no second segment)
+
+    A padding token (q = k = v = 0, g = 0, beta = 0) is neutral: its row of A and its rhs are zero,
+    so it adds no delta, and it decays by exp(0) = 1; a row's state leaves its padded call unchanged
+    past its last token, and the padding outputs are dropped.
+    """
+    check_int("chunk_size", chunk_size, 1)
+    n, T, Hv, Dv = len(cu_seqlens) - 1, q.shape[0], v.shape[1], v.shape[2]
+    lens = [cu_seqlens[i + 1] - cu_seqlens[i] for i in range(n)]
+    cuts: list[set[int]] = [{lens[i]} for i in range(n)]
+    for row, length in points:
+        if not (0 <= row < n and 0 <= length <= lens[row]):
+            raise ValueError(f"points: ({row}, {length}) is outside the {n} rows of lengths {lens}")
+        cuts[row].add(length)
+    # segments[i]: row i's (first token, length) per round; after[i][length]: the round whose end
+    # is that point (-1: the start state).
+    segments: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    after: list[dict[int, int]] = [{} for _ in range(n)]
+    for i in range(n):
+        pos = 0
+        for c in sorted(cuts[i]):
+            if c > pos:
+                segments[i].append((cu_seqlens[i] + pos, c - pos))
+                pos = c
+            after[i][c] = len(segments[i]) - 1
+    num_rounds = max((len(s) for s in segments), default=0)
+    by_round: list[list[int]] = [[] for _ in range(num_rounds + 1)]  # point indices, round -1 last
+    for j, (row, length) in enumerate(points):
+        by_round[after[row][length]].append(j)
+
+    dev = q.device
+    if out is None:
+        out = torch.empty(T, Hv, Dv, dtype=dtype, device=dev)
+    states = torch.empty(len(points), *state0.shape[1:], dtype=dtype, device=dev)
+    S = state0.to(dtype)
+
+    def publish(r: int) -> None:
+        if by_round[r]:
+            js = by_round[r]
+            rows = torch.tensor([points[j][0] for j in js], device=dev)
+            states[torch.tensor(js, device=dev)] = S[rows]
+
+    publish(-1)
+    for r in range(num_rounds):
+        rows = [i for i in range(n) if len(segments[i]) > r]
+        segs = [segments[i][r] for i in rows]
+        if len(rows) == n:
+            S = _chunked_padded(q, k, v, g, beta, segs, S, chunk_size, dtype, out)
+        else:
+            rows_t = torch.tensor(rows, device=dev)
+            # Out of place: rows without an r-th segment keep their state.
+            S = S.index_copy(0, rows_t, _chunked_padded(q, k, v, g, beta, segs, S[rows_t], chunk_size,
+                                                        dtype, out))
+        publish(r)
+    return out, states
+
+
+def _length_groups(lens: list[int], slack: int = 4) -> list[list[int]]:
+    """Row indices (ascending within a group) split by decreasing length so that each group's padded
+    size (rows x its longest) stays within `slack` x its real tokens: one long row does not pad many
+    short ones. Rows of similar lengths form one group."""
+    groups: list[list[int]] = []
+    longest = tokens = 0
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        if groups and (len(groups[-1]) + 1) * longest <= slack * (tokens + lens[i]):
+            groups[-1].append(i)
+            tokens += lens[i]
+        else:
+            groups.append([i])
+            longest = tokens = lens[i]
+    return [sorted(group) for group in groups]
+
+
+def _pad(t: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, n: int, longest: int) -> torch.Tensor:
+    """Packed (T, ...) -> (n, longest, ...): token src[j] at flat position dst[j], zeros elsewhere."""
+    p = t.new_zeros(n * longest, *t.shape[1:])
+    p[dst] = t[src]
+    return p.view(n, longest, *t.shape[1:])
+
+
+def _chunked_padded(q, k, v, g, beta, segs: list[tuple[int, int]], S0, chunk_size: int, dtype, out):
+    """Segments (first token, length >= 1) of the packed tokens from S0 (n, Hv, Dk, Dv), right-padded
+    to one (rows, longest) batch per length group: writes their outputs into out, returns the states."""
+    dev = q.device
+    groups = _length_groups([length for _, length in segs])
+    S = None if len(groups) == 1 else torch.empty_like(S0, dtype=dtype)
+    for group in groups:
+        n = len(group)
+        longest = max(segs[i][1] for i in group)
+        total = sum(segs[i][1] for i in group)
+        starts, lens = torch.tensor([[segs[i][0] for i in group], [segs[i][1] for i in group]], device=dev)
+        row = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=total)
+        offset = torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[row]
+        src, dst = starts[row] + offset, row * longest + offset  # packed token -> padded position
+
+        padded = [_pad(t, src, dst, n, longest) for t in (q, k, v, g, beta)]
+        group_t = None if S is None else torch.tensor(group, device=dev)
+        o, S1 = gdn_chunked_ref(*padded, S0 if S is None else S0[group_t], chunk_size=chunk_size, dtype=dtype)
+        out[src] = o.view(n * longest, *o.shape[2:])[dst].to(out.dtype)
+        if S is None:
+            return S1
+        S[group_t] = S1
+    return S
+
+
 def _check_cache(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed) -> None:
     check_tensor("state", state, (None, None, None, None), FLOAT_DTYPES)
     num_slots, Hv, Dk, Dv = state.shape

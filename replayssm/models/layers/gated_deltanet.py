@@ -6,7 +6,7 @@ Tokens arrive packed, prefill rows first, then decode rows (see engine/context.p
         Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped per key head ([q k v z] and [b a] per group);
         Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
     short causal conv (silu) over [q | k | v]; g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
-    prefill tokens: causal_conv1d_varlen -> gdn_chunked_ref per row (writes clean S_0 and conv window;
+    prefill tokens: causal_conv1d_varlen -> gdn_chunked_varlen_ref (writes clean S_0 and conv window;
                     prefix-cache checkpoints: the state at a boundary + the K-1 conv inputs before it)
     decode rows:    causal_conv1d_update (window unchanged; inputs parked for the commit)
                     -> gdn_replay_forward (ReplaySSM) | gdn_state_update (off)
@@ -27,7 +27,12 @@ from replayssm.models.config import ModelConfig
 from replayssm.models.layers.mamba2 import Mamba2Mixer
 from replayssm.ops.common import store_states
 from replayssm.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from replayssm.ops.gdn import gdn_chunked_ref, gdn_replay_forward, gdn_replay_materialize, gdn_state_update
+from replayssm.ops.gdn import (
+    gdn_chunked_varlen_ref,
+    gdn_replay_forward,
+    gdn_replay_materialize,
+    gdn_state_update,
+)
 
 
 class GatedRMSNorm(nn.Module):
@@ -143,8 +148,8 @@ class GatedDeltaNet(nn.Module):
         )
 
     def _prefill(self, qkv, g, beta, weight, ctx, seed: torch.Tensor) -> torch.Tensor:
-        """Packed prefill tokens: conv from the slot's window, then the chunked form row by row from the
-        slot's state (or zeros), cut at each prefix-cache boundary to take the exact state there."""
+        """Packed prefill tokens: conv from the slot's window, then the chunked form batched over rows from
+        each slot's state (or zeros), cut at each prefix-cache boundary to take the exact state there."""
         md, cache, li = ctx.mamba, ctx.mamba_cache, self.mamba_index
         state = cache.state[li]
         if md.publish_dst is not None:
@@ -162,32 +167,19 @@ class GatedDeltaNet(nn.Module):
         Tp = qkv.shape[0]
         q, k, v = self._split(qkv, (Tp,))
         cu = md.prefill_cu_seqlens.tolist()
-        slots = md.prefill_slots.tolist()
-        initial = md.has_initial_state.tolist()
-        cuts: dict[int, list[tuple[int, int]]] = {}
+        # Each row starts from its slot's state or zeros; masked_fill also clears a fresh slot's NaN.
+        state0 = state[md.prefill_slots].float()
+        state0.masked_fill_(~md.has_initial_state[:, None, None, None], 0.0)
+        # Every row's final state goes to its slot, each boundary state to its publish_dst.
+        points = [(i, cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
+        dst = md.prefill_slots
         if md.publish_dst is not None:
-            for s, n, d in zip(md.publish_seq.tolist(), md.publish_len.tolist(), md.publish_dst.tolist()):
-                cuts.setdefault(s, []).append((n, d))
+            points += list(zip(md.publish_seq.tolist(), md.publish_len.tolist()))
+            dst = torch.cat([dst, md.publish_dst])
         out = torch.empty(Tp, self.Hv, self.Dv, dtype=qkv.dtype, device=qkv.device)
-        dst, values = [], []
-        for i, slot in enumerate(slots):
-            start, end = cu[i], cu[i + 1]
-            S = state[slot].float() if initial[i] else state.new_zeros(state.shape[1:], dtype=torch.float32)
-            pos = start
-            for n, d in sorted(cuts.get(i, [])) + [(end - start, slot)]:
-                if start + n > pos:
-                    sl = slice(pos, start + n)
-                    o, S1 = gdn_chunked_ref(
-                        q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl], S[None]
-                    )
-                    out[sl] = o[0].to(out.dtype)
-                    S, pos = S1[0], start + n
-                dst.append(d)
-                values.append(S)
+        _, states = gdn_chunked_varlen_ref(q, k, v, g, beta, cu, state0, points, out=out)
         # One write of every boundary and final state: distinct slots, one rounding draw.
-        store_states(
-            state, torch.tensor(dst, dtype=torch.int64, device=state.device), torch.stack(values), seed
-        )
+        store_states(state, dst.long(), states, seed)
         return out
 
     def _decode(self, qkv, g, beta, weight, ctx, seed: torch.Tensor) -> torch.Tensor:
