@@ -174,8 +174,8 @@ def gdn_chunked_varlen_ref(q, k, v, g, beta, cu_seqlens: list[int], state0, poin
         round 1: [b b b]                                          (row 1 has no second segment)
 
     A padding token (q = k = v = 0, g = 0, beta = 0) is neutral: its row of A and its rhs are zero,
-    so it adds no delta, and it decays by exp(0) = 1; a row's state leaves its padded call unchanged
-    past its last token, and the padding outputs are dropped.
+    so it adds no delta, and it decays by exp(0) = 1: the state a padded call returns is the row's
+    state after its last real token. The padding outputs are dropped.
     """
     check_int("chunk_size", chunk_size, 1)
     n, T, Hv, Dv = len(cu_seqlens) - 1, q.shape[0], v.shape[1], v.shape[2]

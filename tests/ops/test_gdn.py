@@ -11,7 +11,9 @@ from conftest import assert_close, bits, poisoned
 
 from replayssm.ops.common import heads_from_groups
 from replayssm.ops.gdn import (
+    _length_groups,
     gdn_chunked_ref,
+    gdn_chunked_varlen_ref,
     gdn_recurrence_ref,
     gdn_replay_forward,
     gdn_replay_materialize,
@@ -163,6 +165,86 @@ def test_chunked_matches_recurrence(Hk, Hv, Dk, Dv, act_dtype):
         assert o.dtype == F32
         assert_close(o, o64, 1e-4, f"fp32 o, chunk {chunk}")
         assert_close(S, states[:, -1], 1e-4, f"fp32 state, chunk {chunk}")
+
+
+def packed_rows(lens, Hk, Hv, Dk, Dv):
+    """Random packed tokens (q, k, v, g, beta; leading dim T) of rows of the given lengths, and cu_seqlens."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v, g, beta = make_tokens(1, cu[-1], Hk, Hv, Dk, Dv)
+    return (q[0], k[0], v[0], g[0], beta[0]), cu
+
+
+def per_segment(tokens, cu, S0, points, dtype):
+    """One gdn_chunked_ref call per (row, segment between its sorted points): (o, {(row, length): state})."""
+    o = torch.empty(cu[-1], *tokens[2].shape[1:], dtype=dtype)
+    states = {}
+    for i in range(len(cu) - 1):
+        S, pos = S0[i].to(dtype), 0
+        states[(i, 0)] = S
+        for c in sorted({n for r, n in points if r == i} | {cu[i + 1] - cu[i]}):
+            if c > pos:
+                sl = slice(cu[i] + pos, cu[i] + c)
+                oc, S = gdn_chunked_ref(*(t[None, sl] for t in tokens), S[None], dtype=dtype)
+                o[sl], S, pos = oc[0], S[0], c
+            states[(i, c)] = S
+    return o, states
+
+
+# Rows crossing chunk boundaries (64), single tokens, cuts at 0, mid-chunk, a chunk edge, the row end
+# and twice at one length; rows 1 and 4 start from zeros.
+VARLEN_LENS = [70, 3, 130, 1, 20, 64]
+VARLEN_POINTS = [(0, 5), (0, 64), (2, 0), (2, 65), (2, 130), (4, 10), (4, 5), (4, 10), (5, 64)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(F64, 1e-12), (F32, 2e-6)])
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", HEADS)
+def test_chunked_varlen_equals_per_segment_calls(Hk, Hv, Dk, Dv, dtype, tol):
+    """Rows batched per cut round and right-padded give each segment's own chunked call: outputs and the
+    state at every point, to 1e-12 in float64 and fp32 rounding in fp32; the float64 states are the
+    recurrence's."""
+    tokens, cu = packed_rows(VARLEN_LENS, Hk, Hv, Dk, Dv)
+    S0 = torch.randn(len(VARLEN_LENS), Hv, Dk, Dv)
+    S0[[1, 4]] = 0.0
+    points = [(i, n) for i, n in enumerate(VARLEN_LENS)] + VARLEN_POINTS
+    out = poisoned(cu[-1], Hv, Dv, dtype=dtype)
+    o, states = gdn_chunked_varlen_ref(*tokens, cu, S0, points, dtype=dtype, out=out)
+    assert o is out and states.dtype == dtype and states.shape == (len(points), Hv, Dk, Dv)
+    o_ref, states_ref = per_segment(tokens, cu, S0, points, dtype)
+    assert_close(o, o_ref, tol, "o")
+    for j, p in enumerate(points):
+        assert_close(states[j], states_ref[p], tol, f"state at {p}")
+    if dtype == F64:
+        for j, (i, n) in enumerate(points):
+            row = [t[cu[i]:cu[i] + n] for t in tokens]
+            assert_close(states[j], advance(S0[i], *row[1:]), 1e-12, f"recurrence state at {(i, n)}")
+
+
+def test_chunked_varlen_length_groups_bound_padding():
+    """One long row among many short ones splits the rows into length groups, each padded to at most 4x
+    its real tokens, with the same float64 outputs and states as the per-segment calls."""
+    lens = [3, 200, 5, 2, 4, 3, 6, 2, 3]
+    groups = _length_groups(lens)
+    assert len(groups) > 1 and sorted(i for gr in groups for i in gr) == list(range(len(lens)))
+    assert all(len(gr) * max(lens[i] for i in gr) <= 4 * sum(lens[i] for i in gr) for gr in groups)
+    tokens, cu = packed_rows(lens, 1, 4, 32, 16)
+    S0 = torch.randn(len(lens), 4, 32, 16)
+    points = [(i, n) for i, n in enumerate(lens)] + [(1, 100), (2, 1)]
+    o, states = gdn_chunked_varlen_ref(*tokens, cu, S0, points, dtype=F64)
+    o_ref, states_ref = per_segment(tokens, cu, S0, points, F64)
+    assert_close(o, o_ref, 1e-12, "o")
+    for j, p in enumerate(points):
+        assert_close(states[j], states_ref[p], 1e-12, f"state at {p}")
+
+
+def test_chunked_varlen_rejects_points_outside_rows():
+    """A point past its row's end (or naming no row) is a ValueError naming points."""
+    tokens, cu = packed_rows([4, 6], 2, 2, 16, 16)
+    S0 = torch.randn(2, 2, 16, 16)
+    for bad in [(0, 5), (2, 1), (1, -1)]:
+        with pytest.raises(ValueError, match="points"):
+            gdn_chunked_varlen_ref(*tokens, cu, S0, [bad])
 
 
 @pytest.mark.parametrize("n", [1, 4])

@@ -167,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         Tp = qkv.shape[0]
         q, k, v = self._split(qkv, (Tp,))
         cu = md.prefill_cu_seqlens.tolist()
-        # Each row starts from its slot's state or zeros; masked_fill also clears a fresh slot's NaN.
+        # Each row starts from its slot's state or zeros (a fill, so a fresh slot's stale NaN never leaks in).
         state0 = state[md.prefill_slots].float()
         state0.masked_fill_(~md.has_initial_state[:, None, None, None], 0.0)
         # Every row's final state goes to its slot, each boundary state to its publish_dst.
