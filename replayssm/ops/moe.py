@@ -45,17 +45,24 @@ def _grouped_gemm_ok(x: torch.Tensor, up_proj: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 9 and all(d % 8 == 0 for d in up_proj.shape[1:])
 
 
+def _check_shapes(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, group_ends: torch.Tensor,
+                  down_name: str) -> None:
+    """ValueError naming the argument unless x (M, in), up (E, I, in), down (E, in, I or I / 2 gated) and
+    group_ends (E,) agree (bf16 and FP8 experts alike)."""
+    E, I, in_dim = up.shape
+    if x.dim() != 2 or x.shape[1] != in_dim:
+        raise ValueError(f"x must be (M, {in_dim}), got {tuple(x.shape)}")
+    if down.shape not in ((E, in_dim, I), (E, in_dim, I // 2)):
+        raise ValueError(f"{down_name} must be ({E}, {in_dim}, {I}) or, gated, ({E}, {in_dim}, {I // 2}), "
+                         f"got {tuple(down.shape)}")
+    if group_ends.shape != (E,):
+        raise ValueError(f"group_ends must be ({E},), got {tuple(group_ends.shape)}")
+
+
 def expert_mlp(x: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor, group_ends: torch.Tensor,
                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """See the module docstring; dispatches to the device grouped GEMM when it applies."""
-    E, I, in_dim = up_proj.shape
-    if x.dim() != 2 or x.shape[1] != in_dim:
-        raise ValueError(f"x must be (M, {in_dim}), got {tuple(x.shape)}")
-    if down_proj.shape not in ((E, in_dim, I), (E, in_dim, I // 2)):
-        raise ValueError(f"down_proj must be ({E}, {in_dim}, {I}) or, gated, ({E}, {in_dim}, {I // 2}), "
-                         f"got {tuple(down_proj.shape)}")
-    if group_ends.shape != (E,):
-        raise ValueError(f"group_ends must be ({E},), got {tuple(group_ends.shape)}")
+    _check_shapes(x, up_proj, down_proj, group_ends, "down_proj")
     if _grouped_gemm_ok(x, up_proj) and down_proj.shape[-1] % 8 == 0:
         ends = group_ends.to(torch.int32)
         h = torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=ends)
@@ -138,17 +145,11 @@ def _scaled_grouped_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tens
 
 def _check_fp8(x, up_q, up_scale, down_q, down_scale, group_ends) -> None:
     assert up_q.dtype == FP8_DTYPE and down_q.dtype == FP8_DTYPE, (up_q.dtype, down_q.dtype)
+    _check_shapes(x, up_q, down_q, group_ends, "down_q")
     E, I, in_dim = up_q.shape
-    if x.dim() != 2 or x.shape[1] != in_dim:
-        raise ValueError(f"x must be (M, {in_dim}), got {tuple(x.shape)}")
-    if down_q.shape not in ((E, in_dim, I), (E, in_dim, I // 2)):
-        raise ValueError(f"down_q must be ({E}, {in_dim}, {I}) or, gated, ({E}, {in_dim}, {I // 2}), "
-                         f"got {tuple(down_q.shape)}")
     for name, scale, rows in (("up_scale", up_scale, I), ("down_scale", down_scale, in_dim)):
         if scale.shape not in ((E, rows, 1), (E, 1, 1)):
             raise ValueError(f"{name} must be ({E}, {rows}, 1) or ({E}, 1, 1), got {tuple(scale.shape)}")
-    if group_ends.shape != (E,):
-        raise ValueError(f"group_ends must be ({E},), got {tuple(group_ends.shape)}")
 
 
 def expert_mlp_fp8(x: torch.Tensor, up_q: torch.Tensor, up_scale: torch.Tensor, down_q: torch.Tensor,
