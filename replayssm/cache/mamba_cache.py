@@ -6,7 +6,7 @@ differs between mixers is only the shape of the state and the fields of a ring e
 
     mixer            state           ring fields (per slot: (heads, R, width), or (heads, R) if width 0)
     Mamba-2          (H, P, N)       x (H, P) act, B (G, N) act, dt (H) fp32 (Δ after softplus)
-    Gated DeltaNet   (Hv, Dk, Dv)    k (Hk, Dk) act, e (Hv, Dv) fp32 (the token's delta), g, beta (Hv) fp32
+    Gated DeltaNet   (Hv, Dk, Dv)    k (Hk, Dk) act, e (Hv, Dv) fp32 (the token's delta), g (Hv) fp32
 
 Per recurrent layer l, per slot s (S = num_slots + 1: the last slot is the runner's private scratch):
 
@@ -100,9 +100,9 @@ def mixer_cache_spec(cfg: ModelConfig) -> MixerCacheSpec:
     if cfg.num_gdn_layers:
         Hk, Hv, Dk, Dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
         # e: the delta each token adds (ops/gdn.py), computed once when its token is new; fp32 so
-        # replaying it reproduces the baseline's fp32 recurrence.
-        ring = (RingField("k", Hk, Dk), RingField("e", Hv, Dv, True), RingField("g", Hv, 0, True),
-                RingField("beta", Hv, 0, True))
+        # replaying it reproduces the baseline's fp32 recurrence. beta is folded into e, so the ring
+        # keeps no copy of it.
+        ring = (RingField("k", Hk, Dk), RingField("e", Hv, Dv, True), RingField("g", Hv, 0, True))
         return MixerCacheSpec((Hv, Dk, Dv), cfg.gdn_conv_dim, cfg.conv_kernel, ring)
     H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.mamba_n_groups
     ring = (RingField("x", H, P), RingField("B", G, N), RingField("dt", H, 0, True))

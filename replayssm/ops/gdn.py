@@ -14,7 +14,7 @@ for j < i, and with v'_j = U_v - U_k S_0 (the delta e_j each token adds, below):
     S_L = exp(Γ_L) S_0 + Σ_j exp(Γ_L - Γ_j) k_j v'_jᵀ
 
 ReplaySSM keeps the Mamba-2 cache contract (ops/replay.py): a checkpoint S_0 per slot and a ring
-of (k raw, e, g, beta) behind the same cursors ring_start / committed, so `replay_commit` moves them
+of (k raw, e, g) behind the same cursors ring_start / committed, so `replay_commit` moves them
 unchanged. e_t = beta_t (v_t - a_t S_{t-1}^T k_t) (a_t = exp(g_t)) is the delta token t adds,
 S_t = a_t S_{t-1} + k_t e_t^T: it depends only on the tokens before t, not on where the checkpoint
 sits nor on later tokens, so it is computed once, in the step where its token is new, and stored in
@@ -25,25 +25,25 @@ fp32. With Γ the cumulative g from the checkpoint over the ring entries, then t
     o_t = exp(Γ_t) S_0^T q_t + Σ_{i<=t} exp(Γ_t - Γ_i) (k_i.q_t) e_i
     S after the first c entries = exp(Γ_{c-1}) S_0 + Σ_{i<c} exp(Γ_{c-1} - Γ_i) k_i e_i^T
 
-A decode row of q tokens computes its new tokens' e, their outputs, appends (k, e, g, beta), and
+A decode row of q tokens computes its new tokens' e, their outputs, appends (k, e, g), and
 folds the history into S_0 iff h + q > W; materialize is the fold over n entries. History rows past
 `committed` are zero (g = 0, k = e = 0: a no-op entry). Raw k is stored, so a replayed key normalizes
 to the same fp32 key the baseline used. Verify appends every drafted token; the accepted ones the
-cursor keeps are exact, since an e never depends on later tokens. beta is stored with each entry but
-no op reads it back (e carries it).
+cursor keeps are exact, since an e never depends on later tokens. beta is folded into e, so the ring
+keeps no copy of it.
 
 Bytes per decode row, layer and step (s: state element bytes, a: activation bytes; a ring entry
-reads as E_r = Hk Dk a + 4 Hv Dv + 4 Hv (k, e fp32, g) and is appended as E_w = E_r + 4 Hv (beta)):
+is E = Hk Dk a + 4 Hv Dv + 4 Hv (k, e fp32, g), read and appended alike):
 
     op                                    reads                  writes
     gdn_state_update (q = 1)              Hv Dk Dv s             Hv Dk Dv s
     gdn_state_update (verify, q tokens)   Hv Dk Dv s             q Hv Dk Dv s
-    gdn_replay_forward                    Hv Dk Dv s + h E_r     q E_w
+    gdn_replay_forward                    Hv Dk Dv s + h E       q E
       + flush (h + q > W, 1 step in ~W)   -                      Hv Dk Dv s
-    gdn_replay_materialize (n entries)    Hv Dk Dv s + n E_r     Hv Dk Dv s
+    gdn_replay_materialize (n entries)    Hv Dk Dv s + n E       Hv Dk Dv s
 
 On the Qwen3-Next-80B-A3B shape (Hk 16, Hv 32, Dk = Dv = 128, bf16 activations, fp32 state,
-W = 16) a state is 2 MiB and E_r = 20.1 KiB: the baseline moves 4 MiB per decode step, ReplaySSM
+W = 16) a state is 2 MiB and E = 20.1 KiB: the baseline moves 4 MiB per decode step, ReplaySSM
 at most 2 MiB + 322 KiB of history + 20 KiB appended, plus 2 MiB once in W steps (2.46 MiB).
 
 The decode ops dispatch with `pick_impl`: Triton twins (`ops/triton/gdn.py`) for CUDA tensors, each at
@@ -276,7 +276,7 @@ def _chunked_padded(q, k, v, g, beta, segs: list[tuple[int, int]], S0, chunk_siz
     return S
 
 
-def _check_cache(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed) -> None:
+def _check_cache(state, ring_k, ring_e, ring_g, ring_start, committed) -> None:
     check_tensor("state", state, (None, None, None, None), FLOAT_DTYPES)
     num_slots, Hv, Dk, Dv = state.shape
     dev = state.device
@@ -285,7 +285,6 @@ def _check_cache(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed
     R = ring_k.shape[2]
     check_tensor("ring_e", ring_e, (num_slots, Hv, R, Dv), (torch.float32,), dev)
     check_tensor("ring_g", ring_g, (num_slots, Hv, R), (torch.float32,), dev)
-    check_tensor("ring_beta", ring_beta, (num_slots, Hv, R), (torch.float32,), dev)
     check_cursors(ring_start, committed, num_slots, dev)
 
 
@@ -331,20 +330,20 @@ def _new_deltas(ks, es, gam, vs, bs, S0, first: int):
     return es
 
 
-def gdn_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
+def gdn_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_start, committed,
                        state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """ReplaySSM decode/verify step for Gated DeltaNet, n tokens per row; returns o (b, n, Hv, Dv).
 
     q, k (b, n, Hk, Dk) raw; v (b, n, Hv, Dv); g (b, n, Hv) log decay <= 0; beta (b, n, Hv);
     state (S, Hv, Dk, Dv) fp32/fp16/bf16; ring_k (S, Hk, R, Dk) in q.dtype; ring_e (S, Hv, R, Dv),
-    ring_g, ring_beta (S, Hv, R) fp32; ring_start, committed (S,) int32 (read only; `replay_commit`
+    ring_g (S, Hv, R) fp32; ring_start, committed (S,) int32 (read only; `replay_commit`
     moves them); state_indices (b,) int32, -1 = padding (o rows zero, nothing touched);
     1 <= n <= window, R >= window + n. Mutates: ring rows (o + h + t) mod R of each row's slot
-    (k raw, the token's e, g, beta), and state[s] iff h + n > window (fp16/bf16 rounded
+    (k raw, the token's e, g), and state[s] iff h + n > window (fp16/bf16 rounded
     stochastically with rand_seed).
     """
-    _check_cache(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed)
+    _check_cache(state, ring_k, ring_e, ring_g, ring_start, committed)
     _check_step(q, k, v, g, beta, state, ring_k.shape[1], (ring_k.dtype,), out)
     b, n = q.shape[:2]
     check_int("window", window, 1)
@@ -357,13 +356,12 @@ def gdn_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_bet
         used = committed[state_indices[state_indices >= 0].long()]
         if used.numel() and int(used.max()) > window:
             raise ValueError(f"committed: cursors must be <= window = {window}, got {used.tolist()}")
-    args = (q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
-            state_indices, window)
+    args = (q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_start, committed, state_indices, window)
     impl = pick_impl("gdn", "gdn_replay_forward", state, gdn_replay_forward_ref)
     return impl(*args, rand_seed=resolve_seed(rand_seed, state.device), out=out)
 
 
-def gdn_replay_forward_ref(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
+def gdn_replay_forward_ref(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_start, committed,
                            state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference of `gdn_replay_forward` (same contract): vectorized over rows, fp32 math."""
@@ -392,7 +390,6 @@ def gdn_replay_forward_ref(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring
     ring_k[slots[:, None], :, app] = k[rows]
     ring_e[slots[:, None], :, app] = es[:, W:]
     ring_g[slots[:, None], :, app] = g[rows].float()
-    ring_beta[slots[:, None], :, app] = beta[rows].float()
 
     # Flush: fold the history into the checkpoint.
     flush = (h + n > W).nonzero().squeeze(1)
@@ -402,7 +399,7 @@ def gdn_replay_forward_ref(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring
     return out
 
 
-def gdn_replay_materialize(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed, src_indices,
+def gdn_replay_materialize(state, ring_k, ring_e, ring_g, ring_start, committed, src_indices,
                            num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
     """state[dst] = state[src] advanced by the first n committed ring entries of src (n = 0 copies).
 
@@ -410,7 +407,7 @@ def gdn_replay_materialize(state, ring_k, ring_e, ring_g, ring_beta, ring_start,
     0 <= n <= committed[src]; a row with src or dst = -1 is skipped. Never modifies src; ring and
     cursors of dst are not touched (callers reset them).
     """
-    _check_cache(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed)
+    _check_cache(state, ring_k, ring_e, ring_g, ring_start, committed)
     num_slots, dev = state.shape[0], state.device
     check_indices("src_indices", src_indices, (None,), num_slots, dev)
     m = src_indices.shape[0]
@@ -423,13 +420,12 @@ def gdn_replay_materialize(state, ring_k, ring_e, ring_g, ring_beta, ring_start,
             raise ValueError(f"num_entries: need 0 <= n <= committed[src], got {num_entries.tolist()}")
         if bool(torch.isin(dst_indices[use], src_indices[use]).any()):
             raise ValueError(f"dst_indices: a destination is also a source, got {dst_indices.tolist()}")
-    args = (state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed, src_indices, num_entries,
-            dst_indices)
+    args = (state, ring_k, ring_e, ring_g, ring_start, committed, src_indices, num_entries, dst_indices)
     impl = pick_impl("gdn", "gdn_replay_materialize", state, gdn_replay_materialize_ref)
     return impl(*args, rand_seed=resolve_seed(rand_seed, dev))
 
 
-def gdn_replay_materialize_ref(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed, src_indices,
+def gdn_replay_materialize_ref(state, ring_k, ring_e, ring_g, ring_start, committed, src_indices,
                                num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
     """PyTorch reference of `gdn_replay_materialize` (same contract): the fold over n entries."""
     rows = ((src_indices >= 0) & (dst_indices >= 0)).nonzero().squeeze(1)

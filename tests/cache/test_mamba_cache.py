@@ -43,15 +43,15 @@ def test_copy_slots_copies_whole_slots_and_nothing_else(ring):
 
 
 def test_gdn_ring_keeps_fp32_deltas_counted_by_the_planner():
-    """A Gated DeltaNet layer's ring is (k act, e fp32 (Hv, R, Dv), g, beta fp32) per slot whatever the
+    """A Gated DeltaNet layer's ring is (k act, e fp32 (Hv, R, Dv), g fp32) per slot whatever the
     activation dtype, and bytes_per_slot counts exactly the tensors the cache allocates."""
     cfg = SimpleNamespace(gdn_num_k_heads=2, gdn_num_v_heads=4, gdn_k_head_dim=8, gdn_v_head_dim=6,
                           gdn_conv_dim=44, conv_kernel=4, num_gdn_layers=2, num_recurrent_layers=2)
     kw = dict(act_dtype=torch.bfloat16, state_dtype=torch.bfloat16, replayssm=True, window=4, q_max=3)
     cache = MambaCache(cfg, num_slots=5, max_num_seqs=2, device=torch.device("cpu"), **kw)
-    k, e, g, beta = cache.ring(1)
+    k, e, g = cache.ring(1)
     assert k.shape == (6, 2, 7, 8) and k.dtype == torch.bfloat16
     assert e.shape == (6, 4, 7, 6) and e.dtype == torch.float32
-    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == (6, 4, 7)
+    assert g.dtype == torch.float32 and g.shape == (6, 4, 7)
     allocated = sum(t[0].numel() * t.element_size() for t in cache.per_slot_tensors())
     assert MambaCache.bytes_per_slot(cfg, **kw) == allocated

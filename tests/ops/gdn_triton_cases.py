@@ -10,7 +10,7 @@ output. It runs the Triton twin and the fp32 `*_ref` on copies and the float64 r
   different orders, on tensor cores or not: the fp32 values differ by rounding, near-zero elements
   of a Dk = 128 sum by more than an ulp through cancellation, and a stochastic rounding flips only
   where its random threshold falls between the two);
-- appended deltas e within TOL of the reference's; the other ring rows (k, g, beta, and every row not
+- appended deltas e within TOL of the reference's; the other ring rows (k, g, and every row not
   appended), cursors and every untouched slot bit-exact; a second Triton run bit-identical (`repeat`:
   races show on the GPU; the interpreter runs programs one after another and skips it).
 
@@ -104,13 +104,13 @@ def _slots(b: int, S: int, device) -> torch.Tensor:
 
 
 def _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device, similar=False):
-    """(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed); e fp32, beta times a normal (any e
-    is the delta of some v: `_history64`); rows past each history NaN."""
+    """(state, ring_k, ring_e, ring_g, ring_start, committed); e fp32, a normal times a beta from `_gates`
+    (any e is the delta of some v: `_history64`); rows past each history NaN."""
     ring_start = torch.randint(0, R, (S,), dtype=torch.int32)
     committed = torch.as_tensor(committed, dtype=torch.int32)
     state = (torch.randn(S, Hv, Dk, Dv) * 0.5).to(state_dtype)
     g, beta = _gates((S, Hv, R), similar)
-    ring = [_keys((S, Hk, R), Dk, similar).to(act), torch.randn(S, Hv, R, Dv) * beta[..., None], g, beta]
+    ring = [_keys((S, Hk, R), Dk, similar).to(act), torch.randn(S, Hv, R, Dv) * beta[..., None], g]
     for s in range(S):
         free = [r for r in range(R) if (r - int(ring_start[s])) % R >= int(committed[s])]
         for t in ring:
@@ -119,19 +119,21 @@ def _cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act, device, similar=Fa
 
 
 def _history64(cache, s: int, n: int):
-    """The first n ring entries of slot s as the float64 tokens that produced them from its checkpoint:
-    k (n, Hk, Dk), v (n, Hv, Dv), g, beta (n, Hv), with v_t = e_t / beta_t + a_t S_{t-1}^T k_t."""
-    state, rk, re, rg, rb, start, _ = cache
+    """The first n ring entries of slot s as float64 tokens that produce them from its checkpoint:
+    k (n, Hk, Dk), v (n, Hv, Dv), g, beta (n, Hv), with beta_t = 1 and v_t = e_t + a_t S_{t-1}^T k_t (the
+    ring keeps no beta: e carries it, and any e is the delta of this v)."""
+    state, rk, re, rg, start, _ = cache
     rows = [(int(start[s]) + j) % rk.shape[2] for j in range(n)]
     k, e = rk[s][:, rows].transpose(0, 1).double().cpu(), re[s][:, rows].transpose(0, 1).double().cpu()
-    g, beta = rg[s][:, rows].T.double().cpu(), rb[s][:, rows].T.double().cpu()
+    g = rg[s][:, rows].T.double().cpu()
+    beta = torch.ones_like(g)
     Hv = e.shape[1]
     kn = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     kn = kn.repeat_interleave(Hv // k.shape[1], dim=1)
     S, v = state[s].double().cpu(), []
     for t in range(n):
         S = torch.exp(g[t])[:, None, None] * S
-        v.append(e[t] / beta[t][:, None] + torch.einsum("hkv,hk->hv", S, kn[t]))
+        v.append(e[t] + torch.einsum("hkv,hk->hv", S, kn[t]))
         S = S + kn[t][:, :, None] * e[t][:, None, :]
     v = torch.stack(v) if v else e
     return tuple(t.to(state.device) for t in (k, v, g, beta))
@@ -218,10 +220,10 @@ def check_replay(device, *, Hk, Hv, Dk, Dv, n, W, state_dtype, act, block_v=32, 
     for s in idx.tolist():
         if s >= 0:
             for t in range(n):
-                appended[s, :, (int(cache[5][s]) + int(committed[s]) + t) % R] = True
+                appended[s, :, (int(cache[4][s]) + int(committed[s]) + t) % R] = True
     _close("appended e", got_cache[2][appended], want_cache[2][appended], TOL)
     _same_bits("ring_e rows not appended", got_cache[2][~appended], cache[2][~appended])
-    for name, g_, w_ in zip(("ring_k", "ring_g", "ring_beta", "ring_start", "committed"),
+    for name, g_, w_ in zip(("ring_k", "ring_g", "ring_start", "committed"),
                             (got_cache[1], *got_cache[3:]), (want_cache[1], *want_cache[3:])):
         _same_bits(name, g_, w_)
     _untouched("untouched slots", got_cache[0], cache[0], idx)
@@ -267,7 +269,7 @@ def check_materialize(device, *, Hk, Hv, Dk, Dv, W, state_dtype, act, block_v=32
     gdn_replay_materialize_ref(*want_cache, src, num, dst, rand_seed=seed)
     got_cache = [t.clone() for t in cache]
     cfg = LaunchConfig(block_v=block_v, num_warps=num_warps)
-    launch_materialize(*got_cache[:6], src, num, dst, seed, cfg)
+    launch_materialize(*got_cache[:5], src, num, dst, seed, cfg)
     _states_match("state", got_cache[0], want_cache[0])
     for g_, w_ in zip(got_cache[1:], cache[1:]):
         _same_bits("ring / cursors", g_, w_)

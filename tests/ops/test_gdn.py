@@ -68,13 +68,13 @@ def deltas64(S0, k, v, g, beta):
     return torch.stack(out) if out else torch.zeros(0, *S0.shape[:1], S0.shape[-1], dtype=F64)
 
 
-def values64(S0, k, e, g, beta):
-    """The float64 v whose run from S0 adds the deltas e (inverts `deltas64`): v_t = e_t / beta_t + a_t
-    S_{t-1}^T k_t."""
+def values64(S0, k, e, g):
+    """The float64 v whose run from S0 with beta = 1 adds the deltas e (inverts `deltas64`):
+    v_t = e_t + a_t S_{t-1}^T k_t."""
     S, out = S0.double(), []
-    for kn, et, gt, bt in zip(unit_keys(k, e.shape[1]), e.double(), g.double(), beta.double()):
+    for kn, et, gt in zip(unit_keys(k, e.shape[1]), e.double(), g.double()):
         S = torch.exp(gt)[:, None, None] * S
-        out.append(et / bt[:, None] + torch.einsum("hkv,hk->hv", S, kn))
+        out.append(et + torch.einsum("hkv,hk->hv", S, kn))
         S = S + kn[:, :, None] * et[:, None, :]
     return torch.stack(out) if out else e.double()
 
@@ -85,7 +85,6 @@ class Cache:
     ring_k: torch.Tensor  # (S, Hk, R, Dk)
     ring_e: torch.Tensor  # (S, Hv, R, Dv) fp32
     ring_g: torch.Tensor  # (S, Hv, R) fp32
-    ring_beta: torch.Tensor  # (S, Hv, R) fp32
     ring_start: torch.Tensor  # (S,) int32
     committed: torch.Tensor  # (S,) int32
 
@@ -98,7 +97,7 @@ class Cache:
 
 def make_cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act_dtype) -> Cache:
     """Random pool, random ring_start, random deltas e (beta times a normal: any e is the delta of some v,
-    `values64`); rows outside each history are NaN (they must never be read)."""
+    `values64`; the ring keeps no beta); rows outside each history are NaN (they must never be read)."""
     ring_start = torch.randint(0, R, (S,), dtype=torch.int32)
     beta = torch.rand(S, Hv, R) * 0.9 + 0.05
     cache = Cache(
@@ -106,26 +105,25 @@ def make_cache(S, Hk, Hv, Dk, Dv, R, committed, state_dtype, act_dtype) -> Cache
         torch.randn(S, Hk, R, Dk).to(act_dtype),
         torch.randn(S, Hv, R, Dv) * beta[..., None],
         -(torch.rand(S, Hv, R) * 0.78 + 0.02),
-        beta,
         ring_start,
         torch.as_tensor(committed, dtype=torch.int32),
     )
     for s in range(S):
         free = [r for r in range(R) if (r - int(ring_start[s])) % R >= int(cache.committed[s])]
-        for t in (cache.ring_k, cache.ring_e, cache.ring_g, cache.ring_beta):
+        for t in (cache.ring_k, cache.ring_e, cache.ring_g):
             t[s][:, free] = float("nan")
     return cache
 
 
 def history(cache: Cache, s: int, n: int | None = None):
     """The first n (default committed) ring entries of slot s as the tokens that produced them, from its
-    checkpoint: k (n, Hk, Dk), float64 v (n, Hv, Dv) (`values64`), g, beta (n, Hv)."""
+    checkpoint: k (n, Hk, Dk), float64 v (n, Hv, Dv) (`values64`), g, beta = 1 (n, Hv)."""
     R = cache.ring_k.shape[2]
     n = int(cache.committed[s]) if n is None else n
     rows = [(int(cache.ring_start[s]) + j) % R for j in range(n)]
     k, e = cache.ring_k[s][:, rows].transpose(0, 1), cache.ring_e[s][:, rows].transpose(0, 1)
-    g, beta = cache.ring_g[s][:, rows].T, cache.ring_beta[s][:, rows].T
-    return k, values64(cache.state[s], k, e, g, beta), g, beta
+    g = cache.ring_g[s][:, rows].T
+    return k, values64(cache.state[s], k, e, g), g, torch.ones_like(g)
 
 
 def replay(cache: Cache, step, idx, W, **kw):
@@ -252,8 +250,8 @@ def test_chunked_varlen_rejects_points_outside_rows():
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", HEADS)
 def test_replay_forward_matches_recurrence(Hk, Hv, Dk, Dv, state_dtype, act_dtype, n):
     """For every ring fill 0..W: outputs equal the recurrence from checkpoint + history, the state is
-    written iff h + n > W (with the history's state), the appended e are the recurrence's deltas (k, g,
-    beta exact), nothing else changes."""
+    written iff h + n > W (with the history's state), the appended e are the recurrence's deltas (k, g
+    exact), nothing else changes."""
     W = 6
     R, S = W + n, W + 4
     idx = torch.randperm(S)[: W + 1].to(torch.int32)
@@ -284,11 +282,11 @@ def test_replay_forward_matches_recurrence(Hk, Hv, Dk, Dv, state_dtype, act_dtyp
         rows = [(start + h + t) % R for t in range(n)]
         appended[s, rows] = True
         assert_close(cache.ring_e[s][:, rows].transpose(0, 1), e_ref, STATE_TOL[F32], f"e row {i}, h = {h}")
-        for name, new in zip(("ring_k", "ring_g", "ring_beta"), (k[i], g[i], beta[i])):
+        for name, new in zip(("ring_k", "ring_g"), (k[i], g[i])):
             assert torch.equal(bits(getattr(cache, name)[s][:, rows]), bits(new.transpose(0, 1))), name
     untouched = [s for s in range(S) if s not in idx.tolist()]
     assert torch.equal(bits(cache.state[untouched]), bits(before.state[untouched]))
-    for name in ("ring_k", "ring_e", "ring_g", "ring_beta"):
+    for name in ("ring_k", "ring_e", "ring_g"):
         old, new = bits(getattr(before, name)), bits(getattr(cache, name))
         keep = ~appended[:, None, :, None] if old.dim() == 4 else ~appended[:, None, :]
         assert torch.equal(torch.where(keep, new, 0), torch.where(keep, old, 0)), name
@@ -442,7 +440,7 @@ def _replay_args(**over):
     Hk, Hv, Dk, Dv, W, S, n = 1, 2, 8, 8, 4, 5, 2
     cache = make_cache(S, Hk, Hv, Dk, Dv, W + n, [1, 2, 3, 4, 0], F32, F32)
     q, k, v, g, beta = make_tokens(2, n, Hk, Hv, Dk, Dv)
-    names = ("state", "ring_k", "ring_e", "ring_g", "ring_beta", "ring_start", "committed")
+    names = ("state", "ring_k", "ring_e", "ring_g", "ring_start", "committed")
     args = dict(q=q, k=k, v=v, g=g, beta=beta, **dict(zip(names, cache.tensors())),
                 state_indices=torch.tensor([3, -1], dtype=torch.int32), window=W)
     args.update(over)
@@ -472,7 +470,7 @@ def test_replay_forward_rejects_bad_arguments(name, over):
 def test_materialize_and_baseline_reject_bad_arguments():
     """gdn_replay_materialize and gdn_state_update raise ValueError naming the bad argument."""
     args = _replay_args()
-    cache = [args[k] for k in ("state", "ring_k", "ring_e", "ring_g", "ring_beta", "ring_start", "committed")]
+    cache = [args[k] for k in ("state", "ring_k", "ring_e", "ring_g", "ring_start", "committed")]
     one = torch.tensor([0], dtype=torch.int32)
     for name, src, cnt, dst in [("num_entries", one, torch.tensor([2], dtype=torch.int32), one + 2),
                                 ("dst_indices", one, one, one),

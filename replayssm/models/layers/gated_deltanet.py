@@ -12,7 +12,7 @@ Tokens arrive packed, prefill rows first, then decode rows (see engine/context.p
                     -> gdn_replay_forward (ReplaySSM) | gdn_state_update (off)
     -> gated RMSNorm per value head (norm, then times silu(z)) -> out_proj
 
-The cache (cache/mamba_cache.py) holds a (Hv, Dk, Dv) state and a ring of (k, e, g, beta) per slot (e:
+The cache (cache/mamba_cache.py) holds a (Hv, Dk, Dv) state and a ring of (k, e, g) per slot (e:
 each token's delta, fp32); cursors, conv windows, commit and publication are the engine's, unchanged
 (docs/design.md).
 """

@@ -39,18 +39,17 @@ def gdn_state_update_triton(state, q, k, v, g, beta, state_indices, *,
                                CONFIGS[state.dtype, q.shape[1] > 1])
 
 
-def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start,
-                              committed, state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
+def gdn_replay_forward_triton(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_start, committed,
+                              state_indices, window: int, *, rand_seed: torch.Tensor | None = None,
                               out: torch.Tensor | None = None) -> torch.Tensor:
     """ReplaySSM decode / verify step (`ops.gdn.gdn_replay_forward`)."""
-    return launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start,
-                                 committed, state_indices, window, rand_seed, out,
+    return launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_start, committed,
+                                 state_indices, window, rand_seed, out,
                                  REPLAY_CONFIGS[state.dtype, q.shape[1] > 1])
 
 
-def gdn_replay_materialize_triton(state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
-                                  src_indices, num_entries, dst_indices, *,
-                                  rand_seed: torch.Tensor | None = None) -> None:
+def gdn_replay_materialize_triton(state, ring_k, ring_e, ring_g, ring_start, committed, src_indices,
+                                  num_entries, dst_indices, *, rand_seed: torch.Tensor | None = None) -> None:
     """state[dst] = state[src] advanced by n ring entries (`ops.gdn.gdn_replay_materialize`)."""
-    launch_materialize(state, ring_k, ring_e, ring_g, ring_beta, ring_start, src_indices, num_entries,
-                       dst_indices, rand_seed, REPLAY_CONFIGS[state.dtype, False])
+    launch_materialize(state, ring_k, ring_e, ring_g, ring_start, src_indices, num_entries, dst_indices,
+                       rand_seed, REPLAY_CONFIGS[state.dtype, False])

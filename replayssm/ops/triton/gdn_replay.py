@@ -24,17 +24,18 @@ accumulate over key columns KEY_CHUNK at a time (a whole (T, Dk) operand in regi
 Dk = 128); the flush streams the key chunks again, reloading the history keys and the checkpoint rows
 it folds, and stores each (KEY_CHUNK, BLOCK_V) piece of the new checkpoint.
 
-    state[s] read once; out (q rows) stored; ring rows (o + h + t) mod R = (k_t raw, e_t fp32, g_t, beta_t)
+    state[s] read once; out (q rows) stored; ring rows (o + h + t) mod R = (k_t raw, e_t fp32, g_t)
     state[s] written iff h + q > W (16-bit pools rounded with `stochastic_round_pairs`)
 
 The state after the new tokens is never stored: the ring keeps their e and the next step reads them.
 Appended rows never overlap history rows (h + q <= R), so no program reads a row another writes. The
 k-head's ring_k row is written by the head's first value head (hv % (Hv / Hk) == 0) in its first Dv
-tile, g and beta by each value head's first Dv tile, e by every Dv tile (its columns).
+tile, g by each value head's first Dv tile, e by every Dv tile (its columns). beta is folded into e, so
+the ring keeps no copy of it.
 
 Cost per row and value head (Qp = max(16, next_pow2(q)), T = BLOCK_T, s / a state / activation bytes):
 reads Dk Dv s of state, h Dk a + 4 h (Dv + 1) of ring (keys, e, g) and q (2 Dk + Dv) a + 8 q of inputs
-(the key rows again per Dv tile, from L2); writes q Dv a of output, q Dk a + 4 q (Dv + 2) of ring, and on
+(the key rows again per Dv tile, from L2); writes q Dv a of output, q Dk a + 4 q (Dv + 1) of ring, and on
 a flush Dk Dv s (reading the state and the history keys again). Tensor-core MACs per Dv tile: 2 Qp Dk
 BLOCK_V (k S0, q S0), 2 Qp (T + Qp) Dk (key dot products), Qp (2 T + Qp) BLOCK_V (history part of e,
 outputs), T Dk BLOCK_V more on a flush; each 1 to 3 TF32 passes (above). CUDA cores: ~2 q Qp BLOCK_V
@@ -97,7 +98,7 @@ def _fold_store(state_ptr, src, dst, hv, Hv, rk_ptr, s64, hk, Hk, R, start, coun
 
 @triton.jit
 def _replay_forward_kernel(
-    state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rk_ptr, re_ptr, rg_ptr, rb_ptr, start_ptr, committed_ptr,
+    state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rk_ptr, re_ptr, rg_ptr, start_ptr, committed_ptr,
     idx_ptr, o_ptr, seed_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     sg_b, sg_t, sg_h, sb_b, sb_t, sb_h, so_b, so_t, so_h,
@@ -191,12 +192,10 @@ def _replay_forward_kernel(
     tl.store(o_ptr + i * so_b + tq[:, None] * so_t + hv * so_h + vv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=(tq < Q)[:, None] & vm[None, :])
 
-    # Appends: e per Dv tile, g and beta once per value head (its first Dv tile); k above.
+    # Appends: e per Dv tile, g once per value head (its first Dv tile); k above.
     e_rows = (s64 * Hv + hv) * R + app_rows
     tl.store(re_ptr + e_rows[:, None] * DV + vv[None, :], EN, mask=app[:, None] & vm[None, :])
-    gb_writer = app & ((tq * 0 + pid_v) == 0)
-    tl.store(rg_ptr + e_rows, g_new, mask=gb_writer)
-    tl.store(rb_ptr + e_rows, b_new, mask=gb_writer)
+    tl.store(rg_ptr + e_rows, g_new, mask=app & ((tq * 0 + pid_v) == 0))
 
     if h + Q > W:  # flush: the history folded into the checkpoint
         _fold_store(state_ptr, s, s, hv, Hv, rk_ptr, s64, hk, Hk, R, start, h, EH, Gh, rkh, jt, vv, vm,
@@ -243,16 +242,15 @@ def _tile(config: LaunchConfig, Dk: int, Dv: int) -> tuple[int, int]:
     return _pad16(min(config.block_v, triton.next_power_of_2(Dv))), _pad16(Dk)
 
 
-def _check_pools(state, ring_k, ring_e, ring_g, ring_beta) -> None:
-    for name, t in (("state", state), ("ring_k", ring_k), ("ring_e", ring_e), ("ring_g", ring_g),
-                    ("ring_beta", ring_beta)):
+def _check_pools(state, ring_k, ring_e, ring_g) -> None:
+    for name, t in (("state", state), ("ring_k", ring_k), ("ring_e", ring_e), ("ring_g", ring_g)):
         assert t.is_contiguous(), f"{name} must be contiguous (offsets are linear indices)"
 
 
-def launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_beta, ring_start, committed,
+def launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_start, committed,
                           state_indices, window, rand_seed, out, config: LaunchConfig) -> torch.Tensor:
     """Launch the replay forward kernel with an explicit tile config (the benchmark times it)."""
-    _check_pools(state, ring_k, ring_e, ring_g, ring_beta)
+    _check_pools(state, ring_k, ring_e, ring_g)
     _, Hv, Dk, Dv = state.shape
     b, n, Hk, _ = q.shape
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
@@ -263,7 +261,7 @@ def launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_
     block_v, block_k = _tile(config, Dk, Dv)
     sdt = tl_dtype(state.dtype)
     _replay_forward_kernel[(triton.cdiv(Dv, block_v), Hv, b)](
-        state, q, k, v, g, beta, ring_k, ring_e, ring_g, ring_beta, ring_start, committed, state_indices, o,
+        state, q, k, v, g, beta, ring_k, ring_e, ring_g, ring_start, committed, state_indices, o,
         device_seed(rand_seed, state.device),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *o.stride()[:3],
         Hk, Hv, Hv // Hk, ring_k.shape[2], window, Dk**-0.5,
@@ -274,10 +272,10 @@ def launch_replay_forward(q, k, v, g, beta, state, ring_k, ring_e, ring_g, ring_
     return o
 
 
-def launch_materialize(state, ring_k, ring_e, ring_g, ring_beta, ring_start, src_indices, num_entries,
+def launch_materialize(state, ring_k, ring_e, ring_g, ring_start, src_indices, num_entries,
                        dst_indices, rand_seed, config: LaunchConfig) -> None:
     """Launch the materialize kernel with an explicit tile config."""
-    _check_pools(state, ring_k, ring_e, ring_g, ring_beta)
+    _check_pools(state, ring_k, ring_e, ring_g)
     _, Hv, Dk, Dv = state.shape
     m = src_indices.shape[0]
     if m == 0:
