@@ -157,9 +157,8 @@ class EngineConfig:
     model: str = field(metadata={"help": "checkpoint directory (Hugging Face layout) or 'demo'"})
     device: str = _doc("auto", "torch device: auto (cuda if available), cpu, cuda, cuda:N")
     dtype: str = _doc("auto", "activation/weight dtype: auto (bfloat16 on CUDA, float32 on CPU), or a name")
-    replayssm: bool | None = _doc(
-        None, "decode the recurrent layers with ReplaySSM (off: the baseline state update); default: on for "
-        "Mamba-2 models; for Gated DeltaNet models on with speculative decoding"
+    replayssm: bool = _doc(
+        True, "decode the recurrent layers with ReplaySSM (off: the baseline state update)"
     )
     replay_window: int = _doc(16, "ReplaySSM window W: ring entries kept before a state write")
     replay_stagger: bool = _doc(
@@ -216,8 +215,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
-        if not (self.replayssm is None or isinstance(self.replayssm, bool)):
-            raise ValueError(f"replayssm must be True, False or None (auto), got {self.replayssm!r}")
+        if not isinstance(self.replayssm, bool):
+            raise ValueError(f"replayssm must be True or False, got {self.replayssm!r}")
         _check_int("replay_window", self.replay_window, 1)
         if not isinstance(self.replay_stagger, bool):
             raise ValueError(f"replay_stagger must be True or False, got {self.replay_stagger!r}")
@@ -237,9 +236,8 @@ class EngineConfig:
             raise ValueError("cuda_graphs=True does not support tensor_parallel_size > 1 yet "
                              "(graphs with NCCL collectives are untested)")
         q_max = 1 + self.spec.num_speculative_tokens
-        # A verify step appends its 1 + k tokens to the ring; the baseline keeps no ring. With k > 0
-        # auto (None) resolves on for every model (resolved_replayssm), so it counts as on here.
-        if self.replayssm is not False and q_max > self.replay_window:
+        # A verify step appends its 1 + k tokens to the ring; the baseline keeps no ring.
+        if self.replayssm and q_max > self.replay_window:
             raise ValueError(
                 f"num_speculative_tokens={self.spec.num_speculative_tokens} needs 1 + k <= replay_window "
                 f"({self.replay_window})"
@@ -269,27 +267,6 @@ class EngineConfig:
             spec=SpecConfig(**groups["spec"]),
             **groups[""],
         )
-
-    def resolved_replayssm(self, model_config: Any) -> bool:
-        """replayssm with auto (None) resolved for the model (a ``ModelConfig``); True / False as given.
-
-        Measured on an H100. Mamba-2 models: ReplaySSM wins everywhere, 1.2-1.9x. Gated DeltaNet at the
-        Qwen3.5-27B shape (the form whose ring kept raw v and re-solved its tokens every step; the ring
-        of deltas has no GPU timing yet): one token per row took 843 us against the plain state
-        update's 552 us at batch 256 (0.65x), plain decode with ReplaySSM on 0.92x end to end; with
-        speculative decoding (k = 3) the replay step won 1.5-2.1x per kernel and 1.10x end to end, and
-        a request holds one state slot instead of 1 + k (docs/design.md, "Gated DeltaNet").
-        """
-        if self.replayssm is not None:
-            return self.replayssm  # explicit: kept as given
-        if model_config.num_gdn_layers:
-            # Gated DeltaNet: the replay solve loses on one-token rows and wins on verify rows.
-            return self.spec.num_speculative_tokens > 0
-        return True  # Mamba-2: ReplaySSM moves fewer bytes in every mode
-
-    def resolved(self, model_config: Any) -> EngineConfig:
-        """This config with the model-dependent automatic choices (replayssm) made for `model_config`."""
-        return dataclasses.replace(self, replayssm=self.resolved_replayssm(model_config))
 
     def resolved_device(self) -> str:
         """The device string with 'auto' resolved; ValueError for a CUDA device this process cannot use."""

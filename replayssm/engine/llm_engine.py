@@ -54,7 +54,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner_cls: Any = None) -> None:
         setup: RunnerSetup = build_runner(config, runner_cls)
-        config = self.config = setup.config  # replayssm resolved for the model (EngineConfig.resolved)
+        self.config = config
         self.runner = setup.runner
         self.model_config = setup.model_config
         self.plan = setup.plan
@@ -450,7 +450,7 @@ class LLMEngine:
             slots_per_request=self.plan.slots_per_request,
             num_requests_fit=self.plan.num_requests_fit,
             cache_bytes=self.plan.total_bytes,
-            replayssm=int(self.config.replayssm),  # the resolved setting: 1 ReplaySSM, 0 the baseline
+            replayssm=int(self.config.replayssm),  # 1 ReplaySSM, 0 the baseline state update
         )
         pc = self.prefix_cache
         if pc is not None:

@@ -22,7 +22,6 @@ CPU_DEFAULT_BUDGET = 1 << 30  # 1 GiB; the planner still caps it at what max_num
 
 @dataclass
 class RunnerSetup:
-    config: EngineConfig  # the engine's config with its model-dependent choices resolved (replayssm)
     runner: Any
     model_config: Any
     plan: CachePlan
@@ -85,8 +84,7 @@ def weight_bytes_on_device(config: EngineConfig, model_config: Any, dtype: str) 
 
 
 def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
-    """Load the config and tokenizer, resolve the engine config's automatic choices for the model, plan
-    the cache from the memory budget, build the runner."""
+    """Load the config and tokenizer, plan the cache from the memory budget, build the runner."""
     from replayssm.models.config import ModelConfig
 
     tp = config.tensor_parallel_size
@@ -97,7 +95,6 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
     dummy = config.load_format == "dummy"
     model_dir = resolve_model_dir(config.model, need_weights=not dummy)
     model_config = ModelConfig.from_hf(model_dir)
-    config = config.resolved(model_config)  # everything below reads the resolved replayssm
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     if tokenizer is None and config.tokenizer is not None:  # asked for, so not optional as the model's is
         raise ValueError(f"tokenizer {config.tokenizer!r}: no tokenizer.json there (a tokenizer directory in "
@@ -180,7 +177,6 @@ def build_runner(config: EngineConfig, runner_cls: Any = None) -> RunnerSetup:
             block_pool, slot_pool, block_size=cache.kv_block_size, checkpoint_interval=interval
         )
     return RunnerSetup(
-        config=config,
         runner=runner,
         model_config=model_config,
         plan=plan,

@@ -87,7 +87,7 @@ def test_cli_device_tokenizer_and_interrupt_are_clear(tmp_path, capsys, monkeypa
 def test_cli_defaults_come_from_the_dataclasses():
     """Engine flag defaults equal the config dataclass defaults (generate and serve); sizes accept units."""
     args = build_parser().parse_args(["generate", "--model", "demo", "--prompt", "x"])
-    assert (args.replay_window, args.kv_block_size, args.max_num_seqs, args.replayssm) == (16, 16, 64, None)
+    assert (args.replay_window, args.kv_block_size, args.max_num_seqs, args.replayssm) == (16, 16, 64, True)
     assert args.memory_budget is None and args.state_dtype == "float32"
     serve = build_parser().parse_args(["serve", "--model", "demo", "--no-replayssm"])
     assert serve.command == "serve" and serve.replayssm is False and serve.port == 8000

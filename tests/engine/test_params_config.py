@@ -67,10 +67,10 @@ def test_window_bounds_drafts_only_with_replayssm():
     assert c.spec.num_speculative_tokens == 3
 
 
-@pytest.mark.parametrize("kw, on", [({}, True), ({"replayssm": False}, False)], ids=["auto", "explicit-off"])
-def test_auto_replayssm_is_on_for_mamba2(kw, on):
-    """replayssm unset resolves on for a Nemotron-H (Mamba-2) model; an explicit False is kept. The engine's
-    config and runner hold the resolved bool."""
+@pytest.mark.parametrize("kw, on", [({}, True), ({"replayssm": False}, False)], ids=["default", "off"])
+def test_replayssm_is_on_by_default_for_mamba2(kw, on):
+    """replayssm unset is on for a Nemotron-H (Mamba-2) model; an explicit False is kept. The engine's
+    config and runner hold the bool."""
     from checkpoints import cached_checkpoint
 
     from replayssm.engine.llm_engine import LLMEngine

@@ -138,18 +138,15 @@ def test_ngram_speculation_is_lossless(variant, replayssm):
 
 
 @pytest.mark.parametrize("kw, on", [
-    ({}, False),
+    ({}, True),
     ({"num_speculative_tokens": 3, "speculative_method": "ngram"}, True),
-    ({"num_speculative_tokens": 1, "speculative_method": "draft", "draft_model": "self"}, True),
-    ({"replayssm": True}, True),
+    ({"replayssm": False}, False),
     ({"replayssm": False, "num_speculative_tokens": 3, "speculative_method": "ngram"}, False),
-], ids=["plain", "ngram", "draft", "explicit-on", "explicit-off-ngram"])
-def test_auto_replayssm_is_on_only_with_speculation(kw, on):
-    """replayssm unset resolves off for Gated DeltaNet plain decode and on with speculative decoding (k >= 1);
-    an explicit value is kept. The runner, the slot plan and the metrics all see the resolved value."""
+], ids=["plain", "ngram", "explicit-off", "explicit-off-ngram"])
+def test_replayssm_is_the_default_and_false_is_kept(kw, on):
+    """replayssm unset is on for a Gated DeltaNet model, with and without speculative decoding; an explicit
+    False is kept. The runner, the slot plan and the metrics all see the config's value."""
     path, _ = tiny(VARIANTS[0])
-    if kw.get("draft_model") == "self":
-        kw = dict(kw, draft_model=path)
     llm = family_llm(path, replay_window=8, **kw)
     k = kw.get("num_speculative_tokens", 0)
     assert llm.engine.config.replayssm is on and llm.engine.runner.replayssm is on
@@ -157,9 +154,9 @@ def test_auto_replayssm_is_on_only_with_speculation(kw, on):
     assert llm.get_metrics()["replayssm"] == int(on)
 
 
-def test_auto_default_decodes_like_the_baseline():
-    """generate() with replayssm unset gives the replayssm=False run's tokens and logprobs exactly (sampled,
-    seeded), where the ReplaySSM run's logprobs differ in their rounding."""
+def test_default_decodes_like_replayssm():
+    """generate() with replayssm unset gives the replayssm=True run's tokens and logprobs exactly (sampled,
+    seeded), where the baseline run's logprobs differ in their rounding."""
     path, _ = tiny(VARIANTS[1])
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True, logprobs=0)
 
@@ -167,9 +164,9 @@ def test_auto_default_decodes_like_the_baseline():
         outs = family_llm(path, replay_window=4, **kw).generate(PROMPTS, params, use_tqdm=False)
         return [(o.token_ids, o.logprobs) for o in outs]
 
-    auto, baseline, replay = run(), run(replayssm=False), run(replayssm=True)
-    assert auto == baseline
-    assert replay != baseline
+    default, baseline, replay = run(), run(replayssm=False), run(replayssm=True)
+    assert default == replay
+    assert baseline != replay
 
 
 def test_unsupported_rope_is_refused():
