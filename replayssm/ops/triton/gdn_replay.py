@@ -14,17 +14,15 @@ over the history then the new tokens and gamma = exp(Gc):
 The history's part of every e_t is one product (weights (BLOCK_Q, BLOCK_T) @ E_hist); the new tokens'
 part runs row by row (q - 1 dependent rows, none for q = 1), on (BLOCK_Q, BLOCK_V) tiles in fp32.
 
-A one-token row (q = 1, plain decode) runs on the CUDA cores, as the state update does: it loads its
-whole (Dk, BLOCK_V) checkpoint tile and the history keys at once and reduces S0^T k, S0^T q and the key
-dot products over Dk in fp32; nothing pads to a tensor-core tile and no loop over key chunks serializes
-the state loads. A row of several tokens (verify) runs its products on tensor cores to fp32 accuracy
-(`tf32.dot_split`) with the raw keys and queries as operands and their L2 scales applied to the result
-rows: 16-bit activations and a 16-bit state tile are exact in TF32, so k S0 takes one pass with both
-16-bit, two with one, three (tf32x3) with none. Its token dim pads to 16 (the smallest tl.dot dim).
+Products run on tensor cores to fp32 accuracy (`tf32.dot_split`) with the raw keys and queries as
+operands and their L2 scales applied to the result rows: 16-bit activations and a 16-bit state tile are
+exact in TF32, so k S0 takes one pass with both 16-bit, two with one, three (tf32x3) with none. The
+token dim of the new tokens pads to 16 (the smallest tl.dot dim) for q = 1 too: one code path, and the
+padded k S0 and q S0 products stay below the time of the state's bytes (estimate in docs/kernels.md §6).
 k S0, q S0 and the key dot products (new keys and queries against the history keys and the new keys)
 accumulate over key columns KEY_CHUNK at a time (a whole (T, Dk) operand in registers spills at
-Dk = 128). A flush (either form) streams the key chunks again on tensor cores, reloading the history
-keys and the checkpoint rows it folds, and stores each (KEY_CHUNK, BLOCK_V) piece of the new checkpoint.
+Dk = 128); the flush streams the key chunks again, reloading the history keys and the checkpoint rows
+it folds, and stores each (KEY_CHUNK, BLOCK_V) piece of the new checkpoint.
 
     state[s] read once; out (q rows) stored; ring rows (o + h + t) mod R = (k_t raw, e_t fp32, g_t)
     state[s] written iff h + q > W (16-bit pools rounded with `stochastic_round_pairs`)
@@ -38,11 +36,10 @@ the ring keeps no copy of it.
 Cost per row and value head (Qp = max(16, next_pow2(q)), T = BLOCK_T, s / a state / activation bytes):
 reads Dk Dv s of state, h Dk a + 4 h (Dv + 1) of ring (keys, e, g) and q (2 Dk + Dv) a + 8 q of inputs
 (the key rows again per Dv tile, from L2); writes q Dv a of output, q Dk a + 4 q (Dv + 1) of ring, and on
-a flush Dk Dv s (reading the state and the history keys again). Per Dv tile, q > 1: tensor-core MACs
-2 Qp Dk BLOCK_V (k S0, q S0), 2 Qp (T + Qp) Dk (key dot products), Qp (2 T + Qp) BLOCK_V (history part
-of e, outputs), each 1 to 3 TF32 passes (above), and ~2 q Qp BLOCK_V CUDA-core FLOPs of substitution;
-q = 1: 2 Dk BLOCK_V + 2 T Dk + 2 T BLOCK_V fp32 FMAs on the CUDA cores. A flush adds T Dk BLOCK_V
-tensor-core MACs.
+a flush Dk Dv s (reading the state and the history keys again). Tensor-core MACs per Dv tile: 2 Qp Dk
+BLOCK_V (k S0, q S0), 2 Qp (T + Qp) Dk (key dot products), Qp (2 T + Qp) BLOCK_V (history part of e,
+outputs), T Dk BLOCK_V more on a flush; each 1 to 3 TF32 passes (above). CUDA cores: ~2 q Qp BLOCK_V
+FLOPs of substitution.
 
 `gdn_replay_materialize`: the fold over the first n ring entries of src (no solve: the entries carry
 their e), stored to dst.
@@ -123,118 +120,82 @@ def _replay_forward_kernel(
     vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     vm = vv < DV
     jt = tl.arange(0, BLOCK_T)  # history entries j < h
-    if Q == 1:  # one token: no tensor-core padding, the whole state tile in one load (see the docstring)
-        kk = tl.arange(0, BLOCK_K)
-        km = kk < DK
-        vec_s = kk * 0 + s  # scalar conditions enter the masks as vectors (the interpreter takes only those)
-        app_row = (start + h) % R
-        kn = tl.load(k_ptr + i * sk_b + hk * sk_h + kk, mask=km, other=0.0)
-        tl.store(rk_ptr + ((s64 * Hk + hk) * R + app_row) * DK + kk, kn,
-                 mask=km & (vec_s >= 0) & ((vec_s * 0 + pid_v) == 0) & ((vec_s * 0 + hv % RATIO) == 0))
-        kn = kn.to(tl.float32)
-        qn = tl.load(q_ptr + i * sq_b + hk * sq_h + kk, mask=km, other=0.0).to(tl.float32)
-        S0 = load_state(state_ptr, s, hv, Hv, kk, vv, km[:, None] & vm[None, :], DK, DV)
-        KH = _ring_keys(rk_ptr, s64, hk, Hk, R, start, h, jt, kk, km, DK).to(tl.float32)
-        rkh = tl.rsqrt(tl.sum(KH * KH, axis=1) + L2NORM_EPS)
-        rkn = tl.rsqrt(tl.sum(kn * kn, axis=0) + L2NORM_EPS)
-        rq = tl.rsqrt(tl.sum(qn * qn, axis=0) + L2NORM_EPS) * q_scale
-        EH, Gh = _ring_history(re_ptr, rg_ptr, s64, hv, Hv, R, start, h, jt, vv, vm, DV)
-        g1 = tl.load(g_ptr + i * sg_b + hv * sg_h).to(tl.float32)
-        b1 = tl.load(beta_ptr + i * sb_b + hv * sb_h).to(tl.float32)
-        G1 = tl.sum(tl.where(jt == h - 1, Gh, 0.0), axis=0) + g1
-        dh = tl.where(jt < h, tl.exp(tl.minimum(G1 - Gh, 0.0)), 0.0) * rkh  # (BLOCK_T,)
-        gamma = tl.exp(G1)
-        v1 = tl.load(v_ptr + i * sv_b + hv * sv_h + vv, mask=vm, other=0.0).to(tl.float32)
-        wk = dh * tl.sum(KH * kn[None, :], axis=1) * rkn
-        e1 = b1 * (v1 - gamma * rkn * tl.sum(S0 * kn[:, None], axis=0) - tl.sum(wk[:, None] * EH, axis=0))
-        wq = dh * tl.sum(KH * qn[None, :], axis=1) * rq
-        o = (gamma * rq * tl.sum(S0 * qn[:, None], axis=0) + tl.sum(wq[:, None] * EH, axis=0)
-             + (tl.sum(qn * kn, axis=0) * rq * rkn) * e1)
-        vec_v = vv * 0 + s
-        tl.store(o_ptr + i * so_b + hv * so_h + vv, tl.where(vec_v >= 0, o, 0.0).to(o_ptr.dtype.element_ty),
-                 mask=vm)
-        e_row = (s64 * Hv + hv) * R + app_row
-        tl.store(re_ptr + e_row * DV + vv, e1, mask=vm & (vec_v >= 0))
-        tl.store(rg_ptr + e_row + vv * 0, g1 + vv * 0.0, mask=(vv == 0) & (vec_v >= 0))  # tile 0's column 0
-    else:
-        tq = tl.arange(0, BLOCK_Q)  # new tokens t < Q, appended at ring row (start + h + t) mod R
-        # Scalar conditions enter the masks as vectors (tq * 0 + x): the interpreter takes only those.
-        app = (tq < Q) & ((tq * 0 + s) >= 0)
-        k_writer = app & ((tq * 0 + pid_v) == 0) & ((tq * 0 + hv % RATIO) == 0)
-        app_rows = (start + h + tq) % R
+    tq = tl.arange(0, BLOCK_Q)  # new tokens t < Q, appended at ring row (start + h + t) mod R
+    # Scalar conditions enter the masks as vectors (tq * 0 + x): the interpreter takes only those.
+    app = (tq < Q) & ((tq * 0 + s) >= 0)
+    k_writer = app & ((tq * 0 + pid_v) == 0) & ((tq * 0 + hv % RATIO) == 0)
+    app_rows = (start + h + tq) % R
 
-        # Raw-key products, BLOCK_KC key columns at a time: new keys and queries against the history keys,
-        # the new keys and the checkpoint tile.
-        knh = tl.zeros((BLOCK_Q, BLOCK_T), tl.float32)
-        qh = tl.zeros((BLOCK_Q, BLOCK_T), tl.float32)
-        knn = tl.zeros((BLOCK_Q, BLOCK_Q), tl.float32)
-        qn = tl.zeros((BLOCK_Q, BLOCK_Q), tl.float32)
-        ks = tl.zeros((BLOCK_Q, BLOCK_V), tl.float32)
-        qs = tl.zeros((BLOCK_Q, BLOCK_V), tl.float32)
-        kh2 = tl.zeros((BLOCK_T,), tl.float32)
-        kn2 = tl.zeros((BLOCK_Q,), tl.float32)
-        q2 = tl.zeros((BLOCK_Q,), tl.float32)
-        for c in range(0, BLOCK_K, BLOCK_KC):
-            kc = c + tl.arange(0, BLOCK_KC)
-            kcm = kc < DK
-            tm = (tq < Q)[:, None] & kcm[None, :]
-            KN = tl.load(k_ptr + i * sk_b + tq[:, None] * sk_t + hk * sk_h + kc[None, :], mask=tm, other=0.0)
-            tl.store(rk_ptr + ((s64 * Hk + hk) * R + app_rows)[:, None] * DK + kc[None, :], KN,
-                     mask=k_writer[:, None] & kcm[None, :])
-            KN = KN.to(tl.float32)
-            QN = tl.load(q_ptr + i * sq_b + tq[:, None] * sq_t + hk * sq_h + kc[None, :], mask=tm,
-                         other=0.0).to(tl.float32)
-            KH = _ring_keys(rk_ptr, s64, hk, Hk, R, start, h, jt, kc, kcm, DK).to(tl.float32)
-            S0 = load_state(state_ptr, s, hv, Hv, kc, vv, kcm[:, None] & vm[None, :], DK, DV)
-            knh = dot_split(KN, tl.trans(KH), knh, KEY16, KEY16)
-            qh = dot_split(QN, tl.trans(KH), qh, KEY16, KEY16)
-            knn = dot_split(KN, tl.trans(KN), knn, KEY16, KEY16)
-            qn = dot_split(QN, tl.trans(KN), qn, KEY16, KEY16)
-            ks = dot_split(KN, S0, ks, KEY16, STATE_DTYPE != tl.float32)
-            qs = dot_split(QN, S0, qs, KEY16, STATE_DTYPE != tl.float32)
-            kh2 += tl.sum(KH * KH, axis=1)
-            kn2 += tl.sum(KN * KN, axis=1)
-            q2 += tl.sum(QN * QN, axis=1)
-        rkh = tl.rsqrt(kh2 + L2NORM_EPS)
-        rkn = tl.rsqrt(kn2 + L2NORM_EPS)
-        rq = tl.rsqrt(q2 + L2NORM_EPS) * q_scale
+    # Raw-key products, BLOCK_KC key columns at a time: new keys and queries against the history keys,
+    # the new keys and the checkpoint tile.
+    knh = tl.zeros((BLOCK_Q, BLOCK_T), tl.float32)
+    qh = tl.zeros((BLOCK_Q, BLOCK_T), tl.float32)
+    knn = tl.zeros((BLOCK_Q, BLOCK_Q), tl.float32)
+    qn = tl.zeros((BLOCK_Q, BLOCK_Q), tl.float32)
+    ks = tl.zeros((BLOCK_Q, BLOCK_V), tl.float32)
+    qs = tl.zeros((BLOCK_Q, BLOCK_V), tl.float32)
+    kh2 = tl.zeros((BLOCK_T,), tl.float32)
+    kn2 = tl.zeros((BLOCK_Q,), tl.float32)
+    q2 = tl.zeros((BLOCK_Q,), tl.float32)
+    for c in range(0, BLOCK_K, BLOCK_KC):
+        kc = c + tl.arange(0, BLOCK_KC)
+        kcm = kc < DK
+        tm = (tq < Q)[:, None] & kcm[None, :]
+        KN = tl.load(k_ptr + i * sk_b + tq[:, None] * sk_t + hk * sk_h + kc[None, :], mask=tm, other=0.0)
+        tl.store(rk_ptr + ((s64 * Hk + hk) * R + app_rows)[:, None] * DK + kc[None, :], KN,
+                 mask=k_writer[:, None] & kcm[None, :])
+        KN = KN.to(tl.float32)
+        QN = tl.load(q_ptr + i * sq_b + tq[:, None] * sq_t + hk * sq_h + kc[None, :], mask=tm,
+                     other=0.0).to(tl.float32)
+        KH = _ring_keys(rk_ptr, s64, hk, Hk, R, start, h, jt, kc, kcm, DK).to(tl.float32)
+        S0 = load_state(state_ptr, s, hv, Hv, kc, vv, kcm[:, None] & vm[None, :], DK, DV)
+        knh = dot_split(KN, tl.trans(KH), knh, KEY16, KEY16)
+        qh = dot_split(QN, tl.trans(KH), qh, KEY16, KEY16)
+        knn = dot_split(KN, tl.trans(KN), knn, KEY16, KEY16)
+        qn = dot_split(QN, tl.trans(KN), qn, KEY16, KEY16)
+        ks = dot_split(KN, S0, ks, KEY16, STATE_DTYPE != tl.float32)
+        qs = dot_split(QN, S0, qs, KEY16, STATE_DTYPE != tl.float32)
+        kh2 += tl.sum(KH * KH, axis=1)
+        kn2 += tl.sum(KN * KN, axis=1)
+        q2 += tl.sum(QN * QN, axis=1)
+    rkh = tl.rsqrt(kh2 + L2NORM_EPS)
+    rkn = tl.rsqrt(kn2 + L2NORM_EPS)
+    rq = tl.rsqrt(q2 + L2NORM_EPS) * q_scale
 
-        # History deltas and decay; the new tokens' cumulative decay continues from the history's.
-        EH, Gh = _ring_history(re_ptr, rg_ptr, s64, hv, Hv, R, start, h, jt, vv, vm, DV)
-        g_new = tl.load(g_ptr + i * sg_b + tq * sg_t + hv * sg_h, mask=app, other=0.0).to(tl.float32)
-        b_new = tl.load(beta_ptr + i * sb_b + tq * sb_t + hv * sb_h, mask=app, other=0.0).to(tl.float32)
-        Gn = tl.sum(tl.where(jt == h - 1, Gh, 0.0), axis=0) + tl.cumsum(g_new, axis=0)
-        hist = jt[None, :] < h
-        dh = tl.where(hist, tl.exp(tl.minimum(Gn[:, None] - Gh[None, :], 0.0)), 0.0)  # (BLOCK_Q, BLOCK_T)
-        dn = tl.exp(tl.minimum(Gn[:, None] - Gn[None, :], 0.0))  # (BLOCK_Q, BLOCK_Q); masked by its users
+    # History deltas and decay; the new tokens' cumulative decay continues from the history's.
+    EH, Gh = _ring_history(re_ptr, rg_ptr, s64, hv, Hv, R, start, h, jt, vv, vm, DV)
+    g_new = tl.load(g_ptr + i * sg_b + tq * sg_t + hv * sg_h, mask=app, other=0.0).to(tl.float32)
+    b_new = tl.load(beta_ptr + i * sb_b + tq * sb_t + hv * sb_h, mask=app, other=0.0).to(tl.float32)
+    Gn = tl.sum(tl.where(jt == h - 1, Gh, 0.0), axis=0) + tl.cumsum(g_new, axis=0)
+    hist = jt[None, :] < h
+    dh = tl.where(hist, tl.exp(tl.minimum(Gn[:, None] - Gh[None, :], 0.0)), 0.0)  # (BLOCK_Q, BLOCK_T)
+    dn = tl.exp(tl.minimum(Gn[:, None] - Gn[None, :], 0.0))  # (BLOCK_Q, BLOCK_Q); masked by its users
 
-        # e_t = beta_t (v_t - gamma_t S0^T k_t - sum_{i<t} exp(Gc_t - Gc_i) (k_i . k_t) e_i): the history's
-        # part for every t at once, then the new tokens' part row by row (each needs the rows before it).
-        VN = tl.load(v_ptr + i * sv_b + tq[:, None] * sv_t + hv * sv_h + vv[None, :],
-                     mask=app[:, None] & vm[None, :], other=0.0).to(tl.float32)
-        wkh = dh * knh * rkn[:, None] * rkh[None, :]
-        EN = b_new[:, None] * (VN - dot_split(wkh, EH, (tl.exp(Gn) * rkn)[:, None] * ks, False, False))
-        wkn = tl.where(tq[None, :] < tq[:, None], dn * knn, 0.0) * (b_new * rkn)[:, None] * rkn[None, :]
-        for t in tl.static_range(1, Q):
-            at = tq[:, None] == t
-            # (BLOCK_Q,): nonzero only for u < t, rows already final
-            w_t = tl.sum(tl.where(at, wkn, 0.0), axis=0)
-            e_t = tl.sum(tl.where(at, EN, 0.0), axis=0) - tl.sum(w_t[:, None] * EN, axis=0)
-            EN = tl.where(at, e_t[None, :], EN)
+    # e_t = beta_t (v_t - gamma_t S0^T k_t - sum_{i<t} exp(Gc_t - Gc_i) (k_i . k_t) e_i): the history's
+    # part for every t at once, then the new tokens' part row by row (each needs the rows before it).
+    VN = tl.load(v_ptr + i * sv_b + tq[:, None] * sv_t + hv * sv_h + vv[None, :],
+                 mask=app[:, None] & vm[None, :], other=0.0).to(tl.float32)
+    wkh = dh * knh * rkn[:, None] * rkh[None, :]
+    EN = b_new[:, None] * (VN - dot_split(wkh, EH, (tl.exp(Gn) * rkn)[:, None] * ks, False, False))
+    wkn = tl.where(tq[None, :] < tq[:, None], dn * knn, 0.0) * (b_new * rkn)[:, None] * rkn[None, :]
+    for t in tl.static_range(1, Q):
+        at = tq[:, None] == t
+        w_t = tl.sum(tl.where(at, wkn, 0.0), axis=0)  # (BLOCK_Q,): nonzero only for u < t, rows already final
+        e_t = tl.sum(tl.where(at, EN, 0.0), axis=0) - tl.sum(w_t[:, None] * EN, axis=0)
+        EN = tl.where(at, e_t[None, :], EN)
 
-        # Outputs o_t = gamma_t S0^T q_t + sum_{i<=t} exp(Gc_t - Gc_i) (k_i . q_t) e_i.
-        wqh = dh * qh * rq[:, None] * rkh[None, :]
-        wqn = tl.where(tq[None, :] <= tq[:, None], dn * qn, 0.0) * rq[:, None] * rkn[None, :]
-        o = dot_split(wqh, EH, (tl.exp(Gn) * rq)[:, None] * qs, False, False)
-        o = dot_split(wqn, EN, o, False, False)
-        o = tl.where(valid, o, 0.0)  # padding rows read as zeros
-        o_rows = o_ptr + i * so_b + tq[:, None] * so_t + hv * so_h
-        tl.store(o_rows + vv[None, :], o.to(o_ptr.dtype.element_ty), mask=(tq < Q)[:, None] & vm[None, :])
+    # Outputs o_t = gamma_t S0^T q_t + sum_{i<=t} exp(Gc_t - Gc_i) (k_i . q_t) e_i.
+    wqh = dh * qh * rq[:, None] * rkh[None, :]
+    wqn = tl.where(tq[None, :] <= tq[:, None], dn * qn, 0.0) * rq[:, None] * rkn[None, :]
+    o = dot_split(wqn, EN, dot_split(wqh, EH, (tl.exp(Gn) * rq)[:, None] * qs, False, False), False, False)
+    o = tl.where(valid, o, 0.0)  # padding rows read as zeros
+    tl.store(o_ptr + i * so_b + tq[:, None] * so_t + hv * so_h + vv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(tq < Q)[:, None] & vm[None, :])
 
-        # Appends: e per Dv tile, g once per value head (its first Dv tile); k above.
-        e_rows = (s64 * Hv + hv) * R + app_rows
-        tl.store(re_ptr + e_rows[:, None] * DV + vv[None, :], EN, mask=app[:, None] & vm[None, :])
-        tl.store(rg_ptr + e_rows, g_new, mask=app & ((tq * 0 + pid_v) == 0))
+    # Appends: e per Dv tile, g once per value head (its first Dv tile); k above.
+    e_rows = (s64 * Hv + hv) * R + app_rows
+    tl.store(re_ptr + e_rows[:, None] * DV + vv[None, :], EN, mask=app[:, None] & vm[None, :])
+    tl.store(rg_ptr + e_rows, g_new, mask=app & ((tq * 0 + pid_v) == 0))
 
     if h + Q > W:  # flush: the history folded into the checkpoint
         _fold_store(state_ptr, s, s, hv, Hv, rk_ptr, s64, hk, Hk, R, start, h, EH, Gh, rkh, jt, vv, vm,
